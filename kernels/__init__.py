@@ -1,0 +1,1 @@
+"""kubellm kernels: Triton kernels, each beside a plain-PyTorch reference."""

@@ -1,0 +1,1 @@
+"""kubellm operator: the LLMDeployment API, rendering and reconciliation."""

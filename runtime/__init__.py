@@ -1,0 +1,1 @@
+"""kubellm runtime: paged-attention LLM engine and its OpenAI-compatible server."""

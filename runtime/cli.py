@@ -1,0 +1,142 @@
+"""The ``kubellm`` command: models, offline generation (and, as they land, serve/operator/render)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+DEMO_QUESTION = "What is the capital of France?"
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+                 "msg": record.getMessage()}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: str = "info", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2",
+                   help="a known model name (see `kubellm models list`), a Hugging Face folder or a .gguf file "
+                        "(default: smollm2, the SmolLM2-135M-Instruct demo model)")
+    g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (bf16 where the hardware "
+                                                   "has fast bf16, else float32)")
+    g.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step; long prompts are prefilled in chunks of this size")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    g.add_argument("--kv-cache-memory", help="KV-cache size, e.g. 2GiB (default: 90%% of free memory; 4GiB max on CPU)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    g.add_argument("--num-threads", type=int, help="CPU threads for torch (default: all)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop or [])
+    texts = args.prompt or [DEMO_QUESTION]
+    start = time.perf_counter()
+    if args.raw:
+        outputs = llm.generate(texts, params, use_tqdm=False)
+    else:
+        outputs = llm.chat([[{"role": "user", "content": t}] for t in texts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    n_tokens = sum(len(o.token_ids) for o in outputs)
+    for text, out in zip(texts, outputs, strict=True):
+        print(f"> {text}\n{out.text.strip()}\n")
+    print(f"[{len(outputs)} request(s), {n_tokens} tokens in {elapsed:.2f}s, {n_tokens / elapsed:.1f} tok/s]",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from kubellm.runtime import model_store
+
+    if args.models_cmd == "pull":
+        path = model_store.pull(args.name)
+        print(path)
+    elif args.models_cmd == "list":
+        for name, cached in model_store.list_models():
+            print(f"{name}\t{'cached' if cached else 'not pulled'}")
+    elif args.models_cmd == "export":
+        from kubellm.runtime.config import parse_dtype
+
+        print(model_store.export_hf(args.name, args.out, dtype=parse_dtype(args.dtype)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kubellm", description="kubellm: serve LLMs on Kubernetes with a "
+                                "paged-attention runtime. Start with `kubellm generate` (demo model, CPU).")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="json for structured logs")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="offline generation with continuous batching",
+                       description="Generate answers offline. Each --prompt is a user chat message (use --raw "
+                                   "for plain completion). With no prompt, asks the demo question.")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
+    g.add_argument("--raw", action="store_true", help="complete the prompt text as is, without the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sampling-seed", type=int, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", help="stop string; repeatable")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="pull, list and export models", description="Manage the local model cache "
+                       "($KUBELLM_CACHE, default ~/.cache/kubellm).")
+    msub = m.add_subparsers(dest="models_cmd", required=True, metavar="ACTION")
+    pull = msub.add_parser("pull", help="download a known model into the cache (e.g. smollm2)")
+    pull.add_argument("name")
+    msub.add_parser("list", help="known models and whether they are cached")
+    exp = msub.add_parser("export", help="write a model as a Hugging Face folder (for transformers/vLLM)")
+    exp.add_argument("name")
+    exp.add_argument("out")
+    exp.add_argument("--dtype", default="bfloat16")
+    m.set_defaults(func=cmd_models)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+        logging.getLogger("kubellm").error("%s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

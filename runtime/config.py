@@ -1,0 +1,99 @@
+"""Engine configuration: one dataclass, filled from CLI flags or keyword arguments."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    try:
+        return _DTYPES[value.lower()]
+    except KeyError:
+        raise ValueError(f"dtype: unknown {value!r}; use one of float32, bfloat16, float16") from None
+
+
+def parse_size(value: str | int) -> int:
+    """'4GiB', '512MB', '1.5G' or plain bytes → bytes (K/M/G/T are powers of 1024)."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"size: cannot parse {value!r}; write e.g. 4GiB, 512MiB or a byte count")
+    scale = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[(m.group(2) or "")[:1].lower()]
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the checkpoint itself.
+
+    KV-cache size: ``num_kv_blocks`` if given; else ``kv_cache_memory`` bytes; else
+    ``kv_cache_memory_fraction`` of the device memory still free after the weights are loaded
+    (on CPU at most 4 GiB by default, the way vLLM's CPU build sizes it).
+    """
+
+    model: str
+    dtype: str | torch.dtype = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX/avx512-bf16, else float32
+    device: str = "auto"
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | str | None = None
+    kv_cache_memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"  # auto | torch | triton
+    num_threads: int | None = None  # CPU intra-op threads; default: all cores torch sees
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = torch.bfloat16 if (self.device == "cuda" or _cpu_has_fast_bf16()) else torch.float32
+        self.dtype = parse_dtype(self.dtype)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}; use auto, torch or triton")
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def available_memory_bytes(device: str) -> int:
+    """Bytes free on the device now: CUDA's mem_get_info, or MemAvailable on Linux CPUs."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) if hasattr(os, "sysconf") else 8 * 2**30

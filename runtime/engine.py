@@ -1,0 +1,241 @@
+"""The engine: requests in, tokens out. ``step()`` is the whole loop: schedule → run → postprocess.
+
+``LLMEngine`` is what the server drives (one step at a time, from its own thread); ``LLM`` is the
+offline API (``LLM(model).generate(prompts, SamplingParams(...))``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from kubellm.runtime.block_manager import BlockManager
+from kubellm.runtime.config import EngineConfig, available_memory_bytes
+from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from kubellm.runtime.model_runner import ModelRunner, kv_block_bytes
+from kubellm.runtime.models.loader import build_model, read_checkpoint
+from kubellm.runtime.sampler import Sampler
+from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.scheduler import Scheduler
+from kubellm.runtime.sequence import FinishReason, Sequence
+from kubellm.runtime.tokenizer import Tokenizer
+
+log = logging.getLogger("kubellm.engine")
+
+CPU_DEFAULT_KV_CACHE = 4 * 2**30  # like vLLM's CPU build: a fixed budget, not a fraction of host RAM
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. ``new_*`` hold what this step added (for streaming)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher | None
+    metrics: RequestMetrics
+    emitted_text: int = 0  # chars of text already handed out in new_text
+    emitted_tokens: int = 0
+    text: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        from kubellm.runtime.model_store import resolve
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        path = resolve(config.model)
+        ckpt = read_checkpoint(path)
+        self.tokenizer = Tokenizer.from_checkpoint(ckpt)
+        self.model_path = path
+        max_pos = ckpt.config.get("max_position_embeddings") or 2048
+        self.max_model_len = min(config.max_model_len or max_pos, max_pos)
+        model, self.model_config = build_model(ckpt, config.dtype, config.device, self.max_model_len, progress)
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.enable_chunked_prefill)
+        self.runner = ModelRunner(model, self.model_config, num_blocks, config.block_size, config.dtype,
+                                  config.device, Sampler(self.tokenizer.eos_token_ids))
+        self.requests: dict[str, _Request] = {}
+        log.info("engine ready: %s, dtype=%s, max_model_len=%d, %d KV blocks of %d tokens (%.0f MiB)",
+                 path, str(config.dtype).removeprefix("torch."), self.max_model_len, num_blocks, config.block_size,
+                 num_blocks * kv_block_bytes(self.model_config, config.block_size, config.dtype) / 2**20)
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        per_block = kv_block_bytes(self.model_config, c.block_size, c.dtype)
+        if c.num_kv_blocks:
+            return c.num_kv_blocks
+        if c.kv_cache_memory:
+            budget = c.kv_cache_memory
+        else:
+            budget = int(available_memory_bytes(c.device) * c.kv_cache_memory_fraction)
+            if c.device == "cpu":
+                budget = min(budget, CPU_DEFAULT_KV_CACHE)
+        # More blocks than every sequence at full length could use is wasted memory.
+        useful = c.max_num_seqs * -(-self.max_model_len // c.block_size)
+        n = min(budget // per_block, useful)
+        if n < -(-self.max_model_len // c.block_size):
+            log.warning("the KV cache (%d blocks) cannot hold one full-length (%d tokens) sequence; "
+                        "long requests will be refused", n, self.max_model_len)
+        if n < 1:
+            raise ValueError(f"KV-cache budget of {budget} bytes is below one block ({per_block} bytes); "
+                             "raise --kv-cache-memory")
+        return int(n)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError subclasses (RequestTooLong...) for ones that can never run."""
+        params = params or SamplingParams()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        seq = Sequence(prompt_ids, params, request_id)
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.scheduler.add(seq)
+        stops = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self.requests[seq.request_id] = _Request(
+            seq, IncrementalDetokenizer(self.tokenizer.tk, prompt_ids, params.skip_special_tokens), stops,
+            RequestMetrics(arrival_time=time.monotonic()))
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req.seq, FinishReason.ABORT)
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        now = time.monotonic()
+        for s in batch:
+            m = self.requests[s.seq.request_id].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        sampled = self.runner.run(batch)
+        updated = self.scheduler.postprocess(batch, sampled)
+        return [self._process_token(seq) for seq in updated]
+
+    def _process_token(self, seq: Sequence) -> RequestOutput:
+        req = self.requests[seq.request_id]
+        params = seq.sampling_params
+        now = time.monotonic()
+        req.metrics.first_token_time = req.metrics.first_token_time or now
+        req.metrics.last_token_time = now
+        token = seq.token_ids[-1]
+        n_out = seq.num_output_tokens
+        req.text += req.detokenizer.push([token])
+        reason, stop_reason = None, None
+        if n_out >= params.min_tokens:
+            if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
+                reason = FinishReason.STOP
+            elif token in params.stop_token_ids:
+                reason, stop_reason = FinishReason.STOP, token
+            elif req.stops is not None:
+                req.text, matched = req.stops.check(req.text, len(req.text) - req.emitted_text)
+                if matched is not None:
+                    reason, stop_reason = FinishReason.STOP, matched
+        if reason is None and (params.max_tokens is not None and n_out >= params.max_tokens
+                               or len(seq) >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(seq, reason, stop_reason)
+        return self._output(req)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        finished = seq.is_finished
+        if finished:
+            if seq.stop_reason is None:
+                req.text += req.detokenizer.flush()
+            self.requests.pop(seq.request_id, None)
+            req.metrics.finished_time = time.monotonic()
+        # Hold back text that could still turn out to start a stop string.
+        end = len(req.text) if finished or req.stops is None else req.stops.safe_text_end(req.text)
+        end = max(end, req.emitted_text)
+        new_text = req.text[req.emitted_text : end]
+        req.emitted_text = end
+        out_ids = seq.output_token_ids
+        new_ids = out_ids[req.emitted_tokens :]
+        req.emitted_tokens = len(out_ids)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=out_ids, text=req.text,
+            new_token_ids=new_ids, new_text=new_text, finished=finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None, stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_tokens, metrics=req.metrics)
+
+
+class LLM:
+    """Offline generation: ``LLM("smollm2").generate(["Hello"], SamplingParams(max_tokens=32))``."""
+
+    def __init__(self, model: str, progress: bool = True, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), progress=progress)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]
+
+    def chat(self, conversations: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.encode_chat(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,100 @@
+"""Paged attention over the KV-cache pool, with one seam: the backend.
+
+Cache layout, per layer, for K and for V alike: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+A token's *slot* is ``block_id * block_size + offset``; ``slot_mapping[t]`` says where token t's
+K/V go. Tokens of a step are ordered decodes first (one query each), then prefill chunks.
+
+The torch backend is the reference: it gathers each sequence's context from the pool by its block
+table and runs plain attention. A Triton backend (CUDA) consumes the same metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of new tokens: queries ``[start, start + num_tokens)`` of the step."""
+
+    start: int
+    num_tokens: int
+    context_len: int  # tokens of context after this chunk (cached + this chunk)
+    context_slots: torch.Tensor | None  # [context_len] slots to gather; None when the chunk is the whole context
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool, True = may attend; None with context_slots None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decodes: int = 0
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] int64, padded with slot 0
+    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] float, 0 or -inf for padding
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    # Raw paged inputs for kernels that read the pool directly (Triton backend).
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, decodes first
+    context_lens: torch.Tensor | None = None  # [num_seqs] int32
+
+
+class TorchAttentionBackend:
+    """Reference paged attention in plain PyTorch; runs anywhere, used on CPU."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] (new tokens) → output [T, H, D]; writes k/v into the cache first."""
+        kvh, d = self.num_kv_heads, self.head_dim
+        k_flat = k_cache.view(-1, kvh, d)
+        v_flat = v_cache.view(-1, kvh, d)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_flat, v_flat, meta)
+        for p in meta.prefills:
+            s, e = p.start, p.start + p.num_tokens
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_flat, v_flat, p)
+        return out
+
+    def _decode(self, q, k_flat, v_flat, meta):
+        b = q.shape[0]
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        keys = k_flat[meta.decode_slots].permute(0, 2, 3, 1)  # [B, KVH, D, L]
+        values = v_flat[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
+        scores = torch.matmul(q.view(b, kvh, g, d), keys).float() * self.scale  # [B, KVH, G, L]
+        probs = torch.softmax(scores + meta.decode_bias, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).reshape(b, self.num_heads, d)
+
+    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan):
+        if span.context_slots is not None:
+            k, v = k_flat[span.context_slots], v_flat[span.context_slots]
+        qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, D]
+        if self.group > 1:
+            kt = kt.repeat_interleave(self.group, dim=0)
+            vt = vt.repeat_interleave(self.group, dim=0)
+        if span.mask is None:
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale)
+        else:
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=span.mask, scale=self.scale)
+        return o.transpose(0, 1)
+
+
+class Attention(torch.nn.Module):
+    """Binds one layer's cache tensors to the backend; the runner sets ``k_cache``/``v_cache``."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)

@@ -1,0 +1,116 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, samples.
+
+Owns the KV-cache pool: per layer, K and V of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kubellm.runtime.layers.attention import AttentionMetadata, PrefillSpan
+from kubellm.runtime.models.config import ModelConfig
+from kubellm.runtime.models.llama import LlamaForCausalLM
+from kubellm.runtime.scheduler import ScheduledSeq
+
+if TYPE_CHECKING:
+    from kubellm.runtime.sampler import Sampler
+
+log = logging.getLogger("kubellm.runner")
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: str, sampler: Sampler):
+        self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
+        self.sampler = sampler
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeroed, not empty: padded gathers read slot 0, and 0 * NaN garbage would poison outputs.
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
+            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = k, v
+        self._offsets = torch.arange(block_size, device=device)
+
+    # ---- batch → tensors -----------------------------------------------------------------------
+    def prepare(self, batch: list[ScheduledSeq]):
+        """Decodes (one new token) first, then prefill chunks. Returns model inputs and the flat
+        indices of the tokens whose logits are sampled, in batch order."""
+        bs = self.block_size
+        decodes = [i for i, s in enumerate(batch) if s.num_tokens == 1]
+        prefills = [i for i, s in enumerate(batch) if s.num_tokens > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_index = [0] * len(batch)
+
+        for j, i in enumerate(decodes):
+            seq = batch[i].seq
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            last_index[i] = j
+        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        if decodes:
+            tables = [batch[i].seq.block_table for i in decodes]
+            ctx = torch.tensor([p + 1 for p in positions], device=self.device)
+            max_ctx = int(ctx.max())
+            width = -(-max_ctx // bs)
+            bt = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], device=self.device)
+            meta.num_decodes = len(decodes)
+            meta.decode_slots = (bt[:, :, None] * bs + self._offsets).view(len(decodes), -1)[:, :max_ctx]
+            pad = torch.arange(max_ctx, device=self.device)[None, :] >= ctx[:, None]
+            meta.decode_bias = torch.zeros(pad.shape, dtype=torch.float32, device=self.device).masked_fill_(
+                pad, float("-inf")).view(len(decodes), 1, 1, max_ctx)
+
+        for i in prefills:
+            s = batch[i]
+            seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
+            start = len(ids)
+            ids.extend(seq.token_ids[c : c + n])
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            pos = np.arange(c + n, dtype=np.int64)
+            all_slots = table[pos // bs] * bs + pos % bs
+            positions.extend(range(c, c + n))
+            slots.extend(all_slots[c:].tolist())
+            span = PrefillSpan(start=start, num_tokens=n, context_len=c + n, context_slots=None, mask=None)
+            if c > 0:  # earlier chunk or prefix-cache hit: attend over cached context too
+                span.context_slots = torch.from_numpy(all_slots).to(self.device)
+                q_pos = torch.arange(c, c + n, device=self.device)
+                span.mask = torch.arange(c + n, device=self.device)[None, :] <= q_pos[:, None]
+            meta.prefills.append(span)
+            last_index[i] = start + n - 1
+
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        sample_at = [last_index[i] for i, s in enumerate(batch) if s.samples]
+        return input_ids, pos_t, meta, sample_at
+
+    # ---- run -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> list[int]:
+        """One forward pass; returns a sampled token for each batch entry that samples, in order."""
+        input_ids, positions, meta, sample_at = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        if not sample_at:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_at, device=self.device)])
+        seqs = [s.seq for s in batch if s.samples]
+        return self.sampler(logits, seqs).tolist()
+
+    @torch.inference_mode()
+    def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Same forward pass, returning the float32 logits that would be sampled (for tests/tools)."""
+        input_ids, positions, meta, sample_at = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[torch.tensor(sample_at, device=self.device)])

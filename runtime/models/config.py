@@ -1,0 +1,83 @@
+"""The subset of a Hugging Face config.json the Llama family needs, validated once at load time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kubellm.runtime.models.checkpoint import CheckpointError
+
+# Architectures this runtime implements; all share the Llama block (RMSNorm, RoPE, GQA, SwiGLU).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (Qwen2)
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "") -> ModelConfig:
+        where = f" in {source}" if source else ""
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise CheckpointError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}{where}; "
+                f"kubellm runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if not isinstance(cfg.get(k), int) or cfg[k] <= 0]
+        if missing:
+            raise CheckpointError(f"config.json{where} lacks positive integer fields: {', '.join(missing)}")
+        num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        if num_heads % num_kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads}){where}")
+        if head_dim % 2:
+            raise CheckpointError(f"head_dim must be even for rotary embeddings, got {head_dim}{where}")
+        rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        if rope_scaling is not None:
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rope_type not in ("default", "llama3", "linear"):
+                raise CheckpointError(f"rope_scaling type {rope_type!r}{where} is not supported (default, linear, llama3)")
+            if rope_type == "default":
+                rope_scaling = None
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
+        max_pos = cfg.get("max_position_embeddings") or 2048
+        if sliding is not None and sliding < max_pos:
+            raise CheckpointError(
+                f"sliding_window={sliding} shorter than the context ({max_pos}){where} is not supported yet")
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
+            rope_theta = cfg["rope_parameters"].get("rope_theta")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            sliding_window=sliding,
+        )

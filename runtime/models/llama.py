@@ -1,0 +1,169 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): one module, variations from the config.
+
+Inputs are flat: all tokens of a step in one ``[num_tokens]`` tensor, no padding. q/k/v and
+gate/up projections are fused into one matmul each; ``load_weights`` maps Hugging Face names onto
+the fused parameters, so every architecture shares one loading path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kubellm.runtime.layers.attention import Attention, AttentionMetadata
+from kubellm.runtime.layers.rotary import RotaryEmbedding
+from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the reference implementation, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions, x, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # One table shared by every layer (registered once here, referenced by each attention).
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+# HF parameter name fragment -> (our fused parameter, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, max_positions or cfg.max_position_embeddings)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] → final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        attn = self.model.layers[0].self_attn
+        if fused == "qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        return [self.config.intermediate_size] * 2
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
+        """Copy HF-named tensors into our (partly fused) parameters; complain about any gap."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding provides it
+            target, shard = name, None
+            for part, (fused, idx) in _FUSED.items():
+                if f".{part}." in name:
+                    target, shard = name.replace(part, fused), idx
+                    break
+            param = params.get(target)
+            if param is None:
+                raise CheckpointError(f"unexpected tensor {name!r} in {source or 'checkpoint'}")
+            dst = param.data
+            if shard is not None:
+                sizes = self.shard_sizes(target.split(".")[-2])
+                offset = sum(sizes[:shard])
+                dst = dst.narrow(0, offset, sizes[shard])
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(dst.shape)}"
+                    f" ({source or 'checkpoint'})")
+            dst.copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        expected = set()
+        for pname in params:
+            if pname == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            fused = pname.split(".")[-2]
+            if fused in ("qkv_proj", "gate_up_proj") and pname.endswith("weight") or (
+                    fused == "qkv_proj" and pname.endswith("bias")):
+                expected.update(f"{pname}#{i}" for i in range(3 if fused == "qkv_proj" else 2))
+            else:
+                expected.add(f"{pname}#None")
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(m.split("#")[0] for m in missing[:5])
+            raise CheckpointError(f"{source or 'checkpoint'} is missing {len(missing)} tensors, e.g. {shown}")

@@ -1,0 +1,54 @@
+"""Checkpoint path → a ready model: read the format, build the architecture, load weights."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kubellm.runtime.models.checkpoint import Checkpoint, CheckpointError
+from kubellm.runtime.models.config import ModelConfig
+from kubellm.runtime.models.llama import LlamaForCausalLM
+
+log = logging.getLogger("kubellm.loader")
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """A Hugging Face folder or a .gguf file."""
+    path = Path(path)
+    if path.is_dir():
+        from kubellm.runtime.models.hf import read_hf_folder
+
+        return read_hf_folder(path)
+    if path.suffix == ".gguf" and path.is_file():
+        from kubellm.runtime.models.gguf import read_gguf
+
+        return read_gguf(path)
+    raise CheckpointError(f"{path} is neither a model folder nor a .gguf file")
+
+
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len: int,
+                progress: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
+    cfg = ModelConfig.from_hf(ckpt.config, ckpt.source)
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, dtype, max_positions=max_model_len)
+    # Materialise directly in the target dtype/device; weights are copied in by load_weights.
+    model = model.to_empty(device=device).to(dtype)
+    model.model.rotary.build_tables(device)
+    total = 9 * cfg.num_layers + 3
+    with tqdm(total=total, desc=f"loading {Path(ckpt.source).name}", unit="tensor", disable=not progress,
+              leave=False) as bar:
+        def stream():
+            for name, t in ckpt.tensors():
+                bar.update(1)
+                yield name, t.to(device=device, dtype=dtype)
+
+        model.load_weights(stream(), ckpt.source)
+    model.eval()
+    log.info("loaded %s (%s, %d layers) in %.1fs", ckpt.source, cfg.architecture, cfg.num_layers,
+             time.perf_counter() - start)
+    return model, cfg

@@ -1,0 +1,101 @@
+"""Text ↔ token ids and chat templates, over a `tokenizers` fast tokenizer (no transformers)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kubellm.runtime.models.checkpoint import Checkpoint
+
+
+class ChatTemplateError(ValueError):
+    """The messages could not be rendered with the model's chat template (or it has none)."""
+
+
+def _token_str(value) -> str | None:
+    """tokenizer_config stores special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise(message: str):
+    raise ChatTemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, tokenizer_config: dict | None = None,
+                 generation_config: dict | None = None, model_config: dict | None = None):
+        self.tk = tokenizer
+        tc = tokenizer_config or {}
+        self.chat_template: str | None = tc.get("chat_template")
+        if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self.bos_token = _token_str(tc.get("bos_token"))
+        self.eos_token = _token_str(tc.get("eos_token"))
+        self.add_bos_token = bool(tc.get("add_bos_token", False))
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_ids = self._eos_ids(generation_config or {}, model_config or {})
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> Tokenizer:
+        return cls(ckpt.tokenizer, ckpt.tokenizer_config, ckpt.generation_config, ckpt.config)
+
+    def _eos_ids(self, generation_config: dict, model_config: dict) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (generation_config.get("eos_token_id"), model_config.get("eos_token_id")):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list):
+                ids.update(i for i in source if isinstance(i, int))
+        if self.eos_token:
+            tid = self.tk.token_to_id(self.eos_token)
+            if tid is not None:
+                ids.add(tid)
+        return frozenset(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tk.encode(text, add_special_tokens=add_special_tokens).ids
+        # Some tokenizer.json files carry no BOS post-processor although the config asks for BOS.
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and (
+                not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render messages to the prompt text the model was trained on."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use the completions API instead")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateError as e:
+                raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"cannot render the chat template: {e}") from e
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        # The template writes any BOS it wants itself (as transformers assumes); don't add a second.
+        return self.tk.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                              add_special_tokens=False).ids

@@ -38,6 +38,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len
         model = LlamaForCausalLM(cfg, dtype, max_positions=max_model_len)
     # Materialise directly in the target dtype/device; weights are copied in by load_weights.
     model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty() materialises shared parameters separately
     model.model.rotary.build_tables(device)
     total = 9 * cfg.num_layers + 3
     with tqdm(total=total, desc=f"loading {Path(ckpt.source).name}", unit="tensor", disable=not progress,

@@ -60,12 +60,13 @@ def read_hf_folder(folder: str | Path) -> Checkpoint:
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for f in files:
-            try:
-                with safe_open(str(f), framework="pt") as st:
-                    for name in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                        yield name, st.get_tensor(name)
-            except (OSError, ValueError, RuntimeError) as e:
+            try:  # safetensors raises its own SafetensorError (not an OSError) on bad headers
+                st = safe_open(str(f), framework="pt")
+                names = list(st.keys())
+            except Exception as e:
                 raise CheckpointError(f"cannot read weights from {f}: {e}") from e
+            for name in names:
+                yield name, st.get_tensor(name)
 
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, tokenizer_config=tokenizer_config,
                       generation_config=generation_config, source=str(folder))

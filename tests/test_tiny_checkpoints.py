@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+
 from tiny_checkpoints import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,

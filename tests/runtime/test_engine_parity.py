@@ -11,10 +11,10 @@ import random
 
 import pytest
 import torch
-from tiny_checkpoints import hf_greedy
 
 from kubellm.runtime.engine import LLM
 from kubellm.runtime.sampling_params import SamplingParams
+from tiny_checkpoints import hf_greedy
 
 LOGIT_ATOL = 1e-4  # fp32; logits here are O(1-10)
 MAX_NEW = 24

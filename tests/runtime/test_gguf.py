@@ -1,0 +1,643 @@
+"""read_gguf against tiny models written here with gguf.GGUFWriter, and against real SmolLM2 (slow)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.quants import dequantize, quantize
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.models.gguf import read_gguf
+
+transformers = pytest.importorskip("transformers")
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Numbers like 12345 and 3.14159 are split into single digits.",
+    "Kubernetes operators reconcile the desired state of the cluster.",
+    "héllo wörld, naïve café, ünïcode text with accents.",
+] * 20
+SAMPLES = [
+    "What is the capital of France?",
+    "The lazy fox paid 12345 dollars, or 3.14 each.",
+    "<|im_start|>user\nhéllo wörld ✓<|im_end|>\n",
+    "  leading spaces\n\nand\ttabs  ",
+]
+
+# HF module path -> llama.cpp tensor name, per layer (written out here, independently of the reader).
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+# Every quant type the reader must handle, spread over one model's tensors.
+MIXED_QUANTS = {
+    "model.embed_tokens.weight": Q.Q8_0,
+    "model.layers.0.self_attn.q_proj.weight": Q.F32,
+    "model.layers.0.self_attn.k_proj.weight": Q.F32,
+    "model.layers.0.self_attn.v_proj.weight": Q.Q4_0,
+    "model.layers.0.self_attn.o_proj.weight": Q.Q4_1,
+    "model.layers.0.mlp.gate_proj.weight": Q.Q8_0,
+    "model.layers.0.mlp.up_proj.weight": Q.F16,
+    "model.layers.0.mlp.down_proj.weight": Q.BF16,
+    "model.layers.1.self_attn.q_proj.weight": Q.Q4_0,
+    "model.layers.1.self_attn.k_proj.weight": Q.Q4_1,
+    "model.layers.1.self_attn.v_proj.weight": Q.F16,
+    "model.layers.1.self_attn.o_proj.weight": Q.Q8_0,
+    "model.layers.1.mlp.gate_proj.weight": Q.Q4_1,
+    "model.layers.1.mlp.up_proj.weight": Q.Q4_0,
+    "model.layers.1.mlp.down_proj.weight": Q.Q8_0,
+    "lm_head.weight": Q.F16,
+}
+# Worst-case error of each type relative to the largest |weight| of the tensor (half a step, rounded up).
+QUANT_TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1 / 127, Q.Q4_0: 1 / 8, Q.Q4_1: 1 / 15}
+
+
+# ------------------------------------------------------------------------------------ GGUF writing
+
+
+def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to llama q/k rows: interleave each head's halves."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, _, suffix = hf_name.rpartition(".")
+    fixed = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    if stem in fixed:
+        return f"{fixed[stem]}.{suffix}"
+    _, _, layer, module = stem.split(".", 3)
+    return f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"
+
+
+def train_byte_level_tokenizer(vocab_size: int = 320) -> Tokenizer:
+    """A SmolLM2-shaped tokenizer: digits split one by one, then GPT-2 byte-level BPE."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return tokenizer
+
+
+def byte_level_metadata(tokenizer: Tokenizer) -> dict:
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    return {
+        "model": "gpt2",
+        "pre": "smollm",
+        "tokens": tokens,
+        "types": [3 if t in SPECIALS else 1 for t in tokens],
+        "merges": [" ".join(m) if isinstance(m, list) else m for m in merges],
+        "bos": 1,
+        "eos": 2,
+        "unk": 0,
+        "add_bos": False,
+    }
+
+
+def tiny_config(vocab_size: int, **overrides) -> dict:
+    config = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    return config | overrides
+
+
+def tiny_model(config: dict, cls_name: str = "LlamaForCausalLM", seed: int = 0):
+    torch.manual_seed(seed)
+    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    model = getattr(transformers, cls_name)(config_cls(**config)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # ones by default; random values catch a swapped norm
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0, 0.5)
+    return model
+
+
+def write_gguf(
+    path: Path,
+    model,
+    tokenizer_meta: dict,
+    *,
+    arch: str = "llama",
+    quants: dict | None = None,
+    permute: bool = True,
+    name: str = "tiny",
+    skip: tuple[str, ...] = (),
+    extra_tensors: dict | None = None,
+) -> dict[str, np.ndarray]:
+    """Write ``model`` like llama.cpp's converter would; return the float32 HF weights written."""
+    config = model.config
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_vocab_size(config.vocab_size)
+    meta = tokenizer_meta
+    writer.add_tokenizer_model(meta["model"])
+    if "pre" in meta:
+        writer.add_tokenizer_pre(meta["pre"])
+    writer.add_token_list(meta["tokens"])
+    writer.add_token_types(meta["types"])
+    if "merges" in meta:
+        writer.add_token_merges(meta["merges"])
+    if "scores" in meta:
+        writer.add_token_scores(meta["scores"])
+    writer.add_bos_token_id(meta["bos"])
+    writer.add_eos_token_id(meta["eos"])
+    writer.add_unk_token_id(meta["unk"])
+    writer.add_add_bos_token(meta["add_bos"])
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    for hf_name, weight in weights.items():
+        gname = gguf_name(hf_name)
+        if gname in skip:
+            continue
+        if permute and ".attn_q." in gname:
+            weight = llama_cpp_permute(weight, config.num_attention_heads)
+        elif permute and ".attn_k." in gname:
+            weight = llama_cpp_permute(weight, config.num_key_value_heads)
+        qtype = (quants or {}).get(hf_name, Q.F32)
+        if qtype == Q.F32:
+            writer.add_tensor(gname, weight.astype(np.float32))
+        elif qtype == Q.F16:
+            writer.add_tensor(gname, weight.astype(np.float16))
+        else:
+            writer.add_tensor(gname, quantize(weight, qtype), raw_dtype=qtype)
+    for gname, array in (extra_tensors or {}).items():
+        writer.add_tensor(gname, array.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights
+
+
+def quant_roundtrip(weight: np.ndarray, qtype) -> torch.Tensor:
+    """The weight as the file stores it. Quantization works row by row, so it commutes with the
+    q/k row permutation: the un-permuted result must equal quantizing the HF weight directly."""
+    if qtype == Q.F32:
+        return torch.from_numpy(weight)
+    if qtype == Q.F16:
+        return torch.from_numpy(weight.astype(np.float16).astype(np.float32))
+    return torch.from_numpy(dequantize(quantize(weight, qtype), qtype).reshape(weight.shape))
+
+
+# -------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer() -> Tokenizer:
+    return train_byte_level_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, byte_tokenizer):
+    """A tiny untied Llama written with every supported quant type."""
+    meta = byte_level_metadata(byte_tokenizer)
+    model = tiny_model(tiny_config(len(meta["tokens"])))
+    path = tmp_path_factory.mktemp("gguf") / "mixed.gguf"
+    weights = write_gguf(path, model, meta, quants=MIXED_QUANTS)
+    return path, model, weights
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory, byte_tokenizer):
+    """The same shape of model, all float32 and with tied embeddings: must load bit-exactly."""
+    meta = byte_level_metadata(byte_tokenizer)
+    model = tiny_model(tiny_config(len(meta["tokens"]), tie_word_embeddings=True), seed=1)
+    path = tmp_path_factory.mktemp("gguf") / "exact.gguf"
+    weights = write_gguf(path, model, meta)
+    return path, model, weights
+
+
+# ----------------------------------------------------------------------------------------- config
+
+
+def test_config_fields(mixed, byte_tokenizer):
+    path, model, _ = mixed
+    config = read_gguf(path).config
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["model_type"] == "llama"
+    expected = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "vocab_size": byte_tokenizer.get_vocab_size(),
+        "rms_norm_eps": 1e-5,  # stored as float32, read back as the decimal it was
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "rope_scaling": None,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    assert {k: config[k] for k in expected} == expected
+
+
+def test_tied_embeddings_have_no_lm_head(exact):
+    checkpoint = read_gguf(exact[0])
+    assert checkpoint.config["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in dict(checkpoint.tensors())
+
+
+def test_mistral_is_recognised_by_name(tmp_path, byte_tokenizer):
+    meta = byte_level_metadata(byte_tokenizer)
+    model = tiny_model(tiny_config(len(meta["tokens"])))
+    write_gguf(tmp_path / "m.gguf", model, meta, name="Mistral 7B Instruct v0.3")
+    assert read_gguf(tmp_path / "m.gguf").config["architectures"] == ["MistralForCausalLM"]
+
+
+# ---------------------------------------------------------------------------------------- tensors
+
+
+def test_every_tensor_matches_the_dequantized_original(mixed):
+    path, _, weights = mixed
+    checkpoint = read_gguf(path)
+    loaded = dict(checkpoint.tensors())
+    assert set(loaded) == set(weights)
+    for name, weight in weights.items():
+        qtype = MIXED_QUANTS.get(name, Q.F32)
+        got = loaded[name]
+        assert got.dtype == torch.float32 and tuple(got.shape) == weight.shape, name
+        # Exactly what the file holds, q/k rows back in HF order...
+        assert torch.equal(got, quant_roundtrip(weight, qtype)), f"{name} ({qtype.name})"
+        # ...which is within the quant's error of the original weight.
+        bound = QUANT_TOLERANCE[qtype] * float(np.abs(weight).max()) + 1e-7
+        assert (got - torch.from_numpy(weight)).abs().max().item() <= bound, f"{name} ({qtype.name})"
+
+
+def test_float32_q_k_unpermutation_is_exact(exact):
+    path, model, weights = exact
+    loaded = dict(read_gguf(path).tensors())
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        assert torch.equal(loaded[name], torch.from_numpy(weights[name]))
+        # The file really was permuted, so equality above is the reader undoing it.
+        heads = 4 if "q_proj" in name else 2
+        assert not np.array_equal(llama_cpp_permute(weights[name], heads), weights[name])
+
+
+def test_loaded_weights_reproduce_the_logits(exact):
+    path, model, _ = exact
+    checkpoint = read_gguf(path)
+    config = transformers.LlamaConfig(**checkpoint.config)
+    clone = transformers.LlamaForCausalLM(config).eval()
+    missing, unexpected = clone.load_state_dict(dict(checkpoint.tensors()), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to embed_tokens
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(clone(ids).logits, model(ids).logits)
+
+
+def test_tensors_are_lazy_and_repeatable(mixed):
+    checkpoint = read_gguf(mixed[0])
+    stream = checkpoint.tensors()
+    assert inspect.isgenerator(stream)
+    first_name, first = next(stream)
+    again = dict(checkpoint.tensors())
+    assert torch.equal(again[first_name], first)
+
+
+def test_dtype_conversion(mixed):
+    path, _, _ = mixed
+    as_f32 = dict(read_gguf(path).tensors())
+    checkpoint = read_gguf(path, dtype=torch.bfloat16)
+    assert checkpoint.config["torch_dtype"] == "bfloat16"
+    for name, tensor in checkpoint.tensors():
+        assert tensor.dtype == torch.bfloat16 and tensor.is_contiguous()
+        assert torch.equal(tensor, as_f32[name].to(torch.bfloat16)), name
+
+
+def test_qwen2_has_biases_and_no_permutation(tmp_path, byte_tokenizer):
+    meta = byte_level_metadata(byte_tokenizer) | {"pre": "qwen2"}
+    model = tiny_model(tiny_config(len(meta["tokens"])), "Qwen2ForCausalLM")
+    weights = write_gguf(tmp_path / "q.gguf", model, meta, arch="qwen2", permute=False)
+    checkpoint = read_gguf(tmp_path / "q.gguf")
+    assert checkpoint.config["architectures"] == ["Qwen2ForCausalLM"]
+    assert checkpoint.config["attention_bias"] is True
+    loaded = dict(checkpoint.tensors())
+    assert "model.layers.1.self_attn.k_proj.bias" in loaded
+    assert set(loaded) == set(weights)
+    for name, weight in weights.items():
+        assert torch.equal(loaded[name], torch.from_numpy(weight)), name
+    clone = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**checkpoint.config)).eval()
+    clone.load_state_dict(loaded)
+    ids = torch.arange(20).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(clone(ids).logits, model(ids).logits)
+
+
+def llama3_rope_divisors(theta, head_dim, factor, low, high, original_context):
+    """llama.cpp's convert_hf_to_gguf.py rope_freqs for Llama 3 scaling (the reference formula)."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original_context / high:
+            out.append(1.0)
+        elif wavelen > original_context / low:
+            out.append(factor)
+        else:
+            smooth = (original_context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize(
+    "factor, low, high, original",
+    [(8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0, 2.0, 8.0, 16384)],
+)
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path, byte_tokenizer, factor, low, high, original):
+    theta, head_dim = 500000.0, 64
+    meta = byte_level_metadata(byte_tokenizer)
+    config = tiny_config(
+        len(meta["tokens"]), hidden_size=256, num_attention_heads=4, num_hidden_layers=1, rope_theta=theta
+    )
+    model = tiny_model(config)
+    divisors = llama3_rope_divisors(theta, head_dim, factor, low, high, original)
+    write_gguf(tmp_path / "r.gguf", model, meta, extra_tensors={"rope_freqs.weight": divisors})
+    checkpoint = read_gguf(tmp_path / "r.gguf")
+    scaling = checkpoint.config["rope_scaling"]
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == factor
+    assert "rope_freqs.weight" not in dict(checkpoint.tensors())
+    # transformers must derive the same frequencies as from the original parameters.
+    reference = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
+    ours = transformers.LlamaForCausalLM(transformers.LlamaConfig(**checkpoint.config)).model.rotary_emb
+    theirs = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**config, rope_scaling=reference)
+    ).model.rotary_emb
+    torch.testing.assert_close(ours.inv_freq, theirs.inv_freq, rtol=1e-5, atol=0)
+
+
+# -------------------------------------------------------------------------------------- tokenizer
+
+
+def test_byte_level_tokenizer_matches_source(mixed, byte_tokenizer):
+    checkpoint = read_gguf(mixed[0])
+    tokenizer = checkpoint.tokenizer
+    assert tokenizer.get_vocab() == byte_tokenizer.get_vocab()
+    for text in SAMPLES:
+        ids = tokenizer.encode(text).ids
+        assert ids == byte_tokenizer.encode(text).ids, text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    # SmolLM's pre-tokenizer: every digit on its own, control tokens whole and special.
+    digits = tokenizer.encode("2024").tokens
+    assert digits == ["2", "0", "2", "4"]
+    assert tokenizer.encode("<|im_end|>").ids == [2]
+    assert tokenizer.decode([1, 2], skip_special_tokens=True) == ""
+
+
+def test_tokenizer_config(mixed):
+    config = read_gguf(mixed[0]).tokenizer_config
+    assert config["chat_template"] == CHAT_TEMPLATE
+    assert config["bos_token"] == "<|im_start|>"
+    assert config["eos_token"] == "<|im_end|>"
+    assert config["unk_token"] == "<|endoftext|>"
+    assert config["add_bos_token"] is False
+    generation = read_gguf(mixed[0]).generation_config
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2}
+
+
+def sentencepiece_metadata() -> tuple[dict, Tokenizer]:
+    """A Llama-2-style vocabulary: ``▁`` words, scores instead of merges, 256 byte-fallback tokens."""
+    source = Tokenizer(models.BPE(unk_token="<unk>"))
+    source.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    source.train_from_iterator(CORPUS, trainer)
+    vocab = source.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    types = [2, 3, 3] + [1] * (len(tokens) - 3)
+    # Sentencepiece scores: a later merge scores lower, so -id ranks tokens in merge order.
+    scores = [0.0, 0.0, 0.0] + [-float(i) for i in range(3, len(tokens))]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    meta = {
+        "model": "llama",
+        "tokens": tokens + byte_tokens,
+        "types": types + [6] * 256,
+        "scores": scores + [0.0] * 256,
+        "bos": 1,
+        "eos": 2,
+        "unk": 0,
+        "add_bos": True,
+    }
+    return meta, source
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    meta, _ = sentencepiece_metadata()
+    model = tiny_model(tiny_config(len(meta["tokens"])))
+    write_gguf(tmp_path / "spm.gguf", model, meta)
+    checkpoint = read_gguf(tmp_path / "spm.gguf")
+    assert checkpoint.tokenizer_config["add_bos_token"] is True
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    for text in ["What is the capital of France?", "The lazy fox ✓ jumps", "héllo wörld\nline two"]:
+        ids = checkpoint.tokenizer.encode(text).ids
+        assert ids[0] == 1  # BOS added, as add_bos_token says
+        assert ids == reference.encode(text), text
+        assert checkpoint.tokenizer.decode(ids, skip_special_tokens=True) == text
+    # Characters outside the vocabulary fall back to their UTF-8 bytes, not <unk>.
+    assert checkpoint.tokenizer.encode("✓", add_special_tokens=False).tokens[-3:] == [
+        "<0xE2>",
+        "<0x9C>",
+        "<0x93>",
+    ]
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    writer = GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"'falcon'.*supported: llama"):
+        read_gguf(tmp_path / "falcon.gguf")
+
+
+def test_garbage_truncated_and_missing_files(tmp_path, mixed):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(CheckpointError, match="not a readable GGUF"):
+        read_gguf(garbage)
+    data = mixed[0].read_bytes()
+    for cut in (len(data) // 2, 2000, 10):
+        truncated = tmp_path / f"cut{cut}.gguf"
+        truncated.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError):
+            read_gguf(truncated)
+    with pytest.raises(CheckpointError, match="no such GGUF file"):
+        read_gguf(tmp_path / "absent.gguf")
+
+
+def test_missing_tensor_is_reported(tmp_path, byte_tokenizer):
+    meta = byte_level_metadata(byte_tokenizer)
+    model = tiny_model(tiny_config(len(meta["tokens"])))
+    write_gguf(tmp_path / "m.gguf", model, meta, skip=("blk.1.ffn_up.weight",))
+    with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight"):
+        read_gguf(tmp_path / "m.gguf")
+
+
+def test_unsupported_tokenizer_model(tmp_path, byte_tokenizer):
+    meta = byte_level_metadata(byte_tokenizer) | {"model": "bert"}
+    model = tiny_model(tiny_config(len(meta["tokens"])))
+    write_gguf(tmp_path / "t.gguf", model, meta)
+    with pytest.raises(CheckpointError, match="tokenizer model 'bert' is not supported"):
+        read_gguf(tmp_path / "t.gguf")
+
+
+def test_export_hf_folder_loads_in_transformers(exact, tmp_path):
+    from kubellm.runtime.model_store import export_hf
+
+    path, model, _ = exact
+    out = export_hf(path, tmp_path / "hf", dtype=torch.float32)
+    clone = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(clone).__name__ == "LlamaForCausalLM"
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(clone(ids).logits, model(ids).logits)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    checkpoint = read_gguf(path)
+    for text in SAMPLES:
+        assert tokenizer.encode(text) == checkpoint.tokenizer.encode(text).ids, text
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == (
+        "<|im_start|>user\nhi<|im_end|>\n"
+    )
+
+
+# -------------------------------------------------------------------------------------- real model
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from kubellm.runtime.model_store import pull
+
+    return pull("smollm2", progress=False)  # $KUBELLM_CACHE or ~/.cache/kubellm: downloads once
+
+
+def transformers_gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The weights transformers loads from a GGUF (``from_pretrained(..., gguf_file=...)``).
+
+    ``from_pretrained`` insists on accelerate for GGUF files; for llama-arch files it then runs
+    exactly ``load_gguf_checkpoint``, so without accelerate we call that directly.
+    """
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        with torch.device("meta"):  # only its parameter names are used
+            skeleton = transformers.AutoModelForCausalLM.from_config(config)
+        return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return model.state_dict()
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2_path):
+    checkpoint = read_gguf(smollm2_path)
+    config = checkpoint.config
+    assert config["num_hidden_layers"] == 30
+    assert config["hidden_size"] == 576
+    assert config["num_attention_heads"] == 9
+    assert config["num_key_value_heads"] == 3
+    assert config["vocab_size"] == 49152
+    assert config["tie_word_embeddings"] is True
+    assert checkpoint.tokenizer_config["eos_token"] == "<|im_end|>"
+
+    reference_tokenizer = transformers.AutoTokenizer.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name
+    )
+    for text in [
+        "What is the capital of France?",
+        "In 2024, 17 + 25 = 42.",
+        "<|im_start|>user\nhi<|im_end|>",
+    ]:
+        assert checkpoint.tokenizer.encode(text).ids == reference_tokenizer.encode(text), text
+
+    reference = transformers_gguf_tensors(smollm2_path)
+    ours = dict(checkpoint.tensors())
+    assert set(ours) <= set(reference)
+    torch.testing.assert_close(
+        ours["model.layers.0.self_attn.q_proj.weight"],
+        reference["model.layers.0.self_attn.q_proj.weight"],
+        rtol=0,
+        atol=1e-6,
+    )
+    for name, tensor in ours.items():
+        if not torch.equal(tensor, reference[name]):  # equal in practice; assert_close is slow on 135M values
+            torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)

@@ -1,0 +1,69 @@
+"""The real demo model (SmolLM2-135M-Instruct, Q4_1 GGUF from PyPI): parity with transformers and the demo answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kubellm.runtime.engine import LLM
+from kubellm.runtime.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
+             "Write a haiku about the sea."]
+MAX_NEW = 16
+LOGIT_ATOL = 2e-3  # fp32 through 30 layers; greedy gaps in these runs are far larger
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf():
+    from kubellm.runtime.model_store import pull
+
+    return pull("smollm2", progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf):
+    """transformers' own GGUF loading of the same file (dequantized to fp32)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_greedy_equals_transformers_on_the_gguf_with_chunking_preemption_and_prefix_hits(smollm2_gguf, reference):
+    # Tiny pool + small step budget: the chat prompts share their template prefix (prefix hits),
+    # are longer than the budget (chunked prefill) and cannot all fit (preemption).
+    llm = LLM(str(smollm2_gguf), progress=False, dtype="float32", block_size=4, num_kv_blocks=24,
+              max_num_batched_tokens=16, max_num_seqs=4, max_model_len=512)
+    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    rows: dict[str, list[torch.Tensor]] = {}
+    sampler = llm.engine.runner.sampler
+
+    def record(logits, seqs):
+        for row, seq in zip(logits, seqs, strict=True):
+            rows.setdefault(seq.request_id, []).append(row.clone())
+        return sampler(logits, seqs)
+
+    llm.engine.runner.sampler = record
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits > 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        # An explicit mask: chat prompts contain <|im_end|>, which is also the pad id generate() would mask.
+        ref = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=2)
+        assert out.token_ids == ref.sequences[0, len(prompt):].tolist()
+        torch.testing.assert_close(torch.stack(rows[out.request_id]), torch.cat(ref.logits), atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_demo_answers_the_capital_of_france(smollm2_gguf, dtype):
+    llm = LLM(str(smollm2_gguf), progress=False, dtype=dtype, kv_cache_memory="64MiB", max_model_len=1024)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert out.text.strip() == "The capital of France is Paris."
+    assert out.finish_reason == "stop"

@@ -11,23 +11,32 @@ front, evicting the hash of whatever it takes. A hit on a freed block revives it
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from kubellm.runtime.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "parent", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None
+        self.parent: bytes | None = None  # hash of the block before it: a hit must match the whole chain
         self.token_ids: tuple[int, ...] = ()
 
 
-def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
+def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """SHA-256 over the parent's hash and this block's token ids.
+
+    Python's built-in hash is not collision-resistant (ints reduce mod 2**61-1, with no seed), and a
+    collision here would serve one request's K/V to another. The hit check also compares tokens and
+    parent, so even a collision cannot return the wrong block.
+    """
+    return hashlib.sha256((parent or b"") + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -41,8 +50,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = evict first
-        self.hash_to_block: dict[int, int] = {}
-        self.block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its computed full blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        self.block_hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its computed full blocks
         # Counters for metrics: prompt tokens looked up in / served from the prefix cache.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -63,7 +72,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+    def cached_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Block ids (and their hashes) of the longest computed prefix already in the cache.
 
         The last token is never served from the cache: the model must run on at least one token to
@@ -78,7 +87,10 @@ class BlockManager:
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:  # miss, or hash collision
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != chunk or block.parent != parent:  # a hash collision, not a hit
                 break
             ids.append(block_id)
             hashes.append(h)
@@ -127,11 +139,12 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), seq.num_computed_tokens // bs):
             chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(hashes[-1] if hashes else None, chunk)
+            parent = hashes[-1] if hashes else None
+            h = block_hash(parent, chunk)
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.hash_to_block:
-                block.hash, block.token_ids = h, chunk
+                block.hash, block.parent, block.token_ids = h, parent, chunk
                 self.hash_to_block[h] = block.block_id
 
     def free_seq(self, seq: Sequence) -> None:
@@ -153,7 +166,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         for block_id in self.hash_to_block.values():
             block = self.blocks[block_id]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.parent, block.token_ids = None, None, ()
         self.hash_to_block.clear()
 
     # ---- internals -----------------------------------------------------------------------------
@@ -169,6 +182,6 @@ class BlockManager:
         if block.hash is not None:  # evict the cached content it held
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.parent, block.token_ids = None, None, ()
         block.ref_count = 1
         return block_id

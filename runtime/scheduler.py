@@ -109,8 +109,9 @@ class Scheduler:
         # Then admit waiting sequences FCFS, unless this step already had to preempt.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            remaining = len(seq)  # the prefix cache may shrink this
-            if not self.enable_chunked_prefill and remaining > budget:
+            # Without chunked prefill a new prompt must fit the budget whole; a preempted sequence is
+            # recomputed in chunks regardless, or it could outgrow the budget and block the queue forever.
+            if not self.enable_chunked_prefill and seq.num_preemptions == 0 and len(seq) > budget:
                 break
             num_cached = bm.allocate_waiting(seq, budget)
             if num_cached is None:

@@ -24,10 +24,11 @@ vanishingly rare). Unseeded rows draw from the global torch RNG in one batched c
 
 Cost: the all-greedy case is a single ``argmax``. Sampling draws one random number per row (drawing a
 vocabulary's worth per row, as exponential-race / Gumbel sampling does, is ~10x slower on CPU). top-k /
-top-p first look at a small ``torch.topk`` candidate set and only widen it (and in the end fully sort
-the row) for rows whose nucleus does not fit; rows that fit are sampled among their candidates without
-another pass over the vocabulary. Large ``[B, V]`` scratch tensors are kept between calls, so a
-``Sampler`` must not be called from two threads at once.
+top-p first look at a small candidate set (the k+1 or 64 largest logits) and sort the whole row only for
+rows whose nucleus does not fit in it; rows that fit are sampled among their candidates without another
+pass over the vocabulary. On CPU, wide selections and sorts use numpy (SIMD sort / introselect, 5-20x
+faster than ``torch.sort`` / a wide ``torch.topk``). Large ``[B, V]`` scratch tensors are kept between
+calls, so a ``Sampler`` must not be called from two threads at once.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ import numpy as np
 import torch
 
 _GREEDY_TEMPERATURE = 1e-5  # the same threshold as SamplingParams.greedy
-_TOP_P_FIRST_WIDTH = 64  # candidates looked at first for top-p rows; widened x16 when the nucleus is larger
+_TOP_P_FIRST_WIDTH = 64  # candidates looked at first for top-p rows; a wider nucleus sorts the whole row
+_TORCH_TOPK_MAX = 128  # on CPU, wider candidate sets come from numpy's introselect (cost independent of k)
 
 
 class Sampler:
@@ -83,7 +85,7 @@ class Sampler:
                     banned.append((i, ids))
 
         if not sampled and not penalised and not banned:
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
 
         # The (possibly penalised) logits, divided by the temperature on sampled rows. Left as the input
         # tensor when nothing needs to change, since everything below only reads it.
@@ -103,24 +105,15 @@ class Sampler:
         else:
             work = logits
 
-        if not sampled:
-            return work.argmax(dim=-1)
-        out = torch.empty(B, dtype=torch.long, device=device)
-        if len(sampled) < B:
-            sampled_set = set(sampled)
-            greedy_rows = torch.tensor([i for i in range(B) if i not in sampled_set], device=device)
-            out[greedy_rows] = work.index_select(0, greedy_rows).argmax(dim=-1)
+        if len(sampled) == B:
+            return self._sample_rows(work, seqs)
+        out = _argmax(work)  # greedy rows (one pass over all rows is cheaper than gathering them first)
+        if sampled:
             rows = torch.tensor(sampled, device=device)
             x = torch.index_select(
                 work, 0, rows, out=self._buffer("rows", len(sampled) * V, device).view(-1, V)
             )
-        else:
-            rows = None
-            x = work
-        tokens = self._sample_rows(x, [seqs[i] for i in sampled])
-        if rows is None:
-            return tokens
-        out[rows] = tokens
+            out[rows] = self._sample_rows(x, [seqs[i] for i in sampled])
         return out
 
     # ------------------------------------------------------------------------------------------------
@@ -187,9 +180,7 @@ class Sampler:
             if n == R:
                 xf = x
             else:
-                xf = torch.index_select(
-                    x, 0, filtered, out=self._buffer("filtered", n * V, device).view(n, V)
-                )
+                xf = torch.index_select(x, 0, filtered, out=self._buffer("subset", n * V, device).view(n, V))
             kf, pf, mf = top_k[filtered], top_p[filtered], m[filtered]
             # top-p's normaliser for rows without top-k is the mass of the whole row.
             total = torch.full((n,), float("nan"), device=device)
@@ -207,10 +198,21 @@ class Sampler:
             cut[filtered] = f_cut
         full = full_rows.nonzero().squeeze(1)
         if full.numel():
-            xs = x if full.numel() == R else x.index_select(0, full)
-            e = self._buffer("probs", full.numel() * V, device).view(-1, V)
+            n = full.numel()
+            if n == R:
+                xs = x
+            else:
+                xs = torch.index_select(x, 0, full, out=self._buffer("subset", n * V, device).view(n, V))
+            e = self._buffer("probs", n * V, device).view(n, V)
             tokens[full] = _sample_full(xs, m[full], cut[full], u[full], e)
         return tokens
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first maximum); numpy's SIMD argmax is ~5x faster than torch's on CPU."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.argmax(x.detach().numpy(), axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)
 
 
 def _top_k(k: int, V: int) -> int:
@@ -229,6 +231,29 @@ def _uniforms(seqs: list[Any], device) -> torch.Tensor:
         u[unseeded] = torch.rand(len(unseeded))
     u[seeded] = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in seeded])
     return u.to(device)
+
+
+def _largest(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``W`` largest entries of each row, descending, and their indices (``None`` when ``W == V``).
+
+    On CPU, numpy's SIMD sort and introselect are 5-20x faster than ``torch.sort`` / a wide ``torch.topk``.
+    The order among equal values is unspecified; callers only rely on the values and on index sets.
+    """
+    R, V = x.shape
+    if x.device.type != "cpu" or (W <= _TORCH_TOPK_MAX and W < V):
+        if W >= V:
+            return x.sort(dim=-1, descending=True).values, None
+        return x.topk(W, dim=-1)
+    a = x.detach().numpy()
+    if W >= V:
+        return torch.from_numpy(np.ascontiguousarray(np.sort(a, axis=-1)[:, ::-1])), None
+    idx = np.argpartition(a, V - W, axis=-1)[:, V - W :]
+    vals = np.take_along_axis(a, idx, axis=-1)
+    order = np.argsort(-vals, axis=-1)
+    return (
+        torch.from_numpy(np.take_along_axis(vals, order, axis=-1)),
+        torch.from_numpy(np.take_along_axis(idx, order, axis=-1).astype(np.int64, copy=False)),
+    )
 
 
 def _draw(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -273,34 +298,43 @@ def _sample_filtered(
     # Width of the first candidate set: every top-k row's k (+1 to see whether ties run past it), and a
     # guess for top-p rows.
     width = int(torch.where(has_k, k + 1, torch.where(has_p, _TOP_P_FIRST_WIDTH, 1)).max())
-    pending = torch.arange(R, device=device)
+    width = V if width > V // 2 else width
+    # Each candidate's exp(x - m) is <= 1, so W candidates hold at most W: a top-p row with p * total > W
+    # cannot fit and goes straight to the full sort.
+    too_wide = has_p & ~has_k & (p * total > width) if width < V else torch.zeros_like(has_p)
+    pending, later = (~too_wide).nonzero().squeeze(1), too_wide.nonzero().squeeze(1)
+    if not pending.numel():
+        pending, later, width = later, later[:0], V
     while pending.numel():
-        W = V if width > V // 4 else width
+        W = width
         xs = x if pending.numel() == R else x.index_select(0, pending)
-        if W == V:
-            vals, idx = xs.sort(dim=-1, descending=True)
-        else:
-            vals, idx = xs.topk(W, dim=-1)
+        vals, idx = _largest(xs, W)
         ks, ps, ms, hk, hp = k[pending], p[pending], m[pending], has_k[pending], has_p[pending]
 
         # top-k cut-off: the k-th largest logit (-inf when top-k is off).
         kth = vals.gather(1, (ks.clamp(max=W) - 1)[:, None]).squeeze(1)
         thr = torch.where(hk, kth, torch.full_like(kth, float("-inf")))
-        probs = (vals - ms[:, None]).exp_().masked_fill_(vals < thr[:, None], 0.0)
+        any_k = bool(hk.any())
+        probs = (vals - ms[:, None]).exp_()
+        if any_k:
+            probs.masked_fill_(vals < thr[:, None], 0.0)
 
         resolved = torch.ones_like(hk)
         if bool(hp.any()):
+            cum = probs.cumsum(dim=-1)
             # Mass of the top-k-filtered distribution: inside the candidates unless tokens tied with the
             # k-th one run past them (then summed over the row, rare).
-            denom = torch.where(hk, probs.sum(dim=-1), total[pending])
+            denom = torch.where(hk, cum[:, -1], total[pending])
             for j in (hk & hp & (vals[:, -1] >= thr) & (W < V)).nonzero().squeeze(1).tolist():
                 row = xs[j]
                 denom[j] = (row - ms[j]).exp_().masked_fill_(row < thr[j], 0.0).sum()
-            # Keep the smallest prefix (by logit) whose mass reaches p: token j stays while the mass of
-            # the tokens before it is still below p.
-            before = probs.cumsum(dim=-1) - probs
-            n_keep = (before < (ps * denom)[:, None]).sum(dim=-1)
-            n_keep = torch.minimum(n_keep, (vals >= thr[:, None]).sum(dim=-1)).clamp_(min=1)
+            # Keep the smallest prefix (by logit) whose mass reaches p: candidate j stays while the mass
+            # before it, cum[j - 1], is still below p (the first one always stays).
+            target = (ps * denom)[:, None].contiguous()
+            n_keep = (torch.searchsorted(cum, target).squeeze(1) + 1).clamp_(max=W)
+            if any_k:
+                n_keep = torch.minimum(n_keep, (vals >= thr[:, None]).sum(dim=-1))
+            n_keep.clamp_(min=1)
             p_thr = vals.gather(1, (n_keep - 1)[:, None]).squeeze(1)
             thr = torch.where(hp, torch.maximum(thr, p_thr), thr)
             resolved = ~hp | (n_keep < W) | (W == V)
@@ -318,8 +352,8 @@ def _sample_filtered(
             tokens[pending[sel]] = c_idx.gather(1, pos[:, None]).squeeze(1)
             done[pending[sel]] = True
         cut[pending[resolved]] = thr[resolved]
-        pending = pending[~resolved]
-        width = V if W == V else W * 16
+        pending, later = torch.cat([pending[~resolved], later]).sort().values, later[:0]  # stays ascending
+        width = V  # the nucleus is wider than the candidates: sort the whole row
     return tokens, done, cut
 
 
@@ -360,8 +394,8 @@ def apply_penalties(
         )
         if keys.size:
             keys_t, r = torch.from_numpy(keys).to(device), torch.from_numpy(per_key).to(device)
-            g = flat[keys_t]  # duplicate keys read the same value and write the same result
-            flat[keys_t] = torch.where(g > 0, g / r, g * r)
+            g = flat.index_select(0, keys_t)  # duplicate keys read the same value, write the same result
+            flat.index_copy_(0, keys_t, torch.where(g > 0, g / r, g * r))
 
     add_rows = [j for j in range(len(rows)) if frequency_penalties[j] != 0.0 or presence_penalties[j] != 0.0]
     if add_rows:
@@ -374,11 +408,11 @@ def apply_penalties(
         if keys.size:
             keys_t, fp = torch.from_numpy(keys).to(device), torch.from_numpy(per_key).to(device)
             counts = counts_buffer if counts_buffer is not None else torch.zeros(B * V, device=device)
-            counts.index_put_((keys_t,), torch.ones(len(keys), device=device), accumulate=True)
-            c = counts[keys_t]
-            counts[keys_t] = 0.0
-            g = flat[keys_t]
-            flat[keys_t] = g - fp[:, 0] * c - fp[:, 1]
+            counts.index_add_(0, keys_t, torch.ones(len(keys), device=device))
+            c = counts.index_select(0, keys_t)
+            counts.index_fill_(0, keys_t, 0.0)
+            g = flat.index_select(0, keys_t)
+            flat.index_copy_(0, keys_t, g - fp[:, 0] * c - fp[:, 1])
 
 
 def _flat_keys(id_lists, rows, per_row_values, V: int) -> tuple[np.ndarray, np.ndarray]:

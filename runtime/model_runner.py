@@ -38,7 +38,6 @@ class ModelRunner:
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
             layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = k, v
-        self._offsets = torch.arange(block_size, device=device)
 
     # ---- batch → tensors -----------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]):
@@ -63,14 +62,13 @@ class ModelRunner:
         if decodes:
             tables = [batch[i].seq.block_table for i in decodes]
             ctx = torch.tensor([p + 1 for p in positions], device=self.device)
-            max_ctx = int(ctx.max())
-            width = -(-max_ctx // bs)
-            bt = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], device=self.device)
+            width = -(-int(ctx.max()) // bs)
             meta.num_decodes = len(decodes)
-            meta.decode_slots = (bt[:, :, None] * bs + self._offsets).view(len(decodes), -1)[:, :max_ctx]
-            pad = torch.arange(max_ctx, device=self.device)[None, :] >= ctx[:, None]
+            meta.decode_block_ids = torch.tensor(
+                [b for t in tables for b in (t[:width] + [0] * (width - len(t)))], device=self.device)
+            pad = torch.arange(width * bs, device=self.device)[None, :] >= ctx[:, None]
             meta.decode_bias = torch.zeros(pad.shape, dtype=torch.float32, device=self.device).masked_fill_(
-                pad, float("-inf")).view(len(decodes), 1, 1, max_ctx)
+                pad, float("-inf")).unsqueeze(-1)
 
         for i in prefills:
             s = batch[i]

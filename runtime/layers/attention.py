@@ -31,8 +31,8 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decodes: int = 0
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] int64, padded with slot 0
-    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] float, 0 or -inf for padding
+    decode_block_ids: torch.Tensor | None = None  # [num_decodes * max_blocks] int64, block tables padded with 0
+    decode_bias: torch.Tensor | None = None  # [num_decodes, max_blocks * block_size, 1] float32: 0, or -inf past the context
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Raw paged inputs for kernels that read the pool directly (Triton backend).
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, decodes first
@@ -58,24 +58,33 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_flat, v_flat, meta)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
         for p in meta.prefills:
             s, e = p.start, p.start + p.num_tokens
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_flat, v_flat, p)
         return out
 
-    def _decode(self, q, k_flat, v_flat, meta):
+    def _decode(self, q, k_cache, v_cache, meta):
+        # Gather whole blocks (index_select on rows is several times faster than slot-wise indexing),
+        # then per KV head two batched matmuls that read the gathered K/V in place through strides.
         b = q.shape[0]
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        keys = k_flat[meta.decode_slots].permute(0, 2, 3, 1)  # [B, KVH, D, L]
-        values = v_flat[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        scores = torch.matmul(q.view(b, kvh, g, d), keys).float() * self.scale  # [B, KVH, G, L]
-        probs = torch.softmax(scores + meta.decode_bias, dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).reshape(b, self.num_heads, d)
+        length = meta.decode_bias.shape[1]
+        keys = torch.index_select(k_cache.view(k_cache.shape[0], -1), 0, meta.decode_block_ids).view(b, length, kvh, d)
+        values = torch.index_select(v_cache.view(v_cache.shape[0], -1), 0, meta.decode_block_ids).view(
+            b, length, kvh, d)
+        qv = q.view(b, kvh, g, d)
+        out = torch.empty_like(qv)
+        for h in range(kvh):
+            scores = torch.bmm(keys[:, :, h], qv[:, h].transpose(1, 2))  # [B, L, G]
+            probs = torch.softmax(scores.float().mul_(self.scale).add_(meta.decode_bias), dim=1).to(q.dtype)
+            out[:, h] = torch.bmm(probs.transpose(1, 2), values[:, :, h])  # [B, G, D]
+        return out.view(b, self.num_heads, d)
 
     def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan):
         if span.context_slots is not None:
-            k, v = k_flat[span.context_slots], v_flat[span.context_slots]
+            k = torch.index_select(k_flat, 0, span.context_slots)
+            v = torch.index_select(v_flat, 0, span.context_slots)
         qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, D]
         if self.group > 1:
             kt = kt.repeat_interleave(self.group, dim=0)

@@ -121,10 +121,7 @@ class LLMEngine:
         """Queue a request; raises ValueError subclasses (RequestTooLong...) for ones that can never run."""
         params = params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        self.validate(prompt_ids, params)
         seq = Sequence(prompt_ids, params, request_id)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
@@ -134,6 +131,17 @@ class LLMEngine:
             seq, IncrementalDetokenizer(self.tokenizer.tk, prompt_ids, params.skip_special_tokens), stops,
             RequestMetrics(arrival_time=time.monotonic()))
         return seq.request_id
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (RequestTooLong for length problems) if this request can never run.
+
+        Reads configuration only, so a server thread may call it before queueing the request.
+        """
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        self.scheduler.check_request(len(prompt_ids), params.max_tokens)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)

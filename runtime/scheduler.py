@@ -47,18 +47,20 @@ class Scheduler:
     # ---- admission -----------------------------------------------------------------------------
     def check_fits(self, seq: Sequence) -> None:
         """Raise RequestTooLong for a request that could never complete, instead of queueing it forever."""
-        params = seq.sampling_params
-        prompt_len = seq.num_prompt_tokens
+        self.check_request(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+
+    def check_request(self, prompt_len: int, max_tokens: int | None) -> None:
+        """The same check from lengths alone; pure, so the HTTP layer may call it from any thread."""
         if prompt_len == 0:
             raise RequestTooLong("the prompt is empty; send at least one token")
         if prompt_len >= self.max_model_len:
             raise RequestTooLong(
                 f"the prompt has {prompt_len} tokens but this model's context length is {self.max_model_len}; "
                 f"shorten the prompt to at most {self.max_model_len - 1} tokens")
-        total = prompt_len + (params.max_tokens or self.max_model_len)
-        if params.max_tokens is not None and total > self.max_model_len:
+        total = prompt_len + (max_tokens or self.max_model_len)
+        if max_tokens is not None and total > self.max_model_len:
             raise RequestTooLong(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context "
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the context "
                 f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - prompt_len}")
         total = min(total, self.max_model_len)
         if not self.enable_chunked_prefill and prompt_len > self.max_num_batched_tokens:

@@ -1,0 +1,175 @@
+"""Runs the engine's step loop on its own thread and hands each request's outputs to asyncio.
+
+Only the engine thread touches ``LLMEngine``; handlers talk to it through a command queue and
+receive ``RequestOutput``s on a per-request ``asyncio.Queue``. The loop stamps a heartbeat every
+iteration (liveness) and the time of the last produced token (readiness skips its probe then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+from kubellm.runtime.engine import LLMEngine, RequestOutput
+from kubellm.runtime.sampling_params import SamplingParams
+
+log = logging.getLogger("kubellm.server.engine")
+
+IDLE_WAIT_S = 0.5  # how long the idle loop sleeps between heartbeats when there is no work
+
+
+class EngineDead(RuntimeError):
+    """The engine loop has stopped or failed; the request cannot be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput], float], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step  # metrics hook, called on the engine thread after each step
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._commands: deque[tuple] = deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.heartbeat = time.monotonic()
+        self.last_token_time = 0.0
+        self.num_waiting = 0
+        self.num_running = 0
+        self.waiting_prompt_tokens = 0
+        self.error: BaseException | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- API for handlers (event-loop side) ----------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs; closing the iterator early aborts it."""
+        if not self.alive:
+            raise EngineDead("the engine loop is not running")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            await asyncio.wrap_future(self._submit("add", prompt_ids, params, request_id))
+            while True:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit("abort", request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit("abort", request_id)
+
+    def abort_all(self) -> concurrent.futures.Future:
+        return self._submit("abort_all")
+
+    def call(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """Run ``fn(engine, *args)`` on the engine thread (for stats that must not race the loop)."""
+        return self._submit("call", fn, *args)
+
+    def _submit(self, *command) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.append((future, *command))
+        self._wake.set()
+        return future
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        log.info("engine loop started")
+        while not self._stop:
+            self._apply_commands()
+            try:
+                if self.engine.has_unfinished_requests():
+                    start = time.monotonic()
+                    outputs = self.engine.step()
+                    self._publish(outputs, time.monotonic() - start)
+                else:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+            except Exception as e:  # a bug or a device error: fail in-flight requests, keep serving
+                log.exception("engine step failed; aborting %d in-flight requests", len(self.engine.requests))
+                self.error = e
+                self._fail_all(e)
+            self._update_gauges()
+            self.heartbeat = time.monotonic()
+        log.info("engine loop stopped")
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            future, kind, *args = self._commands.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if kind == "add":
+                    future.set_result(self.engine.add_request(*args))
+                elif kind == "abort":
+                    out = self.engine.abort_request(args[0])
+                    if out is not None:
+                        self._publish([out], 0.0)
+                    future.set_result(out)
+                elif kind == "abort_all":
+                    outs = [o for rid in list(self.engine.requests) if (o := self.engine.abort_request(rid))]
+                    self._publish(outs, 0.0)
+                    future.set_result(len(outs))
+                elif kind == "call":
+                    future.set_result(args[0](self.engine, *args[1:]))
+            except Exception as e:  # invalid request: the handler turns it into a 4xx
+                future.set_exception(e)
+        self._update_gauges()
+
+    def _publish(self, outputs: list[RequestOutput], step_time: float) -> None:
+        if not outputs:
+            return
+        if any(o.new_token_ids for o in outputs):
+            self.last_token_time = time.monotonic()
+        if self.on_step is not None:
+            try:
+                self.on_step(outputs, step_time)
+            except Exception:
+                log.exception("metrics hook failed")
+        self.loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _deliver(self, outputs: list) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+        failure = EngineDead(f"the engine failed while serving this request: {error}")
+        self.loop.call_soon_threadsafe(lambda: [q.put_nowait(failure) for q in self._streams.values()])
+
+    def _update_gauges(self) -> None:
+        sched = self.engine.scheduler
+        self.num_waiting = len(sched.waiting)
+        self.num_running = len(sched.running)
+        self.waiting_prompt_tokens = sum(len(s) for s in sched.waiting)

@@ -1,0 +1,126 @@
+"""``kubellm serve``: one process = uvicorn + the engine thread, with drain on SIGTERM.
+
+Start-up: uvicorn listens at once (probes answer 503 "loading"), the model loads on a worker
+thread with a progress bar, one real generation runs, then the server reports ready.
+Drain: SIGTERM (or POST /admin/drain) → readiness 503 and new requests 503 at once; in-flight
+requests finish; after --drain-timeout the rest are aborted (finish_reason "abort"); exit 0.
+A second SIGTERM exits immediately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+
+import uvicorn
+
+from kubellm.runtime.config import EngineConfig
+from kubellm.runtime.engine import LLMEngine
+from kubellm.runtime.server.app import ServerOptions, ServerState, build_app, probe_generation
+from kubellm.runtime.server.async_engine import AsyncEngine
+from kubellm.runtime.server.metrics import ServerMetrics
+
+log = logging.getLogger("kubellm.server")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: SIGTERM means drain, which this module owns."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        pass
+
+
+async def run_server(engine_config: EngineConfig, options: ServerOptions, host: str, port: int,
+                     on_ready=None) -> int:
+    state = ServerState(options)
+    server = _Server(uvicorn.Config(build_app(state), host=host, port=port, log_config=None, access_log=False,
+                                    timeout_keep_alive=30, lifespan="off"))
+    loop = asyncio.get_running_loop()
+    drain_task: asyncio.Task | None = None
+
+    def start_drain(reason: str) -> None:
+        nonlocal drain_task
+        if drain_task is not None:
+            return
+        if state.phase != "ready":  # nothing to drain while loading or failed
+            log.info("%s before the server was ready: exiting", reason)
+            server.should_exit = True
+            drain_task = asyncio.ensure_future(asyncio.sleep(0))
+            return
+        drain_task = asyncio.ensure_future(drain(state, server, reason))
+
+    def on_signal(sig: signal.Signals) -> None:
+        if drain_task is not None and sig == signal.SIGTERM or sig == signal.SIGINT and state.phase == "draining":
+            log.warning("second %s during drain: exiting immediately", sig.name)
+            os._exit(1)
+        start_drain(sig.name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    state.on_drain = start_drain
+
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.01)
+    if serving.done():
+        return 1  # could not bind
+    log.info("listening on http://%s:%d (loading %s)", host, port, engine_config.model)
+
+    try:
+        engine = await asyncio.to_thread(LLMEngine, engine_config, True)
+    except Exception as e:
+        state.phase, state.load_error = "failed", f"model load failed: {e}"
+        log.error("%s", state.load_error)
+        server.should_exit = True
+        await serving
+        return 1
+    async_engine = AsyncEngine(engine)
+    state.metrics = ServerMetrics(options.served_model_name, async_engine)
+    async_engine.on_step = state.metrics.observe_step
+    async_engine.start(loop)
+    state.engine = async_engine
+
+    ok, detail = await probe_generation(state)
+    if not ok:
+        state.phase, state.load_error = "failed", f"first generation failed: {detail}"
+        log.error("%s", state.load_error)
+        server.should_exit = True
+    else:
+        state.startup_ok, state.phase = True, "ready"
+        log.info("ready: serving %s as %r on http://%s:%d", engine_config.model, options.served_model_name, host,
+                 port)
+        if on_ready is not None:
+            on_ready(state)
+    await serving
+    async_engine.stop()
+    state.phase = "stopped"
+    log.info("stopped")
+    return 0 if state.startup_ok else 1
+
+
+async def drain(state: ServerState, server: uvicorn.Server, reason: str) -> None:
+    opts, engine = state.options, state.engine
+    state.phase = "draining"
+    in_flight = engine.num_waiting + engine.num_running
+    log.info("drain started (%s): readiness now 503, %d requests in flight, timeout %.0fs", reason, in_flight,
+             opts.drain_timeout)
+    deadline = time.monotonic() + opts.drain_timeout
+    while (engine.num_waiting + engine.num_running or state.active_requests) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    left = engine.num_waiting + engine.num_running
+    if left:
+        log.warning("drain timeout: aborting %d requests (finish_reason=abort)", left)
+        await asyncio.wrap_future(engine.abort_all())
+    flush_deadline = time.monotonic() + 5.0  # let aborted streams send their final chunk
+    while state.active_requests and time.monotonic() < flush_deadline:
+        await asyncio.sleep(0.02)
+    log.info("drain complete: shutting down")
+    server.should_exit = True

@@ -75,6 +75,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kubellm.runtime.config import EngineConfig
+    from kubellm.runtime.server.app import ServerOptions
+    from kubellm.runtime.server.main import run_server
+
+    name = args.served_model_name or (args.model if "/" not in args.model else args.model.rstrip("/").split("/")[-1])
+    options = ServerOptions(served_model_name=name, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
+                            probe_timeout=args.probe_timeout, probe_skip_window=args.probe_skip_window,
+                            liveness_timeout=args.liveness_timeout)
+    config = EngineConfig(model=args.model, **engine_kwargs(args))
+    return asyncio.run(run_server(config, options, args.host, args.port))
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from kubellm.runtime import model_store
 
@@ -111,6 +126,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampling-seed", type=int, help="per-request sampling seed")
     g.add_argument("--stop", action="append", help="stop string; repeatable")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server with health probes, drain and metrics",
+                       description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
+                                   "/v1/models) with /health/{live,ready,startup}, /metrics and graceful drain on "
+                                   "SIGTERM. Binds first, then loads the model (probes answer 503 until ready).")
+    add_engine_args(s)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", help="model name clients send (default: --model's last path part)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="waiting requests beyond which new ones get 429 + Retry-After (default 256)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM before being aborted (default 30)")
+    s.add_argument("--probe-timeout", type=float, default=10.0,
+                   help="deadline of the readiness probe's 1-token generation (default 10s)")
+    s.add_argument("--probe-skip-window", type=float, default=5.0,
+                   help="readiness skips its probe generation if tokens were produced this recently (default 5s)")
+    s.add_argument("--liveness-timeout", type=float, default=60.0,
+                   help="liveness fails when the engine loop has not ticked for this long (default 60s)")
+    s.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("models", help="pull, list and export models", description="Manage the local model cache "
                        "($KUBELLM_CACHE, default ~/.cache/kubellm).")

@@ -39,7 +39,9 @@ class _Server(uvicorn.Server):
 
 
 async def run_server(engine_config: EngineConfig, options: ServerOptions, host: str, port: int,
-                     on_ready=None) -> int:
+                     on_ready=None, install_signals: bool = True) -> int:
+    """Serve until drained. ``on_ready(state)`` is called once ready (tests use it to reach the state);
+    ``install_signals=False`` lets the server run off the main thread (then drain via POST /admin/drain)."""
     state = ServerState(options)
     server = _Server(uvicorn.Config(build_app(state), host=host, port=port, log_config=None, access_log=False,
                                     timeout_keep_alive=30, lifespan="off"))
@@ -63,8 +65,9 @@ async def run_server(engine_config: EngineConfig, options: ServerOptions, host: 
             os._exit(1)
         start_drain(sig.name)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    if install_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
     state.on_drain = start_drain
 
     serving = asyncio.ensure_future(server.serve())

@@ -90,7 +90,7 @@ class CompletionRequest(_Request):
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt must not be empty")
-            if len(v) > 64:
+            if not isinstance(v[0], int) and len(v) > 64:  # a batch of prompts, not one prompt of ids
                 raise ValueError("at most 64 prompts per request")
         return v
 

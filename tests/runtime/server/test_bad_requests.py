@@ -1,0 +1,94 @@
+"""A table of malformed requests: each gets its 4xx with an OpenAI error body, and nothing leaks."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+# (name, method, path, raw body or JSON object, expected status, expected `param`/substring of message)
+CASES = [
+    ("malformed json", "POST", CHAT, b'{"messages": [', 400, "not valid JSON"),
+    ("invalid utf-8", "POST", CHAT, b'{"messages": "\xff\xfe"}', 400, "UTF-8"),
+    ("body is a list", "POST", CHAT, [1, 2], 400, "JSON object"),
+    ("body is a string", "POST", COMP, "hello", 400, "JSON object"),
+    ("empty body", "POST", COMP, b"", 400, "not valid JSON"),
+    ("messages missing", "POST", CHAT, {"model": "tiny"}, 400, "messages"),
+    ("messages empty", "POST", CHAT, {"messages": []}, 400, "messages"),
+    ("messages not a list", "POST", CHAT, {"messages": "hi"}, 400, "messages"),
+    ("message without role", "POST", CHAT, {"messages": [{"content": "hi"}]}, 400, "role"),
+    ("unknown role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("content wrong type", "POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ("unknown model", "POST", CHAT, {"model": "gpt-9", "messages": MSG}, 404, "gpt-9"),
+    ("max_tokens negative", "POST", CHAT, {"messages": MSG, "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens zero", "POST", COMP, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens a string", "POST", COMP, {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("max_tokens absurd", "POST", COMP, {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("max_completion_tokens absurd", "POST", CHAT, {"messages": MSG, "max_completion_tokens": 10**7}, 400,
+     "max_tokens"),
+    ("temperature negative", "POST", CHAT, {"messages": MSG, "temperature": -0.5}, 400, "temperature"),
+    ("temperature too high", "POST", CHAT, {"messages": MSG, "temperature": 7}, 400, "temperature"),
+    ("top_p zero", "POST", CHAT, {"messages": MSG, "top_p": 0}, 400, "top_p"),
+    ("top_p above one", "POST", COMP, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("top_k negative", "POST", COMP, {"prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ("min_p above one", "POST", COMP, {"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ("n zero", "POST", CHAT, {"messages": MSG, "n": 0}, 400, "n"),
+    ("n too large", "POST", CHAT, {"messages": MSG, "n": 1000}, 400, "n"),
+    ("presence_penalty out of range", "POST", CHAT, {"messages": MSG, "presence_penalty": 3}, 400,
+     "presence_penalty"),
+    ("frequency_penalty out of range", "POST", COMP, {"prompt": "hi", "frequency_penalty": -9}, 400,
+     "frequency_penalty"),
+    ("repetition_penalty zero", "POST", COMP, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("stop wrong type", "POST", COMP, {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("too many stop strings", "POST", COMP, {"prompt": "hi", "stop": [str(i) for i in range(20)]}, 400, "stop"),
+    ("min_tokens above max_tokens", "POST", COMP, {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400,
+     "min_tokens"),
+    ("prompt missing", "POST", COMP, {"max_tokens": 3}, 400, "prompt"),
+    ("prompt empty string", "POST", COMP, {"prompt": ""}, 400, "prompt"),
+    ("prompt empty list", "POST", COMP, {"prompt": []}, 400, "prompt"),
+    ("prompt token id out of vocabulary", "POST", COMP, {"prompt": [1, 2, 10**7]}, 400, "vocabulary"),
+    ("prompt token id negative", "POST", COMP, {"prompt": [1, -3]}, 400, "vocabulary"),
+    ("prompt longer than the context", "POST", COMP, {"prompt": [5] * 600}, 400, "context length"),
+    ("prompt of mixed types", "POST", COMP, {"prompt": [1, "a"]}, 400, "prompt"),
+    ("stream not a bool", "POST", CHAT, {"messages": MSG, "stream": "yes please"}, 400, "stream"),
+    ("seed a string", "POST", CHAT, {"messages": MSG, "seed": "abc"}, 400, "seed"),
+    ("stop_token_ids negative", "POST", COMP, {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("wrong method", "GET", CHAT, None, 405, "not allowed"),
+    ("unknown route", "POST", "/v1/engines", {}, 404, "no route"),
+]
+
+
+@pytest.mark.parametrize("name, method, path, body, status, needle", CASES, ids=[c[0] for c in CASES])
+def test_malformed_request_gets_an_openai_error(server, name, method, path, body, status, needle):
+    if body is None:
+        resp = httpx.request(method, server.url + path, timeout=30)
+    elif isinstance(body, bytes):
+        resp = httpx.request(method, server.url + path, content=body, timeout=30,
+                             headers={"content-type": "application/json"})
+    else:
+        resp = httpx.request(method, server.url + path, json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert needle in error["message"] or needle == error["param"], error
+
+
+def test_streaming_request_with_bad_input_is_refused_before_streaming(server):
+    resp = httpx.post(server.url + COMP, json={"prompt": [5] * 600, "stream": True}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_after_the_table_the_server_is_healthy_and_holds_no_blocks(server):
+    assert len(CASES) >= 30
+    for case in CASES:  # once more, back to back
+        _, method, path, body, *_ = case
+        kwargs = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
+        httpx.request(method, server.url + path, timeout=30, **kwargs)
+    server.wait_idle()
+    assert server.used_blocks() == 0
+    assert httpx.get(server.url + "/health/live", timeout=10).status_code == 200
+    ok = httpx.post(server.url + CHAT, json={"messages": MSG, "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1

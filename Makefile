@@ -14,9 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)  ## pull the SmolLM2 demo model and ask it the demo question on CPU
-	$(VENV)/bin/kubellm models pull smollm2
-	$(VENV)/bin/kubellm generate --model smollm2 --prompt "What is the capital of France?"
+demo: $(STAMP)  ## serve the SmolLM2 demo model on CPU, ask it a question over HTTP, keep serving
+	$(VENV)/bin/kubellm demo
 
 test: $(STAMP)  ## lint, then the whole suite
 	$(VENV)/bin/ruff check .

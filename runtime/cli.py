@@ -90,6 +90,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(run_server(config, options, args.host, args.port))
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Serve the demo model, ask it the demo question through the HTTP API, print the streamed answer."""
+    import asyncio
+    import threading
+    import urllib.request
+
+    from kubellm.runtime import model_store
+    from kubellm.runtime.config import EngineConfig
+    from kubellm.runtime.server.app import ServerOptions
+    from kubellm.runtime.server.main import run_server
+
+    path = model_store.resolve(args.model, pull_missing=True)
+    url = f"http://127.0.0.1:{args.port}"
+
+    def ask(state) -> None:
+        body = json.dumps({"model": "smollm2", "stream": True, "temperature": 0, "max_tokens": 64,
+                           "messages": [{"role": "user", "content": DEMO_QUESTION}]}).encode()
+        request = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+        print(f"\n> {DEMO_QUESTION}\n", flush=True)
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        print(choice["delta"].get("content", ""), end="", flush=True)
+        print("\n")
+        if args.exit:
+            state.on_drain("demo finished")
+            return
+        print(f"kubellm is serving {path.name} at {url}/v1 (OpenAI API). Try:\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"smollm2\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'\n"
+              f"Health: {url}/health/ready  Metrics: {url}/metrics  Stop: Ctrl-C (drains first)\n", flush=True)
+
+    def on_ready(state) -> None:
+        threading.Thread(target=ask, args=(state,), daemon=True).start()
+
+    config = EngineConfig(model=str(path), **engine_kwargs(args))
+    options = ServerOptions(served_model_name="smollm2", drain_timeout=5)
+    return asyncio.run(run_server(config, options, "127.0.0.1", args.port, on_ready=on_ready))
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from kubellm.runtime import model_store
 
@@ -112,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="json for structured logs")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("demo", help="serve the SmolLM2 demo model and ask it a question (CPU)",
+                       description="Pulls SmolLM2-135M-Instruct if needed, starts `kubellm serve` on 127.0.0.1, "
+                                   "streams the answer to 'What is the capital of France?' through the HTTP API, "
+                                   "then keeps serving (Ctrl-C drains and stops) unless --exit is given.")
+    add_engine_args(d)
+    d.add_argument("--port", type=int, default=8000)
+    d.add_argument("--exit", action="store_true", help="stop (after a drain) once the answer is printed")
+    d.set_defaults(func=cmd_demo, kv_cache_memory="512MiB", max_model_len=2048)
 
     g = sub.add_parser("generate", help="offline generation with continuous batching",
                        description="Generate answers offline. Each --prompt is a user chat message (use --raw "

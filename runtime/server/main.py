@@ -60,7 +60,7 @@ async def run_server(engine_config: EngineConfig, options: ServerOptions, host: 
         drain_task = asyncio.ensure_future(drain(state, server, reason))
 
     def on_signal(sig: signal.Signals) -> None:
-        if drain_task is not None and sig == signal.SIGTERM or sig == signal.SIGINT and state.phase == "draining":
+        if drain_task is not None:
             log.warning("second %s during drain: exiting immediately", sig.name)
             os._exit(1)
         start_drain(sig.name)
@@ -68,7 +68,7 @@ async def run_server(engine_config: EngineConfig, options: ServerOptions, host: 
     if install_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
-    state.on_drain = start_drain
+    state.on_drain = lambda reason: loop.call_soon_threadsafe(start_drain, reason)  # callable from any thread
 
     serving = asyncio.ensure_future(server.serve())
     while not server.started and not serving.done():

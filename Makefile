@@ -21,6 +21,9 @@ test: $(STAMP)  ## lint, then the whole suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 
+crds: $(STAMP)  ## regenerate the CRD from operator/api.py (a test fails when the committed file drifts)
+	$(PY) -m kubellm.operator.crd -o crds/llmdeployments.kubellm.io.yaml
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 

@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", help="KV-cache size, e.g. 2GiB (default: 90%% of free memory; 4GiB max on CPU)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--num-threads", type=int, help="CPU threads for torch (default: all)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
+                   help="decode attention: cpu = native kernel compiled at first use, torch = reference; "
+                        "auto = cpu when it builds here")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -50,7 +53,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads, seed=args.seed)
+                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads, seed=args.seed,
+                attention_backend=args.attention_backend)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -148,14 +152,25 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_crd(args: argparse.Namespace) -> int:
+    from kubellm.operator.crd import main as crd_main
+
+    return crd_main(["-o", args.output] if args.output else [])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kubellm", description="kubellm: serve LLMs on Kubernetes with a "
                                 "paged-attention runtime. Start with `kubellm generate` (demo model, CPU).")
+    # Logging flags are accepted before or after the command (`kubellm serve --log-format json`).
+    logging_flags = argparse.ArgumentParser(add_help=False)
+    logging_flags.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"])
+    logging_flags.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
+                               help="json: one JSON object per log line (for log pipelines)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="json for structured logs")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="serve the SmolLM2 demo model and ask it a question (CPU)",
+    d = sub.add_parser("demo", parents=[logging_flags], help="serve the SmolLM2 demo model and ask it a question (CPU)",
                        description="Pulls SmolLM2-135M-Instruct if needed, starts `kubellm serve` on 127.0.0.1, "
                                    "streams the answer to 'What is the capital of France?' through the HTTP API, "
                                    "then keeps serving (Ctrl-C drains and stops) unless --exit is given.")
@@ -164,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--exit", action="store_true", help="stop (after a drain) once the answer is printed")
     d.set_defaults(func=cmd_demo, kv_cache_memory="512MiB", max_model_len=2048)
 
-    g = sub.add_parser("generate", help="offline generation with continuous batching",
+    g = sub.add_parser("generate", parents=[logging_flags], help="offline generation with continuous batching",
                        description="Generate answers offline. Each --prompt is a user chat message (use --raw "
                                    "for plain completion). With no prompt, asks the demo question.")
     add_engine_args(g)
@@ -178,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string; repeatable")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible server with health probes, drain and metrics",
+    s = sub.add_parser("serve", parents=[logging_flags], help="OpenAI-compatible server with health probes, drain and metrics",
                        description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
                                    "/v1/models) with /health/{live,ready,startup}, /metrics and graceful drain on "
                                    "SIGTERM. Binds first, then loads the model (probes answer 503 until ready).")
@@ -198,7 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="liveness fails when the engine loop has not ticked for this long (default 60s)")
     s.set_defaults(func=cmd_serve)
 
-    m = sub.add_parser("models", help="pull, list and export models", description="Manage the local model cache "
+    c = sub.add_parser("crd", help="print the LLMDeployment CRD generated from the API types",
+                       description="Generate the CustomResourceDefinition for LLMDeployment from the pydantic models "
+                                   "in kubellm.operator.api (the source of truth).")
+    c.add_argument("-o", "--output", help="write to this file instead of stdout")
+    c.set_defaults(func=cmd_crd)
+
+    m = sub.add_parser("models", parents=[logging_flags], help="pull, list and export models", description="Manage the local model cache "
                        "($KUBELLM_CACHE, default ~/.cache/kubellm).")
     msub = m.add_subparsers(dest="models_cmd", required=True, metavar="ACTION")
     pull = msub.add_parser("pull", help="download a known model into the cache (e.g. smollm2)")

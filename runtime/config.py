@@ -54,7 +54,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | cpu (native CPU kernel) | triton
     num_threads: int | None = None  # CPU intra-op threads; default: all cores torch sees
     seed: int = 0
 
@@ -71,8 +71,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}; use auto, torch or triton")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}; use auto, torch, cpu or triton")
 
 
 def _cpu_has_fast_bf16() -> bool:

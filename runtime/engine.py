@@ -87,7 +87,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill)
         self.runner = ModelRunner(model, self.model_config, num_blocks, config.block_size, config.dtype,
-                                  config.device, Sampler(self.tokenizer.eos_token_ids))
+                                  config.device, Sampler(self.tokenizer.eos_token_ids), config.attention_backend)
         self.requests: dict[str, _Request] = {}
         log.info("engine ready: %s, dtype=%s, max_model_len=%d, %d KV blocks of %d tokens (%.0f MiB)",
                  path, str(config.dtype).removeprefix("torch."), self.max_model_len, num_blocks, config.block_size,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kubellm.runtime.layers.attention import AttentionMetadata, PrefillSpan
+from kubellm.runtime.layers.attention import AttentionMetadata, PrefillSpan, make_backend
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM
 from kubellm.runtime.scheduler import ScheduledSeq
@@ -29,15 +29,18 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str, sampler: Sampler):
+                 dtype: torch.dtype, device: str, sampler: Sampler, attention_backend: str = "auto"):
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
         self.sampler = sampler
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: padded gathers read slot 0, and 0 * NaN garbage would poison outputs.
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.backend = make_backend(attention_backend, device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
-            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = k, v
+            attn = layer.self_attn.attn
+            attn.k_cache, attn.v_cache, attn.backend = k, v, self.backend
+        log.info("attention backend: %s", type(self.backend).__name__)
 
     # ---- batch → tensors -----------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]):
@@ -66,6 +69,8 @@ class ModelRunner:
             meta.num_decodes = len(decodes)
             meta.decode_block_ids = torch.tensor(
                 [b for t in tables for b in (t[:width] + [0] * (width - len(t)))], device=self.device)
+            meta.decode_block_tables = meta.decode_block_ids.view(len(decodes), width).to(torch.int32)
+            meta.decode_context_lens = ctx.to(torch.int32)
             pad = torch.arange(width * bs, device=self.device)[None, :] >= ctx[:, None]
             meta.decode_bias = torch.zeros(pad.shape, dtype=torch.float32, device=self.device).masked_fill_(
                 pad, float("-inf")).unsqueeze(-1)

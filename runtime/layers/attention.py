@@ -34,9 +34,9 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor | None = None  # [num_decodes * max_blocks] int64, block tables padded with 0
     decode_bias: torch.Tensor | None = None  # [num_decodes, max_blocks * block_size, 1] float32: 0, or -inf past the context
     prefills: list[PrefillSpan] = field(default_factory=list)
-    # Raw paged inputs for kernels that read the pool directly (Triton backend).
-    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, decodes first
-    context_lens: torch.Tensor | None = None  # [num_seqs] int32
+    # Raw paged inputs for kernels that read the pool in place (native CPU kernel, Triton).
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32, padded with 0
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32
 
 
 class TorchAttentionBackend:
@@ -96,8 +96,37 @@ class TorchAttentionBackend:
         return o.transpose(0, 1)
 
 
+class NativeCpuAttentionBackend(TorchAttentionBackend):
+    """Decode through the compiled CPU kernel (reads K/V blocks in place, once); prefill as the reference."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        from kubellm.kernels.cpu_paged_attention import paged_decode_attention
+
+        self._kernel = paged_decode_attention
+
+    def _decode(self, q, k_cache, v_cache, meta):
+        return self._kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+
+
+def make_backend(kind: str, device: str, num_heads: int, num_kv_heads: int, head_dim: int):
+    """``auto`` picks the native CPU kernel on CPU when it builds here, else the torch reference."""
+    if kind == "auto":
+        kind = "torch"
+        if device == "cpu":
+            from kubellm.kernels import cpu_paged_attention
+
+            if cpu_paged_attention.available():
+                kind = "cpu"
+    if kind == "cpu":
+        return NativeCpuAttentionBackend(num_heads, num_kv_heads, head_dim)
+    if kind == "torch":
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"attention backend {kind!r} is not available in this build; use auto, torch or cpu")
+
+
 class Attention(torch.nn.Module):
-    """Binds one layer's cache tensors to the backend; the runner sets ``k_cache``/``v_cache``."""
+    """Binds one layer's cache tensors and backend; the runner sets ``k_cache``/``v_cache``/``backend``."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()

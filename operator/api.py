@@ -1,0 +1,960 @@
+"""The LLMDeployment API (kubellm.io/v1alpha1): spec and status models, the single source of truth.
+
+The CRD's OpenAPI schema is generated from these models (:mod:`kubellm.operator.crd`), so field
+docstrings are what ``kubectl explain llmdeployment.spec...`` prints; write them for users.
+
+Conventions:
+
+* JSON names are camelCase (``model_dump()`` and ``model_validate()`` use them; snake_case attribute
+  names are accepted on input too). Dump with :meth:`KubeModel.to_k8s` for API payloads: it leaves
+  out ``None`` fields, because Kubernetes expresses "unset" by absence, never by ``null``.
+* Spec models forbid unknown fields (``extra="forbid"``): the API server prunes unknown fields before
+  the operator sees an object, so an unknown field here means a typo in a file we were handed
+  directly (``kubellm render``, tests) or an operator older than its CRD; both should fail loudly.
+  Status models ignore unknown fields (a newer operator may have written more).
+* Cross-field checks are :class:`Rule` objects attached to the model they constrain (``k8s_rules``).
+  Each rule carries its CEL expression (emitted as ``x-kubernetes-validations`` in the CRD, enforced by
+  the API server) and a Python twin with the same message (enforced by ``model_validate``, so the
+  operator rejects the same specs on API servers without CEL and for objects it did not get through
+  the API server). A few checks CEL cannot express are Python-only (:func:`_python_only_checks`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+# --------------------------------------------------------------------------------------------------
+# Identity of the API
+# --------------------------------------------------------------------------------------------------
+
+GROUP = "kubellm.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "LLMDeployment"
+LIST_KIND = "LLMDeploymentList"
+PLURAL = "llmdeployments"
+SINGULAR = "llmdeployment"
+SHORT_NAMES = ("llmd",)
+CATEGORIES = ("kubellm",)
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+# The runtime image a spec gets when it names none. Keep RUNTIME_VERSION equal to the project version
+# (tests/operator/test_api.py checks it); changing it changes the CRD default, so regenerate the CRD.
+RUNTIME_VERSION = "0.1.0"
+DEFAULT_IMAGE = f"ghcr.io/kubellm/runtime:{RUNTIME_VERSION}"
+
+RUNTIME_PORT = 8000  # the container port `kubellm serve` listens on; spec.service.port maps to it
+# The runtime's deadline for the readiness probe's generation (ServerOptions.probe_timeout).
+RUNTIME_PROBE_DEADLINE_SECONDS = 10
+QUEUE_DEPTH_METRIC = "kubellm:num_requests_waiting"  # per-pod gauge the autoscalers target
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # node label spec.resources.gpu.product selects on
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("none", "int8", "int4", "fp8", "awq", "gptq", "gguf")
+GPU_ONLY_QUANTIZATIONS = ("int4", "fp8", "awq", "gptq")
+KV_CACHE_BLOCK_SIZES = (8, 16, 32)
+
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+Quantization = Literal["none", "int8", "int4", "fp8", "awq", "gptq", "gguf"]
+
+
+class ConditionType(StrEnum):
+    """The condition types the operator writes to ``status.conditions``."""
+
+    READY = "Ready"  # enough replicas pass the inference readiness probe to serve
+    PROGRESSING = "Progressing"  # a rollout or scale is under way
+    DEGRADED = "Degraded"  # something needs a human (crash loops, unschedulable, model load failures)
+    MODEL_LOADED = "ModelLoaded"  # at least one pod has the model in memory
+    SCALING_ACTIVE = "ScalingActive"  # the autoscaler is computing replica counts from the queue depth
+    DRAINING = "Draining"  # old pods are finishing in-flight requests
+
+
+class ConditionStatus(StrEnum):
+    """The status of a condition: True, False or Unknown."""
+
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation rules: one definition, two enforcers (CEL in the API server, Python in the operator)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field check, written once for both the API server and the operator.
+
+    ``rule`` is CEL with ``self`` bound to the object the rule is attached to (and ``oldSelf`` to its
+    previous value: such *transition* rules run on updates only). ``check`` is its Python twin on the
+    pydantic model: it returns True when the object is valid (a transition rule's check takes
+    ``(new, old)``). When the message depends on the object, ``message_expression`` (CEL) and
+    ``explain`` (Python) build it; ``message`` is then the fallback older API servers show.
+    Keep ``rule`` to core CEL (has, size, comparisons, ternary, in, matches, string()); the test suite
+    evaluates it with cel-python, which has no Kubernetes extension libraries.
+    """
+
+    rule: str
+    message: str
+    check: Callable[..., bool]
+    message_expression: str | None = None
+    explain: Callable[..., str] | None = None
+    field_path: str | None = None  # the field the API server blames, relative to the rule's object
+
+    @property
+    def transition(self) -> bool:
+        return "oldSelf" in self.rule
+
+    def violation(self, obj: Any, old: Any = None) -> str | None:
+        """The message when ``obj`` breaks this rule, else None (transition rules need ``old``)."""
+        if self.transition:
+            if old is None or self.check(obj, old):
+                return None
+        elif self.check(obj):
+            return None
+        return self.explain(obj) if self.explain else self.message
+
+    def to_crd(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rule": self.rule, "message": self.message}
+        if self.message_expression:
+            out["messageExpression"] = self.message_expression
+        if self.field_path:
+            out["fieldPath"] = self.field_path
+        return out
+
+
+def _add_rules_to_schema(schema: dict[str, Any], cls: type) -> None:
+    rules = getattr(cls, "k8s_rules", ())
+    if rules:
+        schema["x-kubernetes-validations"] = [r.to_crd() for r in rules]
+
+
+def _raise_violations(messages: list[str]) -> None:
+    if messages:
+        text = messages[0] if len(messages) == 1 else "\n".join(f"- {m}" for m in messages)
+        raise PydanticCustomError("kubellm_rule", "{messages}", {"messages": text})
+
+
+class KubeModel(BaseModel):
+    """Base of every API model: camelCase JSON names, rules from ``k8s_rules`` enforced on validation."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        use_attribute_docstrings=True,
+        json_schema_extra=_add_rules_to_schema,
+        extra="forbid",
+    )
+    k8s_rules: ClassVar[tuple[Rule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _check_k8s_rules(self) -> KubeModel:
+        _raise_violations([m for r in self.k8s_rules if (m := r.violation(self)) is not None])
+        return self
+
+    def to_k8s(self) -> dict[str, Any]:
+        """The JSON object the API server would hold: camelCase names, unset (None) fields left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class _Status(KubeModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def _sub(factory: type[KubeModel]) -> Any:
+    """A nested object that is always present: defaulted to ``{}`` so the API server fills in its defaults."""
+    return Field(default_factory=factory, json_schema_extra={"default": {}})
+
+
+# --------------------------------------------------------------------------------------------------
+# Scalar types
+# --------------------------------------------------------------------------------------------------
+
+# Kubernetes resource.Quantity without a sign, as the API server's own regex writes it.
+QUANTITY_PATTERN = (  # fmt: skip
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+PERCENT_PATTERN = r"^[0-9]+%$"
+_QUANTITY_SUFFIXES = {
+    "": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6,
+    "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+    "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+
+
+def parse_quantity(value: int | str) -> Decimal:
+    """A Kubernetes quantity (``2``, ``"500m"``, ``"16Gi"``, ``"1e3"``) as a Decimal in base units."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"quantity {value} is negative")
+        return Decimal(value)
+    text = str(value)
+    if not re.fullmatch(QUANTITY_PATTERN, text):
+        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 500m, 2, 16Gi, 1.5G)")
+    m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", text)
+    try:
+        if m and m.group(2) in _QUANTITY_SUFFIXES:
+            return Decimal(m.group(1)) * Decimal(_QUANTITY_SUFFIXES[m.group(2)])
+        return Decimal(text)  # exponent form, 1e3
+    except InvalidOperation as e:  # pragma: no cover - the pattern rules these out
+        raise ValueError(f"{text!r} is not a Kubernetes quantity") from e
+
+
+def _quantity(value: int | str) -> int | str:
+    parse_quantity(value)
+    return value
+
+
+def _int_or_percent(value: int | str) -> int | str:
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"must be >= 0, got {value}")
+    elif not re.fullmatch(PERCENT_PATTERN, value):
+        raise ValueError(f"must be a non-negative integer or a percentage like '25%', got {value!r}")
+    return value
+
+
+Quantity = Annotated[
+    int | str,
+    AfterValidator(_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True,
+            "pattern": QUANTITY_PATTERN,
+            "minimum": 0,
+        }
+    ),
+]
+IntOrPercent = Annotated[
+    int | str,
+    AfterValidator(_int_or_percent),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True,
+            "pattern": PERCENT_PATTERN,
+            "minimum": 0,
+        }
+    ),
+]
+# A core/v1 object kept verbatim (affinity, env valueFrom): the API server keeps its fields unpruned
+# and the pod's own validation checks them.
+FreeForm = Annotated[
+    dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Spec
+# --------------------------------------------------------------------------------------------------
+
+# hf://org/name | pvc://claim[/path] | file:///abs/path | a known model name (smollm2). No backslashes,
+# so the same text is a valid CEL string literal and a Python regex.
+MODEL_URI_PATTERN = (
+    "^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*"
+    "|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?"
+    "|file:///.+"
+    "|[a-z0-9][-a-z0-9_.]*)$"
+)
+MODEL_URI_MESSAGE = (
+    "model.uri must be hf://<org>/<name>, pvc://<claim>/<path>, file:///<absolute path> "
+    "or a known model name such as smollm2"
+)
+
+
+def default_served_model_name(uri: str) -> str:
+    """The name clients pass as ``model`` when ``servedModelName`` is unset.
+
+    ``hf://org/name`` → ``org/name`` (what vLLM serves it as); ``pvc://claim/dir/llama.gguf`` and
+    ``file:///models/llama.gguf`` → the last path element without ``.gguf`` (``llama``), or the claim
+    name for a bare ``pvc://claim``; a known model name → itself.
+    """
+    if uri.startswith("hf://"):
+        return uri.removeprefix("hf://")
+    for scheme in ("pvc://", "file://"):
+        if uri.startswith(scheme):
+            parts = [p for p in uri.removeprefix(scheme).split("/") if p]
+            last = parts[-1] if parts else uri.removeprefix(scheme)
+            return last.removesuffix(".gguf")
+    return uri
+
+
+class ModelSpec(KubeModel):
+    """The model to serve."""
+
+    uri: str = Field(min_length=1, max_length=2048)
+    """Where the weights come from: hf://<org>/<name> (a Hugging Face repository, downloaded at pod start),
+    pvc://<claim>/<path> (a Hugging Face folder or .gguf file on a PersistentVolumeClaim, mounted read-only),
+    file:///<absolute path> (already in the image or on the node), or a known model name such as smollm2
+    (pulled by the runtime)."""
+
+    revision: str | None = Field(default=None, min_length=1, max_length=256)
+    """Hugging Face revision (branch, tag or commit) for hf:// models. Default: the repository's default branch."""
+
+    served_model_name: str | None = Field(default=None, min_length=1, max_length=256)
+    """The name clients pass as "model" in OpenAI requests. Default: derived from the uri (hf://org/name is
+    served as org/name, a file or PVC path as its last element without .gguf, a known model as its name)."""
+
+    k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            rule=f"self.uri.matches('{MODEL_URI_PATTERN}')",
+            message=MODEL_URI_MESSAGE,
+            check=lambda s: re.fullmatch(MODEL_URI_PATTERN, s.uri) is not None,
+            field_path=".uri",
+        ),
+        Rule(
+            rule="!has(self.revision) || self.uri.startsWith('hf://')",
+            message="model.revision applies to hf:// models only",
+            check=lambda s: s.revision is None or s.uri.startswith("hf://"),
+            field_path=".revision",
+        ),
+    )
+
+    @property
+    def effective_served_model_name(self) -> str:
+        return self.served_model_name or default_served_model_name(self.uri)
+
+
+class ParallelismSpec(KubeModel):
+    """How the model is sharded across GPUs."""
+
+    tensor: int = Field(default=1, ge=1)
+    """Tensor-parallel degree: each replica shards every layer across this many GPUs (in one pod)."""
+
+    nodes: int = Field(default=1, ge=1)
+    """Nodes one replica spans. Only 1 is supported for now (multi-node serving is not implemented yet)."""
+
+    k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            rule="self.nodes == 1",
+            message="parallelism.nodes > 1 is not supported yet: multi-node serving is not implemented; "
+            "use nodes: 1 (tensor parallelism within one node)",
+            check=lambda s: s.nodes == 1,
+            field_path=".nodes",
+        ),
+    )
+
+
+class EngineSpec(KubeModel):
+    """Runtime engine settings (the flags of `kubellm serve`)."""
+
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Longest sequence (prompt + generated tokens) served. Default: the model's context length."""
+
+    max_num_seqs: int = Field(default=256, ge=1)
+    """Most sequences batched together in one engine step."""
+
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    """Token budget of one engine step; longer prompts are prefilled in chunks of this size."""
+
+    kv_cache_block_size: Literal[8, 16, 32] = 16
+    """Tokens per paged KV-cache block."""
+
+    kv_cache_memory_fraction: float = Field(default=0.9, gt=0, le=1)
+    """Fraction of the accelerator memory left after loading the weights that the KV cache may take (0 < x <= 1)."""
+
+    prefix_caching: bool = True
+    """Reuse KV-cache blocks of identical prompt prefixes across requests."""
+
+
+class GPUSpec(KubeModel):
+    """GPUs per pod."""
+
+    count: int | None = Field(default=None, ge=0)
+    """GPUs per pod (per replica). 0 runs on CPU. Default (omitted): parallelism.tensor, i.e. one GPU per
+    tensor-parallel shard. When set above 0 it must be a multiple of parallelism.tensor."""
+
+    resource_name: str = Field(default=DEFAULT_GPU_RESOURCE, min_length=1, max_length=253)
+    """The extended resource the pod requests, e.g. nvidia.com/gpu or amd.com/gpu."""
+
+    product: str | None = Field(default=None, min_length=1, max_length=63)
+    """Restrict pods to nodes with this GPU model, e.g. NVIDIA-A100-SXM4-80GB: becomes the node selector
+    nvidia.com/gpu.product=<product> (the label NVIDIA GPU feature discovery sets)."""
+
+    k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            rule="!has(self.product) || !has(self.count) || self.count > 0",
+            message="resources.gpu.product selects GPU nodes, so it needs resources.gpu.count > 0",
+            check=lambda s: s.product is None or s.count is None or s.count > 0,
+            field_path=".product",
+        ),
+    )
+
+
+class ResourceLimits(KubeModel):
+    """Limits that differ from the requests."""
+
+    cpu: Quantity | None = None
+    """CPU limit. Default: equal to resources.cpu."""
+
+    memory: Quantity | None = None
+    """Memory limit. Default: equal to resources.memory."""
+
+
+class ResourcesSpec(KubeModel):
+    """Compute resources of each pod. CPU and memory are requests; the limits equal the requests (Guaranteed
+    QoS, predictable out-of-memory behaviour) unless resources.limits says otherwise. GPUs are always
+    requested and limited alike."""
+
+    gpu: GPUSpec = _sub(GPUSpec)
+    """GPUs per pod."""
+
+    cpu: Quantity | None = None
+    """CPU request (and limit unless limits.cpu is set), e.g. 4 or 500m. Default: none."""
+
+    memory: Quantity | None = None
+    """Memory request (and limit unless limits.memory is set), e.g. 32Gi. Default: none."""
+
+    limits: ResourceLimits | None = None
+    """Limits that differ from the requests, e.g. a higher CPU limit to allow bursts."""
+
+
+class AutoscalingSpec(KubeModel):
+    """Queue-depth autoscaling. When enabled, the autoscaler owns spec.replicas: it writes it through the
+    scale subresource, so leave replicas out of your manifests (GitOps tools then never fight it). A change
+    to spec.replicas made while autoscaling is enabled (kubectl scale, a manifest) must stay within
+    [minReplicas, maxReplicas]; an unchanged value is always accepted, so you can edit the range freely."""
+
+    enabled: bool = False
+    """Scale on the runtime's per-pod queue depth (the kubellm:num_requests_waiting gauge)."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    """Fewest replicas. 0 (scale to zero) needs backend keda."""
+
+    max_replicas: int = Field(default=4, ge=1)
+    """Most replicas."""
+
+    target_queue_depth: int = Field(default=4, ge=1)
+    """Requests waiting per pod (average) the autoscaler aims for."""
+
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
+    """Window of recommendations considered before scaling up (0: scale up at once)."""
+
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)
+    """Window of recommendations considered before scaling down; keeps loaded models around through dips."""
+
+    backend: Literal["hpa", "keda"] = "hpa"
+    """hpa: a HorizontalPodAutoscaler on a Pods metric (needs a custom-metrics adapter such as
+    prometheus-adapter); keda: a KEDA ScaledObject with a Prometheus trigger (supports scale to zero)."""
+
+    k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            rule="self.minReplicas <= self.maxReplicas",
+            message="autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+            check=lambda s: s.min_replicas <= s.max_replicas,
+            field_path=".minReplicas",
+        ),
+        Rule(
+            rule="self.minReplicas >= 1 || self.backend == 'keda'",
+            message="autoscaling.minReplicas 0 (scale to zero) needs backend keda; the HPA cannot scale to zero",
+            check=lambda s: s.min_replicas >= 1 or s.backend == "keda",
+            field_path=".minReplicas",
+        ),
+    )
+
+
+class RolloutSpec(KubeModel):
+    """How pods are replaced when the spec changes."""
+
+    max_surge: IntOrPercent = 1
+    """Pods above the desired count during a rollout (a number or a percentage such as 25%). Surge pods need
+    their own GPUs."""
+
+    max_unavailable: IntOrPercent = 0
+    """Pods below the desired count during a rollout (a number or a percentage). 0 keeps full capacity."""
+
+    drain_timeout_seconds: int = Field(default=30, ge=0, le=3600)
+    """How long a terminating pod keeps serving in-flight requests before aborting them."""
+
+    k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            rule="!(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",
+            message="rollout.maxSurge and rollout.maxUnavailable cannot both be 0: the rollout could never "
+            "replace a pod",
+            check=lambda s: not (str(s.max_surge) in ("0", "0%") and str(s.max_unavailable) in ("0", "0%")),
+            field_path=".maxSurge",
+        ),
+    )
+
+
+class ProbesSpec(KubeModel):
+    """Health probes. Readiness runs a real one-token generation through the runtime."""
+
+    startup_timeout_seconds: int = Field(default=600, ge=1)
+    """Time a pod gets to download and load the model before it is restarted."""
+
+    readiness_period_seconds: int = Field(default=10, ge=1)
+    """How often readiness is probed."""
+
+    readiness_timeout_seconds: int = Field(default=15, ge=RUNTIME_PROBE_DEADLINE_SECONDS + 1)
+    """Readiness probe timeout. Must exceed the runtime's own 10 s deadline for the probe generation, so
+    a slow-but-healthy answer is not cut off by the kubelet."""
+
+
+class Toleration(KubeModel):
+    """A core/v1 Toleration."""
+
+    key: str | None = Field(default=None, max_length=316)
+    """Taint key the toleration applies to; empty matches all keys (then operator must be Exists)."""
+
+    operator: Literal["Exists", "Equal"] | None = None
+    """Exists or Equal (default Equal)."""
+
+    value: str | None = Field(default=None, max_length=63)
+    """Taint value to match (Equal only)."""
+
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to match; empty matches all effects."""
+
+    toleration_seconds: int | None = None
+    """How long a NoExecute taint is tolerated before eviction; unset tolerates it forever."""
+
+    k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            rule="!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            message="a toleration with operator Exists must not set value",
+            check=lambda s: s.operator != "Exists" or not s.value,
+            field_path=".value",
+        ),
+        Rule(
+            rule="(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+            message="a toleration without key must use operator Exists",
+            check=lambda s: bool(s.key) or s.operator == "Exists",
+            field_path=".operator",
+        ),
+        Rule(
+            rule="!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            message="tolerationSeconds applies to effect NoExecute only",
+            check=lambda s: s.toleration_seconds is None or s.effect == "NoExecute",
+            field_path=".tolerationSeconds",
+        ),
+    )
+
+
+class EnvVar(KubeModel):
+    """An environment variable of the runtime container (core/v1 EnvVar)."""
+
+    name: str = Field(min_length=1, max_length=256)
+    """Variable name."""
+
+    value: str | None = None
+    """Literal value."""
+
+    value_from: FreeForm | None = None
+    """A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef), kept verbatim."""
+
+    k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            rule="!(has(self.value) && has(self.valueFrom))",
+            message="env: set value or valueFrom, not both",
+            check=lambda s: s.value is None or s.value_from is None,
+            field_path=".valueFrom",
+        ),
+    )
+
+
+class ServiceSpec(KubeModel):
+    """The Service in front of the pods (OpenAI-compatible HTTP API)."""
+
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    """Service type."""
+
+    port: int = Field(default=80, ge=1, le=65535)
+    """Service port; it forwards to the runtime's container port 8000."""
+
+
+class MonitoringSpec(KubeModel):
+    """Prometheus integration."""
+
+    service_monitor: Literal["Auto", "Enabled", "Disabled"] = "Auto"
+    """Auto: create a ServiceMonitor when the monitoring.coreos.com CRDs are installed; Enabled: always
+    (fail visibly without them); Disabled: never."""
+
+
+class LLMDeploymentSpec(KubeModel):
+    """The desired state of an LLMDeployment."""
+
+    model: ModelSpec
+    """The model to serve (required)."""
+
+    dtype: Dtype = "auto"
+    """Activation and (unquantized) weight dtype. auto: bfloat16 on GPUs and on CPUs with fast bfloat16,
+    else float32."""
+
+    quantization: Quantization = "none"
+    """Weight quantization. none: weights in dtype (GGUF files are dequantized); int8: weight-only int8;
+    gguf: keep a GGUF file's quantized blocks; int4, fp8, awq and gptq need a GPU (awq and gptq load
+    checkpoints already quantized that way)."""
+
+    parallelism: ParallelismSpec = _sub(ParallelismSpec)
+    """Model sharding."""
+
+    engine: EngineSpec = _sub(EngineSpec)
+    """Engine settings."""
+
+    resources: ResourcesSpec = _sub(ResourcesSpec)
+    """Compute resources of each pod."""
+
+    replicas: int = Field(default=1, ge=0)
+    """Pods serving the model (the scale subresource's spec.replicas). With autoscaling enabled the
+    autoscaler writes it; leave it out of manifests then."""
+
+    autoscaling: AutoscalingSpec = _sub(AutoscalingSpec)
+    """Queue-depth autoscaling."""
+
+    rollout: RolloutSpec = _sub(RolloutSpec)
+    """Rolling update behaviour."""
+
+    probes: ProbesSpec = _sub(ProbesSpec)
+    """Startup and readiness probing."""
+
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=1024)
+    """Runtime container image."""
+
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Image pull policy of the runtime container."""
+
+    node_selector: dict[str, str] | None = None
+    """Extra node selector labels (merged with the GPU product selector)."""
+
+    tolerations: list[Toleration] | None = Field(
+        default=None, max_length=64, json_schema_extra={"x-kubernetes-list-type": "atomic"}
+    )
+    """Pod tolerations (core/v1 Toleration), e.g. for tainted GPU nodes."""
+
+    affinity: FreeForm | None = None
+    """Pod affinity (core/v1 Affinity), kept verbatim."""
+
+    priority_class_name: str | None = Field(default=None, min_length=1, max_length=253)
+    """PriorityClass of the pods."""
+
+    env: list[EnvVar] | None = Field(
+        default=None,
+        max_length=256,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    """Extra environment variables of the runtime container (unique names), e.g. HF_TOKEN from a Secret."""
+
+    pod_labels: dict[str, str] | None = None
+    """Extra labels on the pods."""
+
+    pod_annotations: dict[str, str] | None = None
+    """Extra annotations on the pods."""
+
+    service: ServiceSpec = _sub(ServiceSpec)
+    """The Service in front of the pods."""
+
+    monitoring: MonitoringSpec = _sub(MonitoringSpec)
+    """Prometheus integration."""
+
+    k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            rule="!has(self.resources.gpu.count) || self.resources.gpu.count == 0 "
+            "|| self.resources.gpu.count % self.parallelism.tensor == 0",
+            message="resources.gpu.count must be 0 (CPU) or a multiple of parallelism.tensor; "
+            "omit it to get parallelism.tensor GPUs",
+            check=lambda s: (
+                s.resources.gpu.count in (None, 0) or s.resources.gpu.count % s.parallelism.tensor == 0
+            ),
+            field_path=".resources.gpu.count",
+        ),
+        Rule(
+            rule="self.parallelism.tensor == 1 || !has(self.resources.gpu.count) "
+            "|| self.resources.gpu.count >= self.parallelism.tensor",
+            message="parallelism.tensor > 1 needs resources.gpu.count >= parallelism.tensor "
+            "(one GPU per tensor-parallel shard)",
+            check=lambda s: (
+                s.parallelism.tensor == 1
+                or s.resources.gpu.count is None
+                or s.resources.gpu.count >= s.parallelism.tensor
+            ),
+            field_path=".parallelism.tensor",
+        ),
+        Rule(
+            rule="!(self.quantization in ['int4', 'fp8', 'awq', 'gptq']) "
+            "|| !has(self.resources.gpu.count) || self.resources.gpu.count > 0",
+            message="quantization int4, fp8, awq and gptq need a GPU; set resources.gpu.count or quantization=none",
+            message_expression="'quantization ' + self.quantization "
+            "+ ' needs a GPU; set resources.gpu.count or quantization=none'",
+            check=lambda s: (
+                s.quantization not in GPU_ONLY_QUANTIZATIONS
+                or s.resources.gpu.count is None
+                or s.resources.gpu.count > 0
+            ),
+            explain=lambda s: (
+                f"quantization {s.quantization} needs a GPU; set resources.gpu.count or quantization=none"
+            ),
+            field_path=".quantization",
+        ),
+        # Transition rule (updates only): the autoscaler's own writes always land in range and an unchanged
+        # replicas is always accepted, so editing min/maxReplicas never gets a GitOps sync stuck; a manual
+        # `kubectl scale` or a manifest that sets replicas outside the range is refused.
+        Rule(
+            rule="!self.autoscaling.enabled || self.replicas == oldSelf.replicas "
+            "|| (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
+            message="autoscaling is enabled, so the autoscaler owns spec.replicas: a new replicas value must lie "
+            "within [autoscaling.minReplicas, autoscaling.maxReplicas]; remove replicas from your manifest",
+            message_expression="'replicas ' + string(self.replicas) + ' is outside autoscaling ['"
+            " + string(self.autoscaling.minReplicas) + ', ' + string(self.autoscaling.maxReplicas)"
+            " + ']: autoscaling is enabled, so the autoscaler owns spec.replicas; remove replicas from your "
+            "manifest'",
+            check=lambda s, old: (
+                not s.autoscaling.enabled
+                or s.replicas == old.replicas
+                or s.autoscaling.min_replicas <= s.replicas <= s.autoscaling.max_replicas
+            ),
+            explain=lambda s: (
+                f"replicas {s.replicas} is outside autoscaling [{s.autoscaling.min_replicas}, "
+                f"{s.autoscaling.max_replicas}]: autoscaling is enabled, so the autoscaler owns spec.replicas; "
+                "remove replicas from your manifest"
+            ),
+            field_path=".replicas",
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _python_only(self) -> LLMDeploymentSpec:
+        _raise_violations(_python_only_checks(self))
+        return self
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs per pod with the default applied (omitted: parallelism.tensor)."""
+        count = self.resources.gpu.count
+        return self.parallelism.tensor if count is None else count
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.effective_served_model_name
+
+    def resource_requirements(self) -> dict[str, dict[str, str]]:
+        """The runtime container's core/v1 ResourceRequirements (requests and limits), as a dict."""
+        requests: dict[str, str] = {}
+        limits: dict[str, str] = {}
+        for name in ("cpu", "memory"):
+            request = getattr(self.resources, name)
+            limit = getattr(self.resources.limits, name) if self.resources.limits else None
+            if request is not None:
+                requests[name] = str(request)
+            if limit is not None or request is not None:
+                limits[name] = str(limit if limit is not None else request)
+        if self.gpu_count > 0:
+            gpu = self.resources.gpu.resource_name
+            requests[gpu] = limits[gpu] = str(self.gpu_count)
+        out = {}
+        if requests:
+            out["requests"] = requests
+        if limits:
+            out["limits"] = limits
+        return out
+
+
+def _python_only_checks(spec: LLMDeploymentSpec) -> list[str]:
+    """Checks CEL cannot express without Kubernetes' quantity library (the API server enforces the first
+    through the env list-map keys, the pod's validation the second)."""
+    problems = []
+    names = [e.name for e in spec.env or ()]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"env: {name} appears more than once; names must be unique")
+    if spec.resources.limits is not None:
+        for name in ("cpu", "memory"):
+            request, limit = getattr(spec.resources, name), getattr(spec.resources.limits, name)
+            if request is not None and limit is not None and parse_quantity(limit) < parse_quantity(request):
+                problems.append(f"resources.limits.{name} ({limit}) must be >= resources.{name} ({request})")
+    return problems
+
+
+def validate_update(old: LLMDeploymentSpec, new: LLMDeploymentSpec) -> list[str]:
+    """Messages of the transition rules (CEL rules using oldSelf) that an update from ``old`` to ``new`` breaks."""
+    return [
+        m for r in LLMDeploymentSpec.k8s_rules if r.transition and (m := r.violation(new, old)) is not None
+    ]
+
+
+def all_rules() -> dict[str, tuple[Rule, ...]]:
+    """Every rule by the model it is attached to (for docs and tests)."""
+    models = (
+        ModelSpec,
+        ParallelismSpec,
+        GPUSpec,
+        AutoscalingSpec,
+        RolloutSpec,
+        Toleration,
+        EnvVar,
+        LLMDeploymentSpec,
+    )
+    return {m.__name__: m.k8s_rules for m in models}
+
+
+# --------------------------------------------------------------------------------------------------
+# Status
+# --------------------------------------------------------------------------------------------------
+
+
+def _now() -> datetime:
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+class Condition(_Status):
+    """An observation of one aspect of the deployment (the metav1.Condition shape)."""
+
+    type: str = Field(max_length=316, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$")  # fmt: skip
+    """Ready, Progressing, Degraded, ModelLoaded, ScalingActive or Draining."""
+
+    status: ConditionStatus
+    """True, False or Unknown."""
+
+    reason: str = Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    """Why the condition has this status, in CamelCase (also the STATUS column for Ready)."""
+
+    message: str = Field(default="", max_length=32768)
+    """Details for humans."""
+
+    last_transition_time: datetime
+    """When the status last changed."""
+
+    observed_generation: int | None = Field(default=None, ge=0)
+    """The metadata.generation the condition was computed from."""
+
+
+class AutoscalingStatus(_Status):
+    """What the autoscaler sees and does."""
+
+    current_queue_depth: float | None = Field(default=None, ge=0)
+    """Requests waiting per pod, averaged over the ready pods (the QUEUE column)."""
+
+    target_queue_depth: int | None = Field(default=None, ge=1)
+    """The target it scales towards (spec.autoscaling.targetQueueDepth)."""
+
+    current_replicas: int | None = Field(default=None, ge=0)
+    """Replicas now."""
+
+    desired_replicas: int | None = Field(default=None, ge=0)
+    """Replicas the autoscaler last asked for."""
+
+    last_scale_time: datetime | None = None
+    """When the autoscaler last changed the replica count."""
+
+    blocked_reason: str | None = None
+    """Why the autoscaler cannot act (e.g. the custom-metrics API is missing); empty when it can."""
+
+
+class LLMDeploymentStatus(_Status):
+    """The observed state of an LLMDeployment, written by the operator."""
+
+    observed_generation: int | None = Field(default=None, ge=0)
+    """The metadata.generation this status describes."""
+
+    replicas: int | None = Field(default=None, ge=0)
+    """Pods that exist (the scale subresource's status.replicas)."""
+
+    ready_replicas: int | None = Field(default=None, ge=0)
+    """Pods that pass the inference readiness probe."""
+
+    updated_replicas: int | None = Field(default=None, ge=0)
+    """Pods running the current spec."""
+
+    ready_text: str | None = None
+    """Ready pods over desired pods, e.g. 1/2 (the READY column)."""
+
+    selector: str | None = None
+    """Label selector of the pods, as a string (the scale subresource's selector, used by autoscalers)."""
+
+    endpoint: str | None = None
+    """In-cluster base URL of the OpenAI-compatible API, e.g. http://name.namespace.svc.cluster.local/v1."""
+
+    autoscaling: AutoscalingStatus | None = None
+    """Autoscaler state (when spec.autoscaling.enabled)."""
+
+    conditions: list[Condition] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    """Ready, Progressing, Degraded, ModelLoaded, ScalingActive and Draining."""
+
+    def get_condition(self, type: str) -> Condition | None:
+        return next((c for c in self.conditions or () if c.type == type), None)
+
+    def is_condition_true(self, type: str) -> bool:
+        c = self.get_condition(type)
+        return c is not None and c.status == ConditionStatus.TRUE
+
+    def set_condition(
+        self,
+        type: str,
+        status: ConditionStatus | str | bool,
+        reason: str,
+        message: str = "",
+        observed_generation: int | None = None,
+        now: datetime | None = None,
+    ) -> bool:
+        """Add or update a condition, like apimachinery's meta.SetStatusCondition.
+
+        ``lastTransitionTime`` moves only when the status changes. ``status`` may be a bool. Returns whether
+        anything changed (so callers can skip a no-op status patch).
+        """
+        if isinstance(status, bool):
+            status = ConditionStatus.TRUE if status else ConditionStatus.FALSE
+        status = ConditionStatus(status)
+        existing = self.get_condition(type)
+        if existing is None:
+            self.conditions = [*(self.conditions or ()), Condition(
+                type=type, status=status, reason=reason, message=message,
+                last_transition_time=now or _now(), observed_generation=observed_generation,
+            )]  # fmt: skip
+            return True
+        before = existing.model_dump()
+        if existing.status != status:
+            existing.status = status
+            existing.last_transition_time = now or _now()
+        existing.reason, existing.message, existing.observed_generation = reason, message, observed_generation
+        return existing.model_dump() != before
+
+    def remove_condition(self, type: str) -> bool:
+        before = len(self.conditions or ())
+        self.conditions = [c for c in self.conditions or () if c.type != type] or None
+        return len(self.conditions or ()) != before
+
+
+def ready_text(ready: int, desired: int) -> str:
+    """The READY column: ``"1/2"``."""
+    return f"{ready}/{desired}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The object
+# --------------------------------------------------------------------------------------------------
+
+
+class LLMDeployment(KubeModel):
+    """LLMDeployment serves one LLM with the kubellm runtime: pods, a Service, probes that run a real
+    inference, draining rollouts and queue-depth autoscaling."""
+
+    api_version: Literal["kubellm.io/v1alpha1"] = API_VERSION
+    kind: Literal["LLMDeployment"] = KIND
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: LLMDeploymentSpec
+    status: LLMDeploymentStatus | None = None
+
+    @property
+    def name(self) -> str | None:
+        return self.metadata.get("name")
+
+    @property
+    def namespace(self) -> str | None:
+        return self.metadata.get("namespace")

@@ -113,7 +113,7 @@ def make_backend(kind: str, device: str, num_heads: int, num_kv_heads: int, head
     """``auto`` picks the native CPU kernel on CPU when it builds here, else the torch reference."""
     if kind == "auto":
         kind = "torch"
-        if device == "cpu":
+        if device == "cpu" and head_dim % 16 == 0 and head_dim <= 512:  # the kernel's supported head sizes
             from kubellm.kernels import cpu_paged_attention
 
             if cpu_paged_attention.available():

@@ -75,6 +75,23 @@ def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fix
     assert bm.num_used_blocks == 0, "every block must be free once all requests finished"
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_torch_reference_attention_backend_also_equals_transformers(fixture, request):
+    """`auto` uses the native CPU kernel where it builds; the plain-PyTorch backend must agree too."""
+    model_dir = request.getfixturevalue(fixture)
+    llm = _engine(model_dir, attention_backend="torch")
+    assert type(llm.engine.runner.backend).__name__ == "TorchAttentionBackend"
+    _run_and_compare(llm, model_dir, _prompts())
+
+
+def test_auto_backend_uses_the_native_cpu_kernel_when_it_builds(tiny_llama):
+    from kubellm.kernels import cpu_paged_attention
+
+    if not cpu_paged_attention.available():
+        pytest.skip(f"native CPU kernel unavailable here: {cpu_paged_attention.build_info()['error']}")
+    assert type(_engine(tiny_llama).engine.runner.backend).__name__ == "NativeCpuAttentionBackend"
+
+
 def test_greedy_equals_transformers_with_roomy_cache_and_one_big_step(tiny_llama):
     """The easy path too: no chunking, no preemption, everything prefilled together."""
     llm = _engine(tiny_llama, max_num_batched_tokens=512, max_num_seqs=16, num_kv_blocks=256)

@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step; long prompts are prefilled in chunks of this size")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     g.add_argument("--kv-cache-memory", help="KV-cache size, e.g. 2GiB (default: 90%% of free memory; 4GiB max on CPU)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
+                   help="without --kv-cache-memory: this fraction of the memory free after loading (default 0.9)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--num-threads", type=int, help="CPU threads for torch (default: all)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
@@ -53,6 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                 enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads, seed=args.seed,
                 attention_backend=args.attention_backend)
 
@@ -158,6 +161,12 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return crd_main(["-o", args.output] if args.output else [])
 
 
+def cmd_render(args: argparse.Namespace) -> int:
+    from kubellm.operator.render import main as render_main
+
+    return render_main(args.render_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kubellm", description="kubellm: serve LLMs on Kubernetes with a "
                                 "paged-attention runtime. Start with `kubellm generate` (demo model, CPU).")
@@ -218,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "in kubellm.operator.api (the source of truth).")
     c.add_argument("-o", "--output", help="write to this file instead of stdout")
     c.set_defaults(func=cmd_crd)
+
+    r = sub.add_parser("render", help="print the manifests the operator would apply for LLMDeployment files",
+                       description="Render LLMDeployment YAML into the exact child manifests the operator applies "
+                                   "(for GitOps review). Pass -f FILE (repeatable, - for stdin); see -h of the "
+                                   "renderer: `kubellm render -- -h`.", add_help=False)
+    r.add_argument("render_args", nargs=argparse.REMAINDER, help="-f FILE [-f FILE] [-n NAMESPACE] ...")
+    r.set_defaults(func=cmd_render)
 
     m = sub.add_parser("models", parents=[logging_flags], help="pull, list and export models", description="Manage the local model cache "
                        "($KUBELLM_CACHE, default ~/.cache/kubellm).")

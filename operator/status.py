@@ -1,0 +1,672 @@
+"""The status of an LLMDeployment, computed from its children: pure functions, no API calls.
+
+:func:`observe` turns what the operator read (the Deployment, the HorizontalPodAutoscaler, the pods) and the
+status it wrote last time into the new status and the Events to post. :func:`invalid_spec_status` does the
+same for a spec the operator rejected. Nothing here talks to Kubernetes or reads the clock unless ``now`` is
+left out, so every rule below is tested with plain dicts (tests/operator/test_status.py).
+
+Conditions (``lastTransitionTime`` moves only when a condition's status changes, see
+:meth:`LLMDeploymentStatus.set_condition`):
+
+* **Ready**: True when at least one pod is ready and either no rollout is in progress or the rollout keeps
+  ``availableReplicas >= desired`` (a rollout with ``maxUnavailable: 0`` stays Ready). Reasons: ``Available``
+  (True, no rollout), ``Rolling`` (True while a rollout keeps full capacity, False while it runs below it),
+  ``NoReadyReplicas`` (no pod ready, or no Deployment yet), ``ScaledToZero`` (desired replicas 0),
+  ``InvalidSpec`` and ``ReconcileFailed`` (the spec could not be applied: whatever still runs is the old one).
+* **Progressing**: True while a rollout (``Rolling``) or a scale (``Scaling``: pods not yet available) is
+  under way, or before the Deployment exists (``Creating``); False with ``Complete`` when every pod runs the
+  current template and is available, ``ProgressDeadlineExceeded`` when the Deployment gave up, or
+  ``InvalidSpec``/``ReconcileFailed``. A rollout starts when a new ``metadata.generation`` is observed whose
+  change touched the pod template (``template_changed``; a replicas-only change is a scale, not a rollout)
+  and ends when the Deployment reports every pod updated and available, as ``kubectl rollout status`` does.
+* **Degraded**: True when something needs a human: a container waiting in ImagePullBackOff, ErrImagePull,
+  CrashLoopBackOff, CreateContainerConfigError, CreateContainerError or InvalidImageName; a container
+  OOMKilled recently; a started container failing its readiness probe for longer than
+  :func:`readiness_grace_seconds`; an unschedulable pod; the Deployment's ProgressDeadlineExceeded or
+  ReplicaFailure; or an invalid spec / failed reconcile. The reason is the most severe problem's; the message
+  names the pod and the container.
+* **ModelLoaded**: True when at least one live pod passed its startup probe (every container ``started``);
+  False with ``ModelLoading`` while none has, with the Degraded reason when a pod problem is why, or
+  ``ScaledToZero``.
+* **ScalingActive**: from the HPA's AbleToScale / ScalingActive / ScalingLimited conditions (KEDA's HPA too);
+  False with ``AutoscalingDisabled`` when spec.autoscaling is off. ``status.autoscaling.blockedReason`` says
+  why the autoscaler cannot act.
+* **Draining**: True while terminating pods (``deletionTimestamp`` set) finish their in-flight requests.
+
+Events: ``RolloutStarted`` / ``RolloutComplete``, ``ScaledUp`` / ``ScaledDown`` (the HPA's desired replicas
+changed since the last status), ``ModelLoaded``, and Warnings when Degraded turns True or changes reason
+(the reason is the problem's, e.g. ``ImagePullBackOff``), when autoscaling becomes blocked
+(``AutoscalingBlocked``), for ``InvalidSpec`` and ``ReconcileFailed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, NamedTuple
+
+from kubellm.operator.api import (
+    GROUP,
+    QUEUE_DEPTH_METRIC,
+    SINGULAR,
+    AutoscalingStatus,
+    ConditionStatus,
+    ConditionType,
+    LLMDeployment,
+    LLMDeploymentStatus,
+    parse_quantity,
+    ready_text,
+)
+
+LLMDEPLOYMENT_LABEL = f"{GROUP}/{SINGULAR}"  # kubellm.io/llmdeployment=<name> on every child and pod
+
+# Waiting reasons that do not fix themselves, most severe first (the first one found names Degraded).
+DEGRADING_WAITING_REASONS = (
+    "CreateContainerConfigError",
+    "InvalidImageName",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "CrashLoopBackOff",
+    "CreateContainerError",
+)
+OOM_RECENT_SECONDS = 600  # an OOMKilled lastState older than this, on a ready container, is history
+_SEVERITY = (
+    "InvalidSpec",
+    "ReconcileFailed",
+    *DEGRADING_WAITING_REASONS,
+    "OOMKilled",
+    "ProgressDeadlineExceeded",
+    "ReplicaFailure",
+    "Unschedulable",
+    "ReadinessProbeFailing",
+)
+_MAX_PROBLEMS_IN_MESSAGE = 5
+
+_CONDITION_ORDER = (
+    ConditionType.READY,
+    ConditionType.PROGRESSING,
+    ConditionType.DEGRADED,
+    ConditionType.MODEL_LOADED,
+    ConditionType.SCALING_ACTIVE,
+    ConditionType.DRAINING,
+)
+
+
+class Event(NamedTuple):
+    """A Kubernetes Event to post on the LLMDeployment."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something that makes the deployment Degraded."""
+
+    reason: str
+    message: str
+
+
+# --------------------------------------------------------------------------------------------------
+# Small helpers over raw Kubernetes dicts
+# --------------------------------------------------------------------------------------------------
+
+
+def _now() -> datetime:
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+def _get(obj: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:
+    for key in path:
+        if not isinstance(obj, Mapping) or key not in obj:
+            return default
+        obj = obj[key]
+    return default if obj is None else obj
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def parse_time(value: Any) -> datetime | None:
+    """A Kubernetes timestamp (``2024-05-01T12:00:00Z``) as an aware datetime; None if absent or unparsable."""
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def quantity_to_float(value: Any) -> float | None:
+    """A Kubernetes quantity (``"1500m"``, ``"2"``, ``3``) as a float; None if absent or unparsable."""
+    if value is None:
+        return None
+    try:
+        return float(parse_quantity(value if isinstance(value, int) else str(value)))
+    except (TypeError, ValueError):
+        return None
+
+
+def _condition(obj: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any] | None:
+    for c in _get(obj, "status", "conditions", default=[]) or []:
+        if isinstance(c, Mapping) and c.get("type") == type_:
+            return c
+    return None
+
+
+def _generation(metadata: Mapping[str, Any] | None) -> int | None:
+    value = _get(metadata, "generation")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _as_status(previous: LLMDeploymentStatus | Mapping[str, Any] | None) -> LLMDeploymentStatus:
+    if previous is None:
+        return LLMDeploymentStatus()
+    if isinstance(previous, LLMDeploymentStatus):
+        return previous.model_copy(deep=True)
+    try:
+        return LLMDeploymentStatus.model_validate(dict(previous))
+    except ValueError:  # a status we cannot read (hand-edited): start afresh rather than fail
+        return LLMDeploymentStatus()
+
+
+def _fmt(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:g}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def readiness_grace_seconds(ld: LLMDeployment) -> int:
+    """How long a started container may fail its readiness probe before the deployment is Degraded:
+    three probe periods plus three timeouts (75 s with the defaults), at least 60 s."""
+    probes = ld.spec.probes
+    return max(60, 3 * (probes.readiness_period_seconds + probes.readiness_timeout_seconds))
+
+
+def label_selector(deployment: Mapping[str, Any] | None, name: str) -> str:
+    """The pods' label selector as a string (status.selector, the scale subresource's labelSelectorPath):
+    the Deployment's matchLabels when it has them, else ``kubellm.io/llmdeployment=<name>``."""
+    match_labels = _get(deployment, "spec", "selector", "matchLabels", default={})
+    if isinstance(match_labels, Mapping) and match_labels:
+        return ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
+    return f"{LLMDEPLOYMENT_LABEL}={name}"
+
+
+def endpoint(ld: LLMDeployment, service_name: str | None = None) -> str:
+    """The in-cluster base URL of the OpenAI API: ``http://<service>.<namespace>.svc:<port>/v1``."""
+    return f"http://{service_name or ld.name}.{ld.namespace or 'default'}.svc:{ld.spec.service.port}/v1"
+
+
+# --------------------------------------------------------------------------------------------------
+# Pods
+# --------------------------------------------------------------------------------------------------
+
+
+def _pod_name(pod: Mapping[str, Any]) -> str:
+    return str(_get(pod, "metadata", "name", default="?"))
+
+
+def is_terminating(pod: Mapping[str, Any]) -> bool:
+    return bool(_get(pod, "metadata", "deletionTimestamp"))
+
+
+def _container_statuses(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    init = _get(pod, "status", "initContainerStatuses", default=[]) or []
+    main = _get(pod, "status", "containerStatuses", default=[]) or []
+    return [c for c in (*init, *main) if isinstance(c, Mapping)]
+
+
+def has_started(pod: Mapping[str, Any]) -> bool:
+    """Every (main) container passed its startup probe: the runtime finished loading the model."""
+    statuses = [
+        c for c in _get(pod, "status", "containerStatuses", default=[]) or [] if isinstance(c, Mapping)
+    ]
+    return bool(statuses) and all(c.get("started") is True for c in statuses)
+
+
+def pod_problems(pod: Mapping[str, Any], *, now: datetime, readiness_grace: float) -> list[Problem]:
+    """What is wrong with one pod, for Degraded (an empty list for a healthy or merely starting pod)."""
+    name = _pod_name(pod)
+    problems: list[Problem] = []
+    scheduled = _condition(pod, "PodScheduled")
+    if scheduled and scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        detail = scheduled.get("message") or "no node fits it"
+        problems.append(Problem("Unschedulable", f"pod {name} is unschedulable: {detail}"))
+    ready_cond = _condition(pod, "Ready")
+    not_ready_since = parse_time(ready_cond.get("lastTransitionTime")) if ready_cond else None
+    for c in _container_statuses(pod):
+        cname = c.get("name", "?")
+        waiting = _get(c, "state", "waiting", default={})
+        reason = waiting.get("reason") if isinstance(waiting, Mapping) else None
+        if reason in DEGRADING_WAITING_REASONS:
+            detail = waiting.get("message")
+            text = f"pod {name}: container {cname} {reason}" + (f": {detail}" if detail else "")
+            problems.append(Problem(reason, text))
+            continue
+        terminated_now = _get(c, "state", "terminated", default={})
+        last_terminated = _get(c, "lastState", "terminated", default={})
+        oom = None
+        if isinstance(terminated_now, Mapping) and terminated_now.get("reason") == "OOMKilled":
+            oom = terminated_now
+        elif isinstance(last_terminated, Mapping) and last_terminated.get("reason") == "OOMKilled":
+            finished = parse_time(last_terminated.get("finishedAt"))
+            recent = finished is None or (now - finished).total_seconds() <= OOM_RECENT_SECONDS
+            if recent or not c.get("ready"):
+                oom = last_terminated
+        if oom is not None:
+            restarts = _int(c.get("restartCount"))
+            text = f"pod {name}: container {cname} OOMKilled (out of memory; {_plural(restarts, 'restart')})"
+            problems.append(Problem("OOMKilled", text))
+            continue
+        running = _get(c, "state", "running", default=None)
+        if running is not None and c.get("started") is True and c.get("ready") is False:
+            since = not_ready_since or parse_time(_get(running, "startedAt"))
+            if since is not None and (now - since).total_seconds() > readiness_grace:
+                seconds = int((now - since).total_seconds())
+                text = f"pod {name}: container {cname} is running but has failed its readiness probe for {seconds}s"
+                problems.append(Problem("ReadinessProbeFailing", text))
+    return problems
+
+
+def _summarize(problems: list[Problem]) -> Problem | None:
+    if not problems:
+        return None
+    ranked = sorted(
+        problems, key=lambda p: _SEVERITY.index(p.reason) if p.reason in _SEVERITY else len(_SEVERITY)
+    )
+    shown = [p.message for p in ranked[:_MAX_PROBLEMS_IN_MESSAGE]]
+    if len(ranked) > _MAX_PROBLEMS_IN_MESSAGE:
+        shown.append(f"and {len(ranked) - _MAX_PROBLEMS_IN_MESSAGE} more")
+    return Problem(ranked[0].reason, "; ".join(shown))
+
+
+# --------------------------------------------------------------------------------------------------
+# Autoscaler
+# --------------------------------------------------------------------------------------------------
+
+
+def current_queue_depth(hpa: Mapping[str, Any] | None) -> float | None:
+    """Requests waiting per pod as the HPA last measured it: the Pods metric kubellm:num_requests_waiting
+    (any Pods metric if it is named otherwise), else an External metric's average (KEDA's HPA)."""
+    metrics = [m for m in _get(hpa, "status", "currentMetrics", default=[]) or [] if isinstance(m, Mapping)]
+    pods = [m for m in metrics if m.get("type") == "Pods"]
+    named = [m for m in pods if _get(m, "pods", "metric", "name") == QUEUE_DEPTH_METRIC]
+    for m in (*named, *pods):
+        value = quantity_to_float(_get(m, "pods", "current", "averageValue"))
+        if value is not None:
+            return value
+    for m in metrics:
+        if m.get("type") == "External":
+            value = quantity_to_float(_get(m, "external", "current", "averageValue"))
+            if value is not None:
+                return value
+    return None
+
+
+def _autoscaling(
+    ld: LLMDeployment, hpa: Mapping[str, Any] | None
+) -> tuple[AutoscalingStatus, tuple[ConditionStatus, str, str]]:
+    """status.autoscaling and the ScalingActive condition (status, reason, message)."""
+    auto = ld.spec.autoscaling
+    kind = (
+        "KEDA ScaledObject's HorizontalPodAutoscaler" if auto.backend == "keda" else "HorizontalPodAutoscaler"
+    )
+    out = AutoscalingStatus(target_queue_depth=auto.target_queue_depth)
+    if hpa is None:
+        out.blocked_reason = f"the {kind} does not exist yet"
+        return out, (ConditionStatus.FALSE, "AutoscalerMissing", out.blocked_reason)
+    hstatus = _get(hpa, "status", default={})
+    out.current_replicas = _int(hstatus.get("currentReplicas")) if "currentReplicas" in hstatus else None
+    out.desired_replicas = _int(hstatus.get("desiredReplicas")) if "desiredReplicas" in hstatus else None
+    out.current_queue_depth = current_queue_depth(hpa)
+    out.last_scale_time = parse_time(hstatus.get("lastScaleTime"))
+
+    able = _condition(hpa, "AbleToScale")
+    active = _condition(hpa, "ScalingActive")
+    limited = _condition(hpa, "ScalingLimited")
+    if able and able.get("status") == "False":
+        reason = able.get("reason") or "NotAbleToScale"
+        out.blocked_reason = f"{reason}: {able.get('message') or 'the autoscaler cannot scale the target'}"
+        return out, (ConditionStatus.FALSE, reason, out.blocked_reason)
+    if active and active.get("status") == "False":
+        reason = active.get("reason") or "ScalingInactive"
+        if auto.backend == "keda" and reason == "ScalingDisabled":  # KEDA's HPA at zero replicas: normal
+            return out, (ConditionStatus.TRUE, "ScaledToZero", "KEDA scales up from zero when requests queue")
+        out.blocked_reason = (
+            f"{reason}: {active.get('message') or 'the autoscaler cannot compute a replica count'}"
+        )
+        return out, (ConditionStatus.FALSE, reason, out.blocked_reason)
+    if active and active.get("status") == "True":
+        if limited and limited.get("status") == "True":
+            why = limited.get("message") or limited.get("reason") or "at the replica bounds"
+            return out, (ConditionStatus.TRUE, "ScalingLimited", f"scaling on queue depth, limited: {why}")
+        msg = f"scaling on queue depth {_fmt(out.current_queue_depth)} (target {auto.target_queue_depth})"
+        return out, (ConditionStatus.TRUE, active.get("reason") or "ValidMetricFound", msg)
+    return out, (ConditionStatus.UNKNOWN, "AutoscalerPending", f"the {kind} has not reported yet")
+
+
+def _scale_events(previous: AutoscalingStatus | None, new: AutoscalingStatus) -> list[Event]:
+    if previous is None:
+        return []
+    before = previous.desired_replicas if previous.desired_replicas is not None else previous.current_replicas
+    after = new.desired_replicas if new.desired_replicas is not None else new.current_replicas
+    if before is None or after is None or before == after:
+        return []
+    reason = "ScaledUp" if after > before else "ScaledDown"
+    depth = _fmt(new.current_queue_depth)
+    message = f"from {before} to {after}, queue depth {depth} (target {new.target_queue_depth})"
+    return [Event("Normal", reason, message)]
+
+
+# --------------------------------------------------------------------------------------------------
+# observe
+# --------------------------------------------------------------------------------------------------
+
+
+def _set(
+    status: LLMDeploymentStatus, type_: str, value: tuple, generation: int | None, now: datetime
+) -> None:
+    cstatus, reason, message = value
+    status.set_condition(type_, cstatus, reason, message, observed_generation=generation, now=now)
+
+
+def _order_conditions(status: LLMDeploymentStatus) -> None:
+    order = {t.value: i for i, t in enumerate(_CONDITION_ORDER)}
+    if status.conditions:
+        status.conditions.sort(key=lambda c: order.get(c.type, len(order)))
+
+
+def _degraded_events(previous: LLMDeploymentStatus, status: LLMDeploymentStatus) -> list[Event]:
+    before, after = (
+        previous.get_condition(ConditionType.DEGRADED),
+        status.get_condition(ConditionType.DEGRADED),
+    )
+    if (
+        after is None
+        or after.status != ConditionStatus.TRUE
+        or after.reason in ("InvalidSpec", "ReconcileFailed")
+    ):
+        return []  # those two post their own events
+    if before is not None and before.status == ConditionStatus.TRUE and before.reason == after.reason:
+        return []
+    return [Event("Warning", after.reason, after.message)]
+
+
+def observe(
+    ld: LLMDeployment,
+    deployment: Mapping[str, Any] | None,
+    hpa: Mapping[str, Any] | None,
+    pods: Iterable[Mapping[str, Any]],
+    previous_status: LLMDeploymentStatus | Mapping[str, Any] | None,
+    *,
+    now: datetime | None = None,
+    template_changed: bool | None = None,
+    reconcile_error: str | None = None,
+    service_name: str | None = None,
+) -> tuple[LLMDeploymentStatus, list[Event]]:
+    """The new status of ``ld`` and the Events to post, from its children and the status written last time.
+
+    ``deployment`` and ``hpa`` are the owned children as the API returns them (None when absent; ``hpa`` is
+    KEDA's HPA for backend keda), ``pods`` the pods the Deployment selects (terminating ones included).
+    ``template_changed`` says whether the change that produced the current generation changed the pod
+    template (None: unknown, assume it did); False makes a new generation a scale, not a rollout.
+    ``reconcile_error`` is the message of the last failed attempt to apply the children (Ready and Progressing
+    False, Degraded True, reason ReconcileFailed). ``service_name`` defaults to the LLMDeployment's name.
+    """
+    now = now or _now()
+    previous = _as_status(previous_status)
+    status = previous.model_copy(deep=True)
+    events: list[Event] = []
+    generation = _generation(ld.metadata)
+    new_generation = generation is not None and generation != previous.observed_generation
+    spec = ld.spec
+    pods = [p for p in pods if isinstance(p, Mapping)]
+    live = [p for p in pods if not is_terminating(p)]
+    terminating = [p for p in pods if is_terminating(p)]
+
+    # Counts, from the Deployment.
+    dstatus = _get(deployment, "status", default={})
+    spec_replicas = _get(deployment, "spec", "replicas")
+    desired = _int(spec_replicas) if deployment is not None and spec_replicas is not None else spec.replicas
+    replicas, ready = _int(dstatus.get("replicas")), _int(dstatus.get("readyReplicas"))
+    updated, available = _int(dstatus.get("updatedReplicas")), _int(dstatus.get("availableReplicas"))
+    d_generation = _generation(_get(deployment, "metadata", default={}))
+    d_observed = dstatus.get("observedGeneration")
+    caught_up = d_generation is None or (isinstance(d_observed, int) and d_observed >= d_generation)
+    complete = (
+        deployment is not None
+        and caught_up
+        and updated >= desired
+        and replicas <= updated
+        and available >= updated
+    )
+    d_progressing = _condition(deployment, "Progressing")
+    deadline_exceeded = bool(
+        d_progressing
+        and d_progressing.get("status") == "False"
+        and d_progressing.get("reason") == "ProgressDeadlineExceeded"
+    )
+
+    # Rollout state machine (the Progressing condition remembers a rollout between observations).
+    prev_progressing = previous.get_condition(ConditionType.PROGRESSING)
+    was_rolling = (
+        prev_progressing is not None
+        and prev_progressing.status == ConditionStatus.TRUE
+        and prev_progressing.reason in ("Rolling", "Creating")
+    )
+    starting = new_generation and template_changed is not False and reconcile_error is None
+    rolling = starting or (not complete and not deadline_exceeded and (was_rolling or replicas > updated))
+    if starting:
+        events.append(
+            Event(
+                "Normal",
+                "RolloutStarted",
+                f"rolling out generation {generation}: {_plural(desired, 'replica')} of {spec.model.uri}",
+            )
+        )
+    elif was_rolling and complete and reconcile_error is None:
+        events.append(
+            Event(
+                "Normal",
+                "RolloutComplete",
+                f"generation {generation}: {_plural(desired, 'replica')} updated and available",
+            )
+        )
+
+    # Degraded.
+    grace = readiness_grace_seconds(ld)
+    problems = [
+        p for pod in sorted(live, key=_pod_name) for p in pod_problems(pod, now=now, readiness_grace=grace)
+    ]
+    if deadline_exceeded:
+        problems.append(
+            Problem(
+                "ProgressDeadlineExceeded",
+                f"Deployment: {d_progressing.get('message') or 'progress deadline exceeded'}",
+            )
+        )
+    replica_failure = _condition(deployment, "ReplicaFailure")
+    if replica_failure and replica_failure.get("status") == "True":
+        problems.append(
+            Problem(
+                "ReplicaFailure",
+                f"Deployment: {replica_failure.get('message') or replica_failure.get('reason')}",
+            )
+        )
+    pod_degraded = _summarize(problems)
+
+    # Conditions.
+    old_pods = max(replicas - updated, 0)
+    if deployment is None:
+        progressing = (ConditionStatus.TRUE, "Creating", "waiting for the Deployment to be created")
+    elif deadline_exceeded:
+        progressing = (ConditionStatus.FALSE, "ProgressDeadlineExceeded", d_progressing.get("message") or "")
+    elif rolling:
+        msg = f"{updated}/{desired} pods updated, {available} available"
+        progressing = (
+            ConditionStatus.TRUE,
+            "Rolling",
+            msg + (f", {_plural(old_pods, 'old pod')} left" if old_pods else ""),
+        )
+    elif not complete:
+        progressing = (ConditionStatus.TRUE, "Scaling", f"{available}/{desired} pods available")
+    else:
+        progressing = (
+            ConditionStatus.FALSE,
+            "Complete",
+            f"{_plural(desired, 'pod')} up to date and available",
+        )
+
+    if deployment is None:
+        ready_c = (ConditionStatus.FALSE, "NoReadyReplicas", "the Deployment does not exist yet")
+    elif desired == 0:
+        ready_c = (ConditionStatus.FALSE, "ScaledToZero", "scaled to zero replicas")
+    elif ready == 0:
+        why = f": {pod_degraded.message}" if pod_degraded else ""
+        ready_c = (ConditionStatus.FALSE, "NoReadyReplicas", f"0/{desired} replicas ready{why}")
+    elif rolling and available < desired:
+        ready_c = (
+            ConditionStatus.FALSE,
+            "Rolling",
+            f"rollout in progress with {available}/{desired} replicas available",
+        )
+    elif rolling:
+        ready_c = (ConditionStatus.TRUE, "Rolling", f"{ready}/{desired} replicas ready, rollout in progress")
+    else:
+        ready_c = (ConditionStatus.TRUE, "Available", f"{ready}/{desired} replicas ready")
+
+    degraded = (
+        (ConditionStatus.TRUE, pod_degraded.reason, pod_degraded.message)
+        if pod_degraded
+        else (ConditionStatus.FALSE, "Healthy", "")
+    )
+
+    loaded = [p for p in live if has_started(p)]
+    if loaded:
+        model_loaded = (
+            ConditionStatus.TRUE,
+            "Loaded",
+            f"{len(loaded)}/{len(live)} pods have the model loaded",
+        )
+    elif desired == 0 and not live:
+        model_loaded = (ConditionStatus.FALSE, "ScaledToZero", "no pods")
+    elif pod_degraded and pod_degraded.reason not in ("ProgressDeadlineExceeded", "ReplicaFailure"):
+        model_loaded = (ConditionStatus.FALSE, pod_degraded.reason, pod_degraded.message)
+    elif live:
+        model_loaded = (
+            ConditionStatus.FALSE,
+            "ModelLoading",
+            f"{_plural(len(live), 'pod')} loading {spec.model.uri}",
+        )
+    else:
+        model_loaded = (ConditionStatus.FALSE, "ModelLoading", "waiting for pods to be created")
+
+    if spec.autoscaling.enabled:
+        autoscaling, scaling_active = _autoscaling(ld, hpa)
+        events.extend(_scale_events(previous.autoscaling, autoscaling))
+        prev_blocked = previous.autoscaling.blocked_reason if previous.autoscaling else None
+        if autoscaling.blocked_reason and hpa is not None and autoscaling.blocked_reason != prev_blocked:
+            events.append(Event("Warning", "AutoscalingBlocked", autoscaling.blocked_reason))
+        status.autoscaling = autoscaling
+    else:
+        status.autoscaling = None
+        scaling_active = (ConditionStatus.FALSE, "AutoscalingDisabled", "spec.autoscaling.enabled is false")
+
+    if terminating:
+        names = ", ".join(sorted(_pod_name(p) for p in terminating))
+        draining = (
+            ConditionStatus.TRUE,
+            "PodsTerminating",
+            f"{_plural(len(terminating), 'pod')} finishing in-flight requests "
+            f"(up to {spec.rollout.drain_timeout_seconds}s): {names}",
+        )
+    else:
+        draining = (ConditionStatus.FALSE, "NoTerminatingPods", "")
+
+    if reconcile_error is not None:
+        ready_c = (ConditionStatus.FALSE, "ReconcileFailed", reconcile_error)
+        progressing = (ConditionStatus.FALSE, "ReconcileFailed", reconcile_error)
+        degraded = (ConditionStatus.TRUE, "ReconcileFailed", reconcile_error)
+        prev_ready = previous.get_condition(ConditionType.READY)
+        if (
+            prev_ready is None
+            or prev_ready.reason != "ReconcileFailed"
+            or prev_ready.message != reconcile_error
+        ):
+            events.append(Event("Warning", "ReconcileFailed", reconcile_error))
+
+    for type_, value in zip(
+        _CONDITION_ORDER,
+        (ready_c, progressing, degraded, model_loaded, scaling_active, draining),
+        strict=True,
+    ):
+        _set(status, type_, value, generation, now)
+    _order_conditions(status)
+
+    mloaded_before = previous.get_condition(ConditionType.MODEL_LOADED)
+    if model_loaded[0] == ConditionStatus.TRUE and (
+        mloaded_before is None or mloaded_before.status != ConditionStatus.TRUE
+    ):
+        events.append(Event("Normal", "ModelLoaded", f"{spec.model.uri} is loaded and serving"))
+    events.extend(_degraded_events(previous, status))
+
+    # A failed reconcile leaves observedGeneration at the last generation whose children were applied, so the
+    # rollout of this one is still announced once it is applied.
+    if generation is not None and reconcile_error is None:
+        status.observed_generation = generation
+    status.replicas, status.ready_replicas, status.updated_replicas = replicas, ready, updated
+    status.ready_text = ready_text(ready, desired)
+    status.selector = label_selector(deployment, ld.name or "")
+    status.endpoint = endpoint(ld, service_name)
+    return status, events
+
+
+def invalid_spec_status(
+    ld: LLMDeployment | Mapping[str, Any],
+    message: str,
+    previous: LLMDeploymentStatus | Mapping[str, Any] | None,
+    *,
+    now: datetime | None = None,
+) -> tuple[LLMDeploymentStatus, list[Event]]:
+    """The status of an LLMDeployment whose spec the operator rejected (its children are left as they were).
+
+    ``ld`` may be the raw object (a spec that does not parse has no model). Ready and Progressing become False
+    and Degraded True, all with reason InvalidSpec; the other conditions and counts keep their last values.
+    A Warning Event InvalidSpec comes with it unless this generation was already reported with this message.
+    """
+    now = now or _now()
+    metadata = ld.metadata if isinstance(ld, LLMDeployment) else _get(ld, "metadata", default={})
+    generation = _generation(metadata)
+    prev = _as_status(previous)
+    status = prev.model_copy(deep=True)
+    before = prev.get_condition(ConditionType.READY)
+    already = (
+        before is not None
+        and before.reason == "InvalidSpec"
+        and before.message == message
+        and prev.observed_generation == generation
+    )
+    for type_, value in (
+        (ConditionType.READY, (ConditionStatus.FALSE, "InvalidSpec", message)),
+        (
+            ConditionType.PROGRESSING,
+            (ConditionStatus.FALSE, "InvalidSpec", "the spec was rejected; nothing was changed"),
+        ),
+        (ConditionType.DEGRADED, (ConditionStatus.TRUE, "InvalidSpec", message)),
+    ):
+        _set(status, type_, value, generation, now)
+    _order_conditions(status)
+    if generation is not None:
+        status.observed_generation = generation
+    return status, ([] if already else [Event("Warning", "InvalidSpec", message)])

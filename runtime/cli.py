@@ -230,8 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("render", help="print the manifests the operator would apply for LLMDeployment files",
                        description="Render LLMDeployment YAML into the exact child manifests the operator applies "
-                                   "(for GitOps review). Pass -f FILE (repeatable, - for stdin); see -h of the "
-                                   "renderer: `kubellm render -- -h`.", add_help=False)
+                                   "(for GitOps review): kubellm render -f FILE [-f FILE] [-n NAMESPACE]; "
+                                   "`kubellm render -h` lists every flag.", add_help=False)
     r.add_argument("render_args", nargs=argparse.REMAINDER, help="-f FILE [-f FILE] [-n NAMESPACE] ...")
     r.set_defaults(func=cmd_render)
 
@@ -250,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["render"]:  # the renderer owns its flags (-f, -n, ...)
+        setup_logging()
+        from kubellm.operator.render import main as render_main
+
+        return render_main(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ import urllib3
 from pydantic import ValidationError
 
 from kubellm.operator import api
+from kubellm.operator import render as render_mod
 from kubellm.operator import status as status_mod
 from kubellm.operator.render import InvalidSpec, render
 
@@ -55,14 +56,7 @@ MAX_EVENT_MESSAGE = 1024
 REQUEST_TIMEOUT = urllib3.Timeout(connect=10.0, read=60.0)
 
 # Every kind the operator may own, so that a kind render stops producing is still found and deleted.
-MANAGED_KINDS: tuple[tuple[str, str], ...] = (
-    ("apps/v1", "Deployment"),
-    ("v1", "Service"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("autoscaling/v2", "HorizontalPodAutoscaler"),
-    ("keda.sh/v1alpha1", "ScaledObject"),
-    ("monitoring.coreos.com/v1", "ServiceMonitor"),
-)
+MANAGED_KINDS: tuple[tuple[str, str], ...] = tuple(render_mod.CHILD_KINDS)
 _PLURALS = {
     "Deployment": "deployments",
     "Service": "services",
@@ -181,6 +175,10 @@ class Kube:
             raise ApiError(resp.status, str(reason), str(message), method, path)
         return json.loads(resp.data) if resp.data else None
 
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._pool.clear()
+
     async def request(self, method: str, path: str, **kwargs: Any) -> Any:
         return await asyncio.to_thread(self.request_sync, method, path, **kwargs)
 
@@ -280,6 +278,7 @@ class OperatorState:
     pokes: dict[Key, asyncio.Event] = field(default_factory=dict)
     locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
     waiting_since: dict[Key, tuple[int | None, float]] = field(default_factory=dict)
+    label_keys: dict[tuple[str, str], Key] = field(default_factory=dict)  # (namespace, label value) -> key
 
     def poke(self, key: Key) -> None:
         self.pokes.setdefault(key, asyncio.Event()).set()
@@ -290,6 +289,8 @@ class OperatorState:
     def forget(self, key: Key) -> None:
         for table in (self.reconciled, self.pokes, self.locks, self.waiting_since):
             table.pop(key, None)
+        for label_key in [k for k, v in self.label_keys.items() if v == key]:
+            del self.label_keys[label_key]
 
 
 def _state(memo: Any) -> OperatorState:
@@ -397,17 +398,30 @@ def _backoff(retry: int) -> float:
     return float(min(2 ** min(retry, 6), 60))
 
 
-async def apply_children(kube: Kube, ld: api.LLMDeployment, children: list[dict[str, Any]]) -> bool | None:
+def _template_id(deployment: Mapping[str, Any]) -> Any:
+    """What identifies a Deployment's pod template: render's spec-hash annotation, else the template itself."""
+    template = (deployment.get("spec") or {}).get("template") or {}
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    return annotations.get(render_mod.SPEC_HASH_ANNOTATION) or template
+
+
+async def apply_children(
+    kube: Kube,
+    ld: api.LLMDeployment,
+    children: list[dict[str, Any]],
+    note_template: Callable[[bool], None] | None = None,
+) -> bool | None:
     """Apply ``children``, delete the owned ones no longer rendered; return whether the Deployment's pod
-    template changed (True for a new Deployment, None when no Deployment was rendered)."""
-    namespace, name = ld.namespace or "default", ld.name or ""
+    template changed (True for a new Deployment, None when no Deployment was rendered). ``note_template``
+    hears that answer as soon as the Deployment is applied, even if a later child fails."""
+    namespace = ld.namespace or "default"
     uid = ld.metadata.get("uid")
     kinds = list(MANAGED_KINDS) + [
         (c["apiVersion"], c["kind"]) for c in children if (c["apiVersion"], c["kind"]) not in MANAGED_KINDS
     ]
     existing: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
     for api_version, kind in kinds:
-        for obj in await kube.list(api_version, kind, namespace, {LABEL: name}):
+        for obj in await kube.list(api_version, kind, namespace, {LABEL: render_mod.label_value(ld)}):
             if owned_by(obj, uid):
                 existing[(kind, obj["metadata"]["name"])] = (api_version, obj)
 
@@ -423,9 +437,9 @@ async def apply_children(kube: Kube, ld: api.LLMDeployment, children: list[dict[
         applied = await kube.apply(child)
         if kind == "Deployment":
             before = existing.get((kind, child_name))
-            old_template = ((before[1].get("spec") or {}).get("template")) if before else None
-            new_template = ((applied or {}).get("spec") or {}).get("template")
-            template_changed = before is None or old_template != new_template
+            template_changed = before is None or _template_id(before[1]) != _template_id(applied or {})
+            if note_template is not None:
+                note_template(template_changed)
 
     for (kind, child_name), (api_version, _obj) in existing.items():
         if (kind, child_name) not in rendered:
@@ -456,6 +470,21 @@ async def reconcile(
     raw = _plain(body)
     key = _key(raw)
     generation = raw["metadata"].get("generation")
+    # Whether this generation changed the pod template is sticky across attempts: a retry (or a second
+    # reconcile of the same generation) finds the template already applied, which is no reason to forget it.
+    prev = state.reconciled.get(key)
+    seen: list[bool] = (
+        [prev.template_changed] if prev and prev.generation == generation and prev.template_changed else []
+    )
+
+    def failed(message: str, delay: float) -> kopf.TemporaryError:
+        """Record the failure for the observer (ReconcileFailed), wake it, and retry after ``delay``."""
+        state.reconciled[key] = Reconciled(
+            generation, template_changed=any(seen) if seen else None, error=message
+        )
+        state.poke(key)
+        return kopf.TemporaryError(message, delay=delay)
+
     try:
         ld, children = _validate(raw, old if reason == kopf.Reason.UPDATE else None, state)
     except (ValidationError, InvalidSpec) as e:
@@ -469,21 +498,18 @@ async def reconcile(
                 f"could not report the invalid spec: {api_error}", delay=_backoff(retry)
             ) from e
         return  # not retried: only a new spec can fix it
+    except Exception as e:  # a bug in parsing or rendering: log it, say so in the status, retry slowly
+        logger.exception("rendering failed unexpectedly")
+        raise failed(f"internal error: {type(e).__name__}: {e}", 60) from e
 
     try:
-        template_changed = await apply_children(state.kube, ld, children)
+        await apply_children(state.kube, ld, children, note_template=seen.append)
     except ApiError as e:
-        message = f"applying the children failed: {e}"
-        state.reconciled[key] = Reconciled(generation, error=message)
-        state.poke(key)
-        raise kopf.TemporaryError(message, delay=_backoff(retry)) from e
+        raise failed(f"applying the children failed: {e}", _backoff(retry)) from e
     except Exception as e:  # a bug: log it, say so in the status, retry slowly
         logger.exception("reconcile failed unexpectedly")
-        message = f"internal error: {type(e).__name__}: {e}"
-        state.reconciled[key] = Reconciled(generation, error=message)
-        state.poke(key)
-        raise kopf.TemporaryError(message, delay=60) from e
-    state.reconciled[key] = Reconciled(generation, template_changed=template_changed)
+        raise failed(f"internal error: {type(e).__name__}: {e}", 60) from e
+    state.reconciled[key] = Reconciled(generation, template_changed=any(seen) if seen else None)
     state.poke(key)
 
 
@@ -494,11 +520,11 @@ async def reconcile(
 
 async def read_children(
     kube: Kube, ld: api.LLMDeployment
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[dict[str, Any]], str | None]:
-    """The owned Deployment, the autoscaler's HPA, the Deployment's pods and the Service's name."""
-    namespace, name = ld.namespace or "default", ld.name or ""
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[dict[str, Any]]]:
+    """The owned Deployment, the autoscaler's HPA and the Deployment's pods (terminating ones included)."""
+    namespace, name = ld.namespace or "default", render_mod.child_name(ld)
     uid = ld.metadata.get("uid")
-    own = {LABEL: name}
+    own = {LABEL: render_mod.label_value(ld)}
     deployments = [d for d in await kube.list("apps/v1", "Deployment", namespace, own) if owned_by(d, uid)]
     deployments.sort(key=lambda d: (d["metadata"]["name"] != name, d["metadata"]["name"]))
     deployment = deployments[0] if deployments else None
@@ -516,9 +542,7 @@ async def read_children(
 
     selector = (deployment or {}).get("spec", {}).get("selector", {}).get("matchLabels") or own
     pods = await kube.list("v1", "Pod", namespace, selector)
-    services = [s for s in await kube.list("v1", "Service", namespace, own) if owned_by(s, uid)]
-    services.sort(key=lambda s: (s["metadata"]["name"] != name, s["metadata"]["name"]))
-    return deployment, hpa, pods, (services[0]["metadata"]["name"] if services else None)
+    return deployment, hpa, pods
 
 
 async def observe_once(state: OperatorState, key: Key) -> bool:
@@ -550,7 +574,8 @@ async def observe_once(state: OperatorState, key: Key) -> bool:
             except ValidationError as e:
                 new, events = status_mod.invalid_spec_status(body, describe_invalid(e), previous)
             else:
-                deployment, hpa, pods, service_name = await read_children(state.kube, ld)
+                state.label_keys[(key[0], render_mod.label_value(ld))] = key
+                deployment, hpa, pods = await read_children(state.kube, ld)
                 new, events = status_mod.observe(
                     ld,
                     deployment,
@@ -559,7 +584,6 @@ async def observe_once(state: OperatorState, key: Key) -> bool:
                     previous,
                     template_changed=rec.template_changed if rec else None,
                     reconcile_error=rec.error if rec else None,
-                    service_name=service_name,
                 )
         return await _write_status(state.kube, body, new, events)
 
@@ -600,8 +624,8 @@ async def child_changed(namespace: str, labels: Mapping[str, str], memo: Any, **
     """A child changed: wake its LLMDeployment's observer (it reads everything afresh)."""
     state = getattr(memo, "kubellm", None)
     if state is not None and labels.get(LABEL):
-        key = (namespace or "default", labels[LABEL])
-        if key in state.pokes:
+        key = state.label_keys.get((namespace or "default", labels[LABEL]))
+        if key is not None and key in state.pokes:
             state.poke(key)
 
 
@@ -642,7 +666,19 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, logger: Any, **_: 
     logger.info(
         f"ServiceMonitor CRD {'found' if available else 'not found'}; field manager {kube.field_manager}"
     )
-    memo.kubellm = OperatorState(kube=kube, service_monitor_available=available)
+    memo.kubellm = OperatorState(
+        kube=kube,
+        service_monitor_available=available,
+        observe_interval=OBSERVE_INTERVAL,
+        debounce=OBSERVE_DEBOUNCE,
+    )
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: Any, **_: Any) -> None:
+    state = getattr(memo, "kubellm", None)
+    if state is not None:
+        state.kube.close()
 
 
 def run(namespaces: list[str] | None, all_namespaces: bool, liveness: str | None, standalone: bool) -> None:

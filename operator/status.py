@@ -33,6 +33,13 @@ Conditions (``lastTransitionTime`` moves only when a condition's status changes,
   why the autoscaler cannot act.
 * **Draining**: True while terminating pods (``deletionTimestamp`` set) finish their in-flight requests.
 
+Fields: ``replicas``/``readyReplicas``/``updatedReplicas`` from the Deployment's status; ``readyText`` is
+ready/desired, desired being the Deployment's spec.replicas (the HPA's desiredReplicas, then spec.replicas,
+when the Deployment has none); ``selector`` the Deployment's matchLabels (render's selector before it
+exists); ``endpoint`` ``http://<service>.<namespace>.svc:<port>/v1``; ``observedGeneration`` the generation
+the status describes, held back while the reconcile of a newer one fails (so its rollout is announced once it
+is applied).
+
 Events: ``RolloutStarted`` / ``RolloutComplete``, ``ScaledUp`` / ``ScaledDown`` (the HPA's desired replicas
 changed since the last status), ``ModelLoaded``, and Warnings when Degraded turns True or changes reason
 (the reason is the problem's, e.g. ``ImagePullBackOff``), when autoscaling becomes blocked
@@ -46,10 +53,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, NamedTuple
 
+from kubellm.operator import render as render_mod
 from kubellm.operator.api import (
-    GROUP,
     QUEUE_DEPTH_METRIC,
-    SINGULAR,
     AutoscalingStatus,
     ConditionStatus,
     ConditionType,
@@ -59,7 +65,9 @@ from kubellm.operator.api import (
     ready_text,
 )
 
-LLMDEPLOYMENT_LABEL = f"{GROUP}/{SINGULAR}"  # kubellm.io/llmdeployment=<name> on every child and pod
+LLMDEPLOYMENT_LABEL = render_mod.LABEL_LLMDEPLOYMENT  # kubellm.io/llmdeployment on every child and pod
+# The queue-depth metric as the HPA names it: through prometheus-adapter (render's HPA), or the raw gauge.
+QUEUE_DEPTH_METRIC_NAMES = (render_mod.HPA_METRIC_NAME, QUEUE_DEPTH_METRIC)
 
 # Waiting reasons that do not fix themselves, most severe first (the first one found names Degraded).
 DEGRADING_WAITING_REASONS = (
@@ -194,18 +202,27 @@ def readiness_grace_seconds(ld: LLMDeployment) -> int:
     return max(60, 3 * (probes.readiness_period_seconds + probes.readiness_timeout_seconds))
 
 
-def label_selector(deployment: Mapping[str, Any] | None, name: str) -> str:
+def label_selector(deployment: Mapping[str, Any] | None, ld: LLMDeployment) -> str:
     """The pods' label selector as a string (status.selector, the scale subresource's labelSelectorPath):
-    the Deployment's matchLabels when it has them, else ``kubellm.io/llmdeployment=<name>``."""
+    the Deployment's matchLabels, keys sorted; before the Deployment exists, the selector render gives it."""
     match_labels = _get(deployment, "spec", "selector", "matchLabels", default={})
     if isinstance(match_labels, Mapping) and match_labels:
         return ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
-    return f"{LLMDEPLOYMENT_LABEL}={name}"
+    try:
+        return render_mod.label_selector(ld)
+    except render_mod.InvalidSpec:
+        return f"{LLMDEPLOYMENT_LABEL}={ld.name}"
 
 
 def endpoint(ld: LLMDeployment, service_name: str | None = None) -> str:
-    """The in-cluster base URL of the OpenAI API: ``http://<service>.<namespace>.svc:<port>/v1``."""
-    return f"http://{service_name or ld.name}.{ld.namespace or 'default'}.svc:{ld.spec.service.port}/v1"
+    """The in-cluster base URL of the OpenAI API: ``http://<service>.<namespace>.svc:<port>/v1``; the
+    Service is the one render names (:func:`render.child_name`) unless ``service_name`` says otherwise."""
+    if service_name is None:
+        try:
+            service_name = render_mod.child_name(ld)
+        except render_mod.InvalidSpec:
+            service_name = ld.name
+    return f"http://{service_name}.{ld.namespace or 'default'}.svc:{ld.spec.service.port}/v1"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,11 +314,12 @@ def _summarize(problems: list[Problem]) -> Problem | None:
 
 
 def current_queue_depth(hpa: Mapping[str, Any] | None) -> float | None:
-    """Requests waiting per pod as the HPA last measured it: the Pods metric kubellm:num_requests_waiting
-    (any Pods metric if it is named otherwise), else an External metric's average (KEDA's HPA)."""
+    """Requests waiting per pod as the HPA last measured it: the Pods metric kubellm_num_requests_waiting
+    (kubellm:num_requests_waiting through prometheus-adapter; any Pods metric if it is named otherwise), else
+    an External metric's average (KEDA's HPA)."""
     metrics = [m for m in _get(hpa, "status", "currentMetrics", default=[]) or [] if isinstance(m, Mapping)]
     pods = [m for m in metrics if m.get("type") == "Pods"]
-    named = [m for m in pods if _get(m, "pods", "metric", "name") == QUEUE_DEPTH_METRIC]
+    named = [m for m in pods if _get(m, "pods", "metric", "name") in QUEUE_DEPTH_METRIC_NAMES]
     for m in (*named, *pods):
         value = quantity_to_float(_get(m, "pods", "current", "averageValue"))
         if value is not None:
@@ -438,7 +456,13 @@ def observe(
     # Counts, from the Deployment.
     dstatus = _get(deployment, "status", default={})
     spec_replicas = _get(deployment, "spec", "replicas")
-    desired = _int(spec_replicas) if deployment is not None and spec_replicas is not None else spec.replicas
+    hpa_desired = _get(hpa, "status", "desiredReplicas")
+    if deployment is not None and spec_replicas is not None:
+        desired = _int(spec_replicas)
+    elif spec.autoscaling.enabled and hpa_desired is not None:  # render leaves replicas to the autoscaler
+        desired = _int(hpa_desired)
+    else:
+        desired = spec.replicas
     replicas, ready = _int(dstatus.get("replicas")), _int(dstatus.get("readyReplicas"))
     updated, available = _int(dstatus.get("updatedReplicas")), _int(dstatus.get("availableReplicas"))
     d_generation = _generation(_get(deployment, "metadata", default={}))
@@ -627,7 +651,7 @@ def observe(
         status.observed_generation = generation
     status.replicas, status.ready_replicas, status.updated_replicas = replicas, ready, updated
     status.ready_text = ready_text(ready, desired)
-    status.selector = label_selector(deployment, ld.name or "")
+    status.selector = label_selector(deployment, ld)
     status.endpoint = endpoint(ld, service_name)
     return status, events
 

@@ -167,6 +167,15 @@ def cmd_render(args: argparse.Namespace) -> int:
     return render_main(args.render_args)
 
 
+def cmd_operator(args: argparse.Namespace) -> int:
+    from kubellm.operator.handlers import run
+
+    if bool(args.namespaces) == bool(args.all_namespaces):
+        raise ValueError("pass --namespace NS (repeatable) or --all-namespaces")
+    run(args.namespaces, args.all_namespaces, args.liveness or None, args.standalone)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kubellm", description="kubellm: serve LLMs on Kubernetes with a "
                                 "paged-attention runtime. Start with `kubellm generate` (demo model, CPU).")
@@ -221,6 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--liveness-timeout", type=float, default=60.0,
                    help="liveness fails when the engine loop has not ticked for this long (default 60s)")
     s.set_defaults(func=cmd_serve)
+
+    o = sub.add_parser("operator", parents=[logging_flags], help="run the LLMDeployment operator (kopf)",
+                       description="Watch LLMDeployments and reconcile their Deployments, Services, PDBs and "
+                                   "autoscalers with server-side apply; report status conditions and Events.")
+    o.add_argument("-n", "--namespace", action="append", dest="namespaces",
+                   help="namespace (or kopf glob pattern) to watch; repeatable")
+    o.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    o.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                   help="liveness endpoint URL (empty string disables)")
+    o.add_argument("--standalone", action="store_true", help="no kopf peering (a single operator replica)")
+    o.set_defaults(func=cmd_operator)
 
     c = sub.add_parser("crd", help="print the LLMDeployment CRD generated from the API types",
                        description="Generate the CustomResourceDefinition for LLMDeployment from the pydantic models "

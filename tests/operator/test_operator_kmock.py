@@ -1,0 +1,508 @@
+"""The operator (kopf + handlers.py) running in-process against kmock, the kopf author's Kubernetes API emulator.
+
+kmock keeps objects in memory and streams watch events, but it is not an API server: it has no
+resourceVersions, label/field selectors (the operator also filters client-side, so that is fine), status
+subresource split, generation bumps, uids, defaulting, CRD schema validation, garbage collection or
+server-side-apply semantics (a PATCH is a plain recursive merge and 404s on a missing object). The emulator
+below adds just two behaviours every API server has: server-side apply creates a missing object, and
+``generateName`` gets a name (kopf's Events use it). The tests set ``uid`` and ``generation`` themselves
+and simulate the Deployment and HPA controllers by patching their status in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import kmock
+import kopf
+import kubernetes.config.kube_config
+import pydantic
+import pytest
+import pytest_asyncio
+import yaml
+
+from kubellm.operator import api, handlers
+
+NS = "ml"
+NAME = "llama"
+UID = "0b8e1c1e-0000-4000-8000-000000000001"
+LD_RESOURCE = kmock.resource(api.GROUP, api.VERSION, api.PLURAL)
+DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
+SERVICES = kmock.resource("", "v1", "services")
+PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
+HPAS = kmock.resource("autoscaling", "v2", "horizontalpodautoscalers")
+PODS = kmock.resource("", "v1", "pods")
+EVENTS = kmock.resource("", "v1", "events")
+LD_PATH = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}"
+CLOSE = {"Connection": "close"}  # no keep-alive: kopf waits for the server's connection tasks at exit
+VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+
+
+class ApiServer(kmock.KubernetesEmulator):
+    """kmock plus server-side apply creating missing objects and generateName."""
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and isinstance(request.data, dict):
+            if request.action == kmock.action.CREATE:
+                meta = request.data.setdefault("metadata", {})
+                if not meta.get("name") and meta.get("generateName"):
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:6]
+            elif request.action == kmock.action.UPDATE and "apply-patch" in request.headers.get(
+                "Content-Type", ""
+            ):
+                key = (request.resource, request.namespace, request.name)
+                async with self._lock:
+                    if key not in self._objects or self._objects[key].deleted:
+                        if key in self._objects:
+                            self._objects[key].create(request.data)
+                        else:
+                            self._objects[key] = request.data
+                        event = {"type": "ADDED", "object": self._objects[key].raw}
+                        await self._buses[request.resource].put(event)
+        return await super()._handle(request)
+
+
+pytestmark = pytest.mark.kmock(cls=ApiServer)
+
+
+def declare_resources(server: kmock.KubernetesEmulator) -> None:
+    info = kmock.ResourceInfo
+    server.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs=VERBS)
+    server.resources[f"{api.GROUP}/{api.VERSION}/{api.PLURAL}"] = info(
+        kind=api.KIND, singular=api.SINGULAR, namespaced=True, verbs=VERBS, subresources={"status", "scale"}
+    )
+    for res, kind in (
+        ("apps/v1/deployments", "Deployment"),
+        ("v1/services", "Service"),
+        ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget"),
+        ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler"),
+        ("v1/pods", "Pod"),
+        ("v1/events", "Event"),
+    ):
+        server.resources[res] = info(kind=kind, namespaced=True, verbs=VERBS, subresources={"status"})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fixtures and helpers
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def server(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
+    declare_resources(kmock)
+    return kmock
+
+
+@pytest_asyncio.fixture
+async def operator(server, tmp_path, monkeypatch):
+    """kopf running the handlers in this event loop, logged in to kmock through a kubeconfig."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "kmock", "cluster": {"server": str(server.url).rstrip("/")}}],
+                "users": [{"name": "test", "user": {"token": "test-token"}}],
+                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
+                "current-context": "kmock",
+            }
+        )
+    )
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.setattr(handlers, "OBSERVE_INTERVAL", 2.0)
+    monkeypatch.setattr(handlers, "OBSERVE_DEBOUNCE", 0.05)
+
+    settings = kopf.OperatorSettings()
+    settings.scanning.disabled = True
+    settings.watching.reconnect_backoff = 0.1
+    settings.posting.default_backoffs = [0.1]
+    memo = kopf.Memo()
+    stop, ready = asyncio.Event(), asyncio.Event()
+    # kopf.operator() waits 5 s at exit for "hung" tasks started after it (this fixture's own teardown task
+    # among them) and then cancels them: run its parts directly and tell it which tasks are ours.
+    ignored = set(asyncio.all_tasks())
+    tasks = await kopf.spawn_tasks(
+        registry=kopf.get_default_registry(),
+        settings=settings,
+        clusterwide=True,
+        standalone=True,
+        stop_flag=stop,
+        ready_flag=ready,
+        memo=memo,
+    )
+    runner = asyncio.create_task(kopf.run_tasks(tasks, ignored=ignored))
+    ignored.add(runner)
+    await asyncio.wait_for(ready.wait(), timeout=15)
+    await until(lambda: getattr(memo, "kubellm", None), "the startup handler to run")
+    yield memo.kubellm
+    ignored.add(asyncio.current_task())
+    stop.set()
+    await asyncio.wait_for(runner, timeout=15)
+
+
+async def until(predicate: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
+    """Poll ``predicate`` until it returns something truthy (its value), or fail after ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last_error: Exception | None = None
+    while asyncio.get_running_loop().time() < deadline:
+        try:
+            result = predicate()
+            if result:
+                return result
+        except (KeyError, LookupError, TypeError, ValueError, AttributeError) as e:
+            last_error = e
+        await asyncio.sleep(0.05)
+    raise AssertionError(
+        f"timed out waiting for {what}" + (f" (last error: {last_error!r})" if last_error else "")
+    )
+
+
+def live(server, resource) -> dict[str, dict]:
+    """The existing objects of a resource in NS by name."""
+    return {
+        name: dict(obj.raw)
+        for (res, ns, name), obj in list(server.objects.items())
+        if res == resource and ns == NS and not obj.deleted
+    }
+
+
+def ld_object(server) -> dict:
+    return dict(server.objects[LD_RESOURCE, NS, NAME].raw)
+
+
+def condition(server, type_: str) -> dict | None:
+    for c in (ld_object(server).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return c
+    return None
+
+
+def events(server, reason: str | None = None) -> list[dict]:
+    found = [
+        obj for obj in live(server, EVENTS).values() if obj.get("involvedObject", {}).get("name") == NAME
+    ]
+    return [e for e in found if reason is None or e.get("reason") == reason]
+
+
+def owned_by_ld(obj: dict) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(r.get("uid") == UID and r.get("kind") == api.KIND and r.get("controller") for r in refs)
+
+
+def llmdeployment(generation: int = 1, **spec: Any) -> dict:
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {
+            "name": NAME,
+            "namespace": NS,
+            "uid": UID,
+            "generation": generation,
+            "resourceVersion": "1",
+        },
+        "spec": {"model": {"uri": "hf://org/llama"}, **spec},
+    }
+
+
+async def create(server, body: dict) -> None:
+    async with server.post(LD_PATH, json=body, headers=CLOSE) as resp:
+        assert resp.status < 300, await resp.text()
+
+
+async def patch(server, path: str, body: dict) -> None:
+    async with server.patch(
+        path, json=body, headers={**CLOSE, "Content-Type": "application/merge-patch+json"}
+    ) as resp:
+        assert resp.status < 300, await resp.text()
+
+
+def child_path(group_version: str, plural: str, name: str, sub: str = "") -> str:
+    prefix = "/api/" if "/" not in group_version else "/apis/"
+    return f"{prefix}{group_version}/namespaces/{NS}/{plural}/{name}" + (f"/{sub}" if sub else "")
+
+
+def the_deployment(server) -> dict:
+    deployments = [d for d in live(server, DEPLOYMENTS).values() if owned_by_ld(d)]
+    assert len(deployments) == 1, deployments
+    return deployments[0]
+
+
+async def create_and_wait_for_children(server) -> dict:
+    await create(server, llmdeployment(replicas=2))
+    await until(lambda: any(owned_by_ld(d) for d in live(server, DEPLOYMENTS).values()), "the Deployment")
+    await until(lambda: any(owned_by_ld(s) for s in live(server, SERVICES).values()), "the Service")
+    await until(lambda: any(owned_by_ld(p) for p in live(server, PDBS).values()), "the PodDisruptionBudget")
+    return the_deployment(server)
+
+
+async def simulate_deployment_status(server, deployment: dict, **status: int) -> None:
+    path = child_path("apps/v1", "deployments", deployment["metadata"]["name"], "status")
+    await patch(server, path, {"status": status})
+
+
+def running_pod(name: str, labels: dict[str, str]) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {**labels, "kubellm.io/llmdeployment": NAME}},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "runtime",
+                    "ready": True,
+                    "started": True,
+                    "state": {"running": {}},
+                    "restartCount": 0,
+                }
+            ],
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scenarios
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_create_applies_owned_children_and_reports_status(server, operator):
+    deployment = await create_and_wait_for_children(server)
+    assert deployment["metadata"]["labels"]["kubellm.io/llmdeployment"] == NAME
+    assert deployment["spec"]["replicas"] == 2
+
+    # Server-side apply: PATCH with the apply content type, our field manager, forced.
+    applies = [r for r in server if "apply-patch" in r.headers.get("Content-Type", "")]
+    assert applies, "no server-side apply request"
+    assert {r.params.get("fieldManager") for r in applies} == {"kubellm-operator"}
+    assert {r.params.get("force") for r in applies} == {"true"}
+
+    # kopf's bookkeeping lives in kubellm.io annotations, and the daemon's finalizer is ours.
+    await until(
+        lambda: any(
+            k.startswith("kubellm.io/") for k in ld_object(server)["metadata"].get("annotations", {})
+        ),
+        "kopf's kubellm.io annotations",
+    )
+    assert "kubellm.io/finalizer" in ld_object(server)["metadata"].get("finalizers", [])
+    assert not any(k.startswith("kopf.zalando.org/") for k in ld_object(server)["metadata"]["annotations"])
+
+    await until(
+        lambda: ld_object(server).get("status", {}).get("observedGeneration") == 1, "observedGeneration 1"
+    )
+    status = ld_object(server)["status"]
+    assert status["selector"] == ",".join(
+        f"{k}={v}" for k, v in sorted(deployment["spec"]["selector"]["matchLabels"].items())
+    )
+    assert status["endpoint"].startswith("http://") and status["endpoint"].endswith(f".{NS}.svc:80/v1")
+    assert status["readyText"] == "0/2"
+    assert condition(server, "Ready")["status"] == "False"
+    await until(lambda: events(server, "RolloutStarted"), "a RolloutStarted Event")
+
+
+@pytest.mark.asyncio
+async def test_simulated_deployment_status_becomes_conditions(server, operator):
+    deployment = await create_and_wait_for_children(server)
+    labels = deployment["spec"]["selector"]["matchLabels"]
+    for pod in ("llama-a", "llama-b"):
+        async with server.post(
+            f"/api/v1/namespaces/{NS}/pods", headers=CLOSE, json=running_pod(pod, labels)
+        ) as resp:
+            assert resp.status < 300
+    await simulate_deployment_status(
+        server, deployment, replicas=2, readyReplicas=2, updatedReplicas=2, availableReplicas=2
+    )
+    await until(lambda: condition(server, "Ready")["reason"] == "Available", "Ready=True/Available")
+    assert condition(server, "Ready")["status"] == "True"
+    await until(lambda: condition(server, "Progressing")["reason"] == "Complete", "Progressing=Complete")
+    assert condition(server, "ModelLoaded")["status"] == "True"
+    status = ld_object(server)["status"]
+    assert (status["replicas"], status["readyReplicas"], status["readyText"]) == (2, 2, "2/2")
+    await until(lambda: events(server, "RolloutComplete"), "a RolloutComplete Event")
+
+    # A crash-looping pod: Degraded names it, and a Warning Event says so.
+    crashing = running_pod("llama-c", labels)
+    crashing["status"]["containerStatuses"][0].update(
+        ready=False,
+        started=False,
+        state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}},
+    )
+    async with server.post(f"/api/v1/namespaces/{NS}/pods", headers=CLOSE, json=crashing) as resp:
+        assert resp.status < 300
+    await until(
+        lambda: condition(server, "Degraded")["reason"] == "CrashLoopBackOff", "Degraded=CrashLoopBackOff"
+    )
+    assert "llama-c" in condition(server, "Degraded")["message"]
+    warning = await until(lambda: events(server, "CrashLoopBackOff"), "a CrashLoopBackOff Event")
+    assert warning[0]["type"] == "Warning"
+
+
+@pytest.mark.asyncio
+async def test_spec_change_updates_the_deployment_and_posts_rollout_started(server, operator):
+    deployment = await create_and_wait_for_children(server)
+    await until(lambda: events(server, "RolloutStarted"), "the first RolloutStarted Event")
+    assert "float16" not in str(deployment["spec"]["template"])
+
+    await patch(server, f"{LD_PATH}/{NAME}", {"metadata": {"generation": 2}, "spec": {"dtype": "float16"}})
+    await until(
+        lambda: "float16" in str(the_deployment(server)["spec"]["template"]), "the updated Deployment"
+    )
+    started = await until(
+        lambda: [e for e in events(server, "RolloutStarted") if "generation 2" in e.get("message", "")],
+        "RolloutStarted for generation 2",
+    )
+    assert started[0]["type"] == "Normal"
+    await until(lambda: ld_object(server)["status"]["observedGeneration"] == 2, "observedGeneration 2")
+    assert condition(server, "Progressing")["reason"] == "Rolling"
+
+
+@pytest.mark.asyncio
+async def test_hpa_status_change_posts_scaled_up_and_fills_autoscaling(server, operator):
+    autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 8, "targetQueueDepth": 4}
+    await create(server, llmdeployment(replicas=1, autoscaling=autoscaling))
+    hpa = await until(lambda: [h for h in live(server, HPAS).values() if owned_by_ld(h)], "the HPA")
+    hpa_status_path = child_path(
+        "autoscaling/v2", "horizontalpodautoscalers", hpa[0]["metadata"]["name"], "status"
+    )
+    conditions = [
+        {"type": "AbleToScale", "status": "True", "reason": "ReadyForNewScale"},
+        {"type": "ScalingActive", "status": "True", "reason": "ValidMetricFound"},
+    ]
+
+    def hpa_status(current: int, desired: int, depth: str) -> dict:
+        metric = {
+            "type": "Pods",
+            "pods": {"metric": {"name": api.QUEUE_DEPTH_METRIC}, "current": {"averageValue": depth}},
+        }
+        return {"status": {"currentReplicas": current, "desiredReplicas": desired, "currentMetrics": [metric],
+                           "lastScaleTime": "2025-01-01T12:00:00Z", "conditions": conditions}}  # fmt: skip
+
+    await patch(server, hpa_status_path, hpa_status(1, 1, "0"))
+    await until(
+        lambda: ld_object(server)["status"]["autoscaling"].get("desiredReplicas") == 1, "desiredReplicas 1"
+    )
+    await patch(server, hpa_status_path, hpa_status(1, 3, "1500m"))
+    scaled = await until(lambda: events(server, "ScaledUp"), "a ScaledUp Event")
+    assert scaled[0]["message"] == "from 1 to 3, queue depth 1.5 (target 4)"
+    auto = ld_object(server)["status"]["autoscaling"]
+    assert (auto["currentReplicas"], auto["desiredReplicas"], auto["targetQueueDepth"]) == (1, 3, 4)
+    assert auto["currentQueueDepth"] == 1.5
+    assert auto["lastScaleTime"].startswith("2025-01-01T12:00:00")
+    assert condition(server, "ScalingActive")["status"] == "True"
+
+    # Autoscaling turned off: the HPA is deleted, status.autoscaling goes away.
+    await patch(
+        server,
+        f"{LD_PATH}/{NAME}",
+        {"metadata": {"generation": 2}, "spec": {"autoscaling": {"enabled": False}}},
+    )
+    await until(
+        lambda: not [h for h in live(server, HPAS).values() if owned_by_ld(h)], "the HPA to be deleted"
+    )
+    await until(lambda: "autoscaling" not in ld_object(server)["status"], "status.autoscaling to go")
+    assert condition(server, "ScalingActive")["reason"] == "AutoscalingDisabled"
+
+
+@pytest.mark.asyncio
+async def test_invalid_spec_reports_and_touches_no_children(server, operator):
+    env = [{"name": "HF_TOKEN", "value": "a"}, {"name": "HF_TOKEN", "value": "b"}]
+    await create(server, llmdeployment(env=env))  # passes the CRD schema, fails the Python rule
+    ready = await until(lambda: condition(server, "Ready"), "the Ready condition")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "HF_TOKEN appears more than once" in ready["message"]
+    warning = await until(lambda: events(server, "InvalidSpec"), "an InvalidSpec Event")
+    assert warning[0]["type"] == "Warning"
+    assert "HF_TOKEN" in warning[0]["message"]
+    await asyncio.sleep(0.5)  # give a wrongly retrying handler the chance to show itself
+    assert len(events(server, "InvalidSpec")) == 1
+    assert not live(server, DEPLOYMENTS) and not live(server, SERVICES) and not live(server, PDBS)
+
+    # A pydantic-invalid body (kmock does not enforce the CRD schema) is handled the same way, and a fix applies.
+    await patch(
+        server, f"{LD_PATH}/{NAME}", {"metadata": {"generation": 2}, "spec": {"env": None, "replicas": -1}}
+    )
+    await until(lambda: "replicas" in condition(server, "Ready")["message"], "the new InvalidSpec message")
+    assert not live(server, DEPLOYMENTS)
+    await patch(server, f"{LD_PATH}/{NAME}", {"metadata": {"generation": 3}, "spec": {"replicas": 1}})
+    await until(lambda: any(owned_by_ld(d) for d in live(server, DEPLOYMENTS).values()), "the Deployment")
+    await until(lambda: condition(server, "Ready")["reason"] != "InvalidSpec", "InvalidSpec to clear")
+
+
+@pytest.mark.asyncio
+async def test_failing_apply_reports_reconcile_failed_and_recovers(server, operator):
+    broken = {"on": True}
+    server[
+        lambda req: broken["on"] and req.method == "PATCH" and req.resource == PDBS
+    ] << kmock.KubernetesError(status=500, reason="InternalError", message="etcdserver: request timed out")
+    await create(server, llmdeployment(replicas=1))
+    await until(lambda: condition(server, "Ready")["reason"] == "ReconcileFailed", "Ready=ReconcileFailed")
+    ready = condition(server, "Ready")
+    assert ready["status"] == "False" and "etcdserver: request timed out" in ready["message"]
+    assert condition(server, "Degraded")["reason"] == "ReconcileFailed"
+    warning = await until(lambda: events(server, "ReconcileFailed"), "a ReconcileFailed Event")
+    assert warning[0]["type"] == "Warning"
+
+    broken["on"] = False  # kopf retries after its backoff (1 s) and the reconcile goes through
+    await until(lambda: condition(server, "Ready")["reason"] != "ReconcileFailed", "ReconcileFailed to clear")
+    assert condition(server, "Degraded")["reason"] != "ReconcileFailed"
+    await until(lambda: events(server, "RolloutStarted"), "the RolloutStarted Event after the recovery")
+
+
+@pytest.mark.asyncio
+async def test_deletion_is_not_blocked_by_the_finalizer(server, operator):
+    await create_and_wait_for_children(server)
+    await until(
+        lambda: "kubellm.io/finalizer" in ld_object(server)["metadata"].get("finalizers", []), "finalizer"
+    )
+    async with server.delete(f"{LD_PATH}/{NAME}", headers=CLOSE) as resp:
+        assert resp.status < 300
+    await until(lambda: server.objects[LD_RESOURCE, NS, NAME].deleted, "the LLMDeployment to be gone")
+    await until(lambda: not operator.pokes, "the observer to stop")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers of handlers.py (no operator needed)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_resource_paths():
+    assert handlers.resource_path("v1", "Service", "ml", "x") == "/api/v1/namespaces/ml/services/x"
+    assert (
+        handlers.resource_path("apps/v1", "Deployment", "ml", "x", "status")
+        == "/apis/apps/v1/namespaces/ml/deployments/x/status"
+    )
+    assert (
+        handlers.resource_path("autoscaling/v2", "HorizontalPodAutoscaler", "ml")
+        == "/apis/autoscaling/v2/namespaces/ml/horizontalpodautoscalers"
+    )
+    assert handlers.resource_path("keda.sh/v1alpha1", "ScaledObject", "ml", "x").endswith("/scaledobjects/x")
+    assert handlers.resource_path(api.API_VERSION, api.KIND, "ml", "x").endswith("/llmdeployments/x")
+
+
+def test_merge_patch_diff_nulls_what_went_away():
+    old = {"a": 1, "auto": {"x": 1, "blocked": "why"}, "gone": {"k": 1}, "same": [1]}
+    new = {"a": 2, "auto": {"x": 1}, "same": [1], "added": True}
+    assert handlers.merge_patch_diff(old, new) == {
+        "a": 2,
+        "auto": {"blocked": None},
+        "gone": None,
+        "added": True,
+    }
+
+
+def test_describe_invalid_names_the_field():
+    with pytest.raises(pydantic.ValidationError) as e:
+        api.LLMDeployment.model_validate(llmdeployment(replicas=-1))
+    assert handlers.describe_invalid(e.value).startswith("spec.replicas: ")
+
+
+def test_run_needs_exactly_one_namespace_scope():
+    with pytest.raises(ValueError, match="not both"):
+        handlers.run(["ml"], True, None, True)
+    with pytest.raises(ValueError, match="namespaces"):
+        handlers.run(None, False, None, True)

@@ -6,12 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint format crds clean
 
+# pip runs as $(VENV)/bin/pip, never `python -m pip`: `-m` puts the repo root on sys.path, where the
+# operator/ folder would shadow the standard library's `operator` module.
+PIP := $(VENV)/bin/pip
+
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	cd /tmp && $(PYTHON) -m venv $(CURDIR)/$(VENV)
+	$(PIP) install -q --upgrade pip
 	# CPU torch first (a local wheel here); a bare `torch` would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)  ## serve the SmolLM2 demo model on CPU, ask it a question over HTTP, keep serving
@@ -22,7 +26,7 @@ test: $(STAMP)  ## lint, then the whole suite
 	$(VENV)/bin/pytest -q
 
 crds: $(STAMP)  ## regenerate the CRD from operator/api.py (a test fails when the committed file drifts)
-	$(PY) -m kubellm.operator.crd -o crds/llmdeployments.kubellm.io.yaml
+	$(VENV)/bin/kubellm crd -o crds/llmdeployments.kubellm.io.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

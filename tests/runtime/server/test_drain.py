@@ -26,7 +26,7 @@ def serve(tiny_llama, tmp_path):
             [sys.executable, "-m", "kubellm.runtime.cli", "serve", "--model", str(tiny_llama), "--host", "127.0.0.1",
              "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
              "--served-model-name", "tiny", "--drain-timeout", str(drain_timeout)],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)  # not the repo root: operator/ shadows stdlib
         procs.append((proc, log))
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120

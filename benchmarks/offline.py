@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from workload_args import check_systems_and_workload
+
 SYSTEMS = ("kubellm", "hf-generate", "hf-static-batch", "hf-generate-batch", "vllm")
 DEFAULT_BASELINE = "hf-generate-batch"
 WARMUP_REQUESTS, WARMUP_INPUT, WARMUP_OUTPUT = 2, 16, 4
@@ -718,21 +720,7 @@ to the number of cores that are really free: oversubscribed OpenMP threads wreck
     p.add_argument("--markdown", metavar="PATH", help="write the table, settings and notes as Markdown")
     args = p.parse_args(argv)
 
-    if args.systems:
-        args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-        unknown = [s for s in args.systems if s not in SYSTEMS]
-        if unknown:
-            p.error(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
-        if "vllm" in args.systems and not args.vllm_venv:
-            p.error("--systems vllm needs --vllm-venv PATH")
-    else:
-        args.systems = [s for s in SYSTEMS if s != "vllm" or args.vllm_venv]
-    if args.num_requests < 1:
-        p.error("--num-requests must be >= 1")
-    if not 1 <= args.min_input <= args.max_input:
-        p.error("need 1 <= --min-input <= --max-input")
-    if not 1 <= args.min_output <= args.max_output:
-        p.error("need 1 <= --min-output <= --max-output")
+    check_systems_and_workload(p, args, SYSTEMS)
     try:
         _kv_bytes(args)
     except ValueError as exc:

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import httpx
 
+from workload_args import check_systems_and_workload
+
 SYSTEMS = ("kubellm", "transformers", "vllm")
 WARMUP_REQUESTS, WARMUP_INPUT, WARMUP_OUTPUT = 2, 16, 4
 PERCENTILES = (50, 90, 99)
@@ -865,21 +867,7 @@ systems:
     p.add_argument("--markdown", metavar="PATH", help="write the tables, settings and notes as Markdown")
     args = p.parse_args(argv)
 
-    if args.systems:
-        args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-        unknown = [s for s in args.systems if s not in SYSTEMS]
-        if unknown:
-            p.error(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
-        if "vllm" in args.systems and not args.vllm_venv:
-            p.error("--systems vllm needs --vllm-venv PATH")
-    else:
-        args.systems = [s for s in SYSTEMS if s != "vllm" or args.vllm_venv]
-    if args.num_requests < 1:
-        p.error("--num-requests must be >= 1")
-    if not 1 <= args.min_input <= args.max_input:
-        p.error("need 1 <= --min-input <= --max-input")
-    if not 1 <= args.min_output <= args.max_output:
-        p.error("need 1 <= --min-output <= --max-output")
+    check_systems_and_workload(p, args, SYSTEMS)
     if not args.request_rate > 0:
         p.error("--request-rate must be > 0 (inf: all at once)")
     if args.max_concurrency < 0:

@@ -145,6 +145,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.models_cmd == "pull":
         path = model_store.pull(args.name)
         print(path)
+    elif args.models_cmd == "download":
+        print(model_store.download_hf(args.uri, args.dest, args.revision))
     elif args.models_cmd == "list":
         for name, cached in model_store.list_models():
             print(f"{name}\t{'cached' if cached else 'not pulled'}")
@@ -261,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     pull = msub.add_parser("pull", help="download a known model into the cache (e.g. smollm2)")
     pull.add_argument("name")
     msub.add_parser("list", help="known models and whether they are cached")
+    dl = msub.add_parser("download", help="fetch hf://org/name into a folder (what the operator's init step runs)")
+    dl.add_argument("uri", help="hf://<org>/<name>")
+    dl.add_argument("--revision", help="branch, tag or commit (default: main)")
+    dl.add_argument("--dest", required=True, help="folder to write the model into")
     exp = msub.add_parser("export", help="write a model as a Hugging Face folder (for transformers/vLLM)")
     exp.add_argument("name")
     exp.add_argument("out")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -183,6 +184,39 @@ def export_hf(
 
 
 # -------------------------------------------------------------------------------------- internals
+
+
+# What a Llama-family Hugging Face folder needs; weights in other formats (.bin, .pt) are not fetched.
+HF_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+_HF_URI = re.compile(r"^hf://([A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)$")
+
+
+def download_hf(uri: str, dest: str | Path, revision: str | None = None) -> Path:
+    """Fetch ``hf://org/name`` (config, safetensors, tokenizer files) into ``dest``, with progress bars.
+
+    This is what the operator's init container runs in the cluster; it needs the Hugging Face Hub to be
+    reachable (HF_TOKEN for gated models). Re-running resumes and skips files already complete.
+    """
+    match = _HF_URI.match(uri)
+    if not match:
+        raise ModelStoreError(f"{uri!r} is not an hf://<org>/<name> model URI")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError as e:  # pragma: no cover - it is a dependency
+        raise ModelStoreError("downloading hf:// models needs the huggingface_hub package") from e
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        snapshot_download(match.group(1), revision=revision, local_dir=dest, allow_patterns=HF_FILES)
+    except LocalEntryNotFoundError as e:
+        raise ModelStoreError(f"cannot download {uri}: the Hugging Face Hub is not reachable (offline mode or no "
+                              f"network) and {dest} does not hold it yet") from e
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise ModelStoreError(f"cannot download {uri}{'@' + revision if revision else ''}: {e}") from e
+    if not (dest / "config.json").exists():
+        raise ModelStoreError(f"{uri} has no config.json: not a Hugging Face transformers model folder")
+    return dest
 
 
 def _known(name: str) -> KnownModel:

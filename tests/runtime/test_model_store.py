@@ -205,3 +205,24 @@ def test_export_smollm2_loads_in_transformers(tmp_path):
         output = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_download_hf_rejects_uris_that_are_not_hf(tmp_path):
+    with pytest.raises(model_store.ModelStoreError, match="not an hf://"):
+        model_store.download_hf("pvc://claim/x", tmp_path)
+
+
+def test_download_hf_offline_gives_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(model_store.ModelStoreError, match="hf://org/missing-model"):
+        model_store.download_hf("hf://org/missing-model", tmp_path / "dest")
+
+
+def test_models_download_command_is_wired():
+    from kubellm.runtime.cli import build_parser
+
+    args = build_parser().parse_args(["models", "download", "hf://org/name", "--revision", "v1", "--dest", "/x"])
+    assert (args.uri, args.revision, args.dest) == ("hf://org/name", "v1", "/x")

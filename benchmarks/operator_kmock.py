@@ -80,40 +80,11 @@ def owner_uids(server, res) -> set[str]:
 
 
 async def start_operator(server, kubeconfig: Path):
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "kmock", "cluster": {"server": str(server.url).rstrip("/")}}],
-                "users": [{"name": "bench", "user": {"token": "bench-token"}}],
-                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "bench"}}],
-                "current-context": "kmock",
-            }
-        )
-    )
+    """The test suite's in-process operator (its fixture's parts), with the operator's normal timings."""
+    t.write_kubeconfig(server, kubeconfig, user="bench")
     kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(kubeconfig)
-    settings = kopf.OperatorSettings()
-    settings.scanning.disabled = True
-    settings.watching.reconnect_backoff = 0.1
-    settings.posting.default_backoffs = [0.1]
-    memo = kopf.Memo()
-    stop, ready = asyncio.Event(), asyncio.Event()
-    ignored = set(asyncio.all_tasks())
-    tasks = await kopf.spawn_tasks(
-        registry=kopf.get_default_registry(),
-        settings=settings,
-        clusterwide=True,
-        standalone=True,
-        stop_flag=stop,
-        ready_flag=ready,
-        memo=memo,
-    )
-    runner = asyncio.create_task(kopf.run_tasks(tasks, ignored=ignored))
-    ignored.add(runner)
+    _, stop, runner, ignored = await t.start_operator()
     ignored.add(asyncio.current_task())
-    await asyncio.wait_for(ready.wait(), timeout=15)
-    await t.until(lambda: getattr(memo, "kubellm", None), "the startup handler to run")
     return stop, runner
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import kmock
@@ -96,35 +97,35 @@ async def server(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
     return kmock
 
 
-@pytest_asyncio.fixture
-async def operator(server, tmp_path, monkeypatch):
-    """kopf running the handlers in this event loop, logged in to kmock through a kubeconfig."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
+def write_kubeconfig(server, path: Path, user: str = "test") -> Path:
+    """A kubeconfig pointing the official client (and so the operator) at the kmock server."""
+    path.write_text(
         yaml.safe_dump(
             {
                 "apiVersion": "v1",
                 "kind": "Config",
                 "clusters": [{"name": "kmock", "cluster": {"server": str(server.url).rstrip("/")}}],
-                "users": [{"name": "test", "user": {"token": "test-token"}}],
-                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
+                "users": [{"name": user, "user": {"token": f"{user}-token"}}],
+                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": user}}],
                 "current-context": "kmock",
             }
         )
     )
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-    monkeypatch.setattr(handlers, "OBSERVE_INTERVAL", 2.0)
-    monkeypatch.setattr(handlers, "OBSERVE_DEBOUNCE", 0.05)
+    return path
 
+
+async def start_operator() -> tuple[kopf.Memo, asyncio.Event, asyncio.Task, set]:
+    """Run kopf with the kubellm handlers in this event loop; returns (memo, stop flag, runner, ignored tasks).
+
+    kopf.operator() waits 5 s at exit for "hung" tasks started after it (a fixture's own teardown task among
+    them) and then cancels them: run its parts directly and tell it which tasks are ours (add to ``ignored``).
+    """
     settings = kopf.OperatorSettings()
     settings.scanning.disabled = True
     settings.watching.reconnect_backoff = 0.1
     settings.posting.default_backoffs = [0.1]
     memo = kopf.Memo()
     stop, ready = asyncio.Event(), asyncio.Event()
-    # kopf.operator() waits 5 s at exit for "hung" tasks started after it (this fixture's own teardown task
-    # among them) and then cancels them: run its parts directly and tell it which tasks are ours.
     ignored = set(asyncio.all_tasks())
     tasks = await kopf.spawn_tasks(
         registry=kopf.get_default_registry(),
@@ -139,6 +140,18 @@ async def operator(server, tmp_path, monkeypatch):
     ignored.add(runner)
     await asyncio.wait_for(ready.wait(), timeout=15)
     await until(lambda: getattr(memo, "kubellm", None), "the startup handler to run")
+    return memo, stop, runner, ignored
+
+
+@pytest_asyncio.fixture
+async def operator(server, tmp_path, monkeypatch):
+    """kopf running the handlers in this event loop, logged in to kmock through a kubeconfig."""
+    kubeconfig = write_kubeconfig(server, tmp_path / "kubeconfig")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.setattr(handlers, "OBSERVE_INTERVAL", 2.0)
+    monkeypatch.setattr(handlers, "OBSERVE_DEBOUNCE", 0.05)
+    memo, stop, runner, ignored = await start_operator()
     yield memo.kubellm
     ignored.add(asyncio.current_task())
     stop.set()

@@ -205,11 +205,11 @@ class Kube:
         items = (result or {}).get("items") or []
         return [i for i in items if matches(i, selector)]
 
-    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+    async def apply(self, obj: Mapping[str, Any], field_manager: str | None = None) -> dict[str, Any]:
         """Server-side apply: the object is what this field manager wants; conflicts are forced."""
         meta = obj["metadata"]
         path = resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
-        query = {"fieldManager": self.field_manager, "force": "true"}
+        query = {"fieldManager": field_manager or self.field_manager, "force": "true"}
         return await self.request(
             "PATCH", path, query=query, body=obj, content_type="application/apply-patch+yaml"
         )
@@ -405,6 +405,31 @@ def _template_id(deployment: Mapping[str, Any]) -> Any:
     return annotations.get(render_mod.SPEC_HASH_ANNOTATION) or template
 
 
+REPLICAS_HANDOVER_MANAGER = "kubellm-operator-replicas-handover"
+
+
+def replicas_handover(child: Mapping[str, Any], existing: Mapping[str, Any] | None, field_manager: str):
+    """The apply that parks ``spec.replicas`` with a second field manager, or None if none is needed.
+
+    When autoscaling is switched on, the rendered Deployment stops carrying ``replicas``. If our field
+    manager still owns the field, server-side apply would *remove* it and the Deployment would fall back
+    to 1 replica until the autoscaler acts. Applying the current value under another manager first keeps
+    it; the HPA's next scale update then takes the field over from that manager.
+    """
+    if child.get("kind") != "Deployment" or "replicas" in (child.get("spec") or {}) or existing is None:
+        return None
+    owned = any(
+        entry.get("manager") == field_manager and "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {})
+        for entry in existing.get("metadata", {}).get("managedFields") or []
+    )
+    current = (existing.get("spec") or {}).get("replicas")
+    if not owned or current is None:
+        return None
+    meta = child["metadata"]
+    return {"apiVersion": child["apiVersion"], "kind": "Deployment",
+            "metadata": {"name": meta["name"], "namespace": meta.get("namespace")}, "spec": {"replicas": current}}
+
+
 async def apply_children(
     kube: Kube,
     ld: api.LLMDeployment,
@@ -434,9 +459,13 @@ async def apply_children(
         }
         kind, child_name = child["kind"], child["metadata"]["name"]
         rendered.add((kind, child_name))
+        before = existing.get((kind, child_name))
+        handover = replicas_handover(child, before[1] if before else None, kube.field_manager)
+        if handover is not None:
+            logger.info("handing spec.replicas of Deployment %s/%s to the autoscaler", namespace, child_name)
+            await kube.apply(handover, field_manager=REPLICAS_HANDOVER_MANAGER)
         applied = await kube.apply(child)
         if kind == "Deployment":
-            before = existing.get((kind, child_name))
             template_changed = before is None or _template_id(before[1]) != _template_id(applied or {})
             if note_template is not None:
                 note_template(template_changed)

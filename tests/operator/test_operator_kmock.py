@@ -519,3 +519,31 @@ def test_run_needs_exactly_one_namespace_scope():
         handlers.run(["ml"], True, None, True)
     with pytest.raises(ValueError, match="namespaces"):
         handlers.run(None, False, None, True)
+
+
+def _deployment(replicas_in_spec: bool, manager: str = "kubellm-operator", owns: bool = True) -> tuple[dict, dict]:
+    child = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "m", "namespace": "ns"},
+             "spec": {"replicas": 2} if replicas_in_spec else {}}
+    fields = {"f:spec": {"f:replicas": {}, "f:template": {}}} if owns else {"f:spec": {"f:template": {}}}
+    existing = {"metadata": {"name": "m", "managedFields": [{"manager": manager, "operation": "Apply",
+                                                             "fieldsV1": fields}]},
+                "spec": {"replicas": 3}}
+    return child, existing
+
+
+def test_turning_autoscaling_on_parks_replicas_with_a_handover_manager_first():
+    child, existing = _deployment(replicas_in_spec=False)
+    handover = handlers.replicas_handover(child, existing, "kubellm-operator")
+    assert handover == {"apiVersion": "apps/v1", "kind": "Deployment",
+                        "metadata": {"name": "m", "namespace": "ns"}, "spec": {"replicas": 3}}
+
+
+@pytest.mark.parametrize("case", ["replicas still rendered", "field owned by someone else", "new Deployment"])
+def test_no_replicas_handover_when_nothing_would_be_lost(case):
+    if case == "replicas still rendered":
+        child, existing = _deployment(replicas_in_spec=True)
+    elif case == "field owned by someone else":
+        child, existing = _deployment(replicas_in_spec=False, manager="kube-controller-manager")
+    else:
+        child, existing = _deployment(replicas_in_spec=False)[0], None
+    assert handlers.replicas_handover(child, existing, "kubellm-operator") is None

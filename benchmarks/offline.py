@@ -130,18 +130,7 @@ def prepare_model(model: str | None, dtype: str) -> Path:
     path = Path(name).expanduser()
     if path.is_dir():
         return path.resolve()
-    stem = path.stem if path.suffix.lower() == ".gguf" else name.lower()
-    out = model_store.cache_root() / "hf" / f"{stem}-{dtype}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
-    print(f"exporting {name} as a Hugging Face folder ({dtype}) into {out} ...", file=sys.stderr, flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Export next to the target and rename, so an interrupted export never looks complete.
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as tmp:
-        staged = Path(tmp) / "model"
-        model_store.export_hf(name, staged, dtype=_TORCH_DTYPES[dtype])
-        os.replace(staged, out)
-    return out
+    return model_store.cached_hf_export(name, _TORCH_DTYPES[dtype])
 
 
 def model_info(model_dir: Path) -> dict:

@@ -896,17 +896,7 @@ def prepare_model(model: str | None, dtype: str) -> Path:
 
     from kubellm.runtime import model_store
 
-    out = model_store.cache_root() / "hf" / f"smollm2-{dtype}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
-    print(f"exporting smollm2 as a Hugging Face folder ({dtype}) into {out} ...", file=sys.stderr, flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Export next to the target and rename, so an interrupted export never looks complete.
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as tmp:
-        staged = Path(tmp) / "model"
-        model_store.export_hf("smollm2", staged, dtype=getattr(torch, dtype))
-        os.replace(staged, out)
-    return out
+    return model_store.cached_hf_export("smollm2", getattr(torch, dtype))
 
 
 def _on_sigterm(signum, frame):

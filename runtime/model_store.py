@@ -219,6 +219,24 @@ def download_hf(uri: str, dest: str | Path, revision: str | None = None) -> Path
     return dest
 
 
+def cached_hf_export(name_or_path: str | Path, dtype: torch.dtype, cache_dir: str | Path | None = None) -> Path:
+    """``<cache>/hf/<name>-<dtype>``: a model exported once as a Hugging Face folder (for transformers and
+    vLLM side by side with kubellm, e.g. in benchmarks). Exported next to the target and renamed, so an
+    interrupted export never looks complete."""
+    path = Path(name_or_path).expanduser()
+    stem = path.stem if path.suffix.lower() == ".gguf" else str(name_or_path).lower()
+    out = cache_root(cache_dir) / "hf" / f"{stem}-{str(dtype).removeprefix('torch.')}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    print(f"exporting {name_or_path} as a Hugging Face folder ({dtype}) into {out} ...", file=sys.stderr, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as tmp:
+        staged = Path(tmp) / "model"
+        export_hf(name_or_path, staged, dtype=dtype, cache_dir=cache_dir)
+        os.replace(staged, out)
+    return out
+
+
 def _known(name: str) -> KnownModel:
     model = KNOWN_MODELS.get(name.lower())
     if model is None:

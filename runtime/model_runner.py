@@ -11,9 +11,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kubellm.runtime.layers.attention import AttentionMetadata, PrefillSpan, make_backend
+from kubellm.runtime.layers.attention import (
+    AttentionMetadata,
+    NativeCpuAttentionBackend,
+    PrefillSpan,
+    make_backend,
+)
 from kubellm.runtime.models.config import ModelConfig
-from kubellm.runtime.models.llama import LlamaForCausalLM
+from kubellm.runtime.models.llama import LlamaForCausalLM, use_native_ops
 from kubellm.runtime.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
@@ -40,7 +45,11 @@ class ModelRunner:
         for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
             attn = layer.self_attn.attn
             attn.k_cache, attn.v_cache, attn.backend = k, v, self.backend
-        log.info("attention backend: %s", type(self.backend).__name__)
+        # The native CPU backend brings the fused layer ops (RMSNorm, rotary, SiLU-and-mul) with it; the torch
+        # backend keeps the whole model on the plain-PyTorch references.
+        self.native_ops = isinstance(self.backend, NativeCpuAttentionBackend)
+        use_native_ops(model, self.native_ops)
+        log.info("attention backend: %s, fused CPU layer ops: %s", type(self.backend).__name__, self.native_ops)
 
     # ---- batch → tensors -----------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]):

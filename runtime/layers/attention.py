@@ -55,8 +55,10 @@ class TorchAttentionBackend:
         v_flat = v_cache.view(-1, kvh, d)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == q.shape[0]:  # a pure decode step: no output buffer to assemble
+            return self._decode(q, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
         for p in meta.prefills:
@@ -85,15 +87,15 @@ class TorchAttentionBackend:
         if span.context_slots is not None:
             k = torch.index_select(k_flat, 0, span.context_slots)
             v = torch.index_select(v_flat, 0, span.context_slots)
-        qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, D]
-        if self.group > 1:
-            kt = kt.repeat_interleave(self.group, dim=0)
-            vt = vt.repeat_interleave(self.group, dim=0)
+        # [1, heads, tokens, D] views with enable_gqa: the 4-D form reaches PyTorch's flash CPU kernel
+        # (2-3x faster here than 3-D inputs, which fall back to the math path) and needs no K/V copies.
+        qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        gqa = self.group > 1
         if span.mask is None:
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale)
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=span.mask, scale=self.scale)
-        return o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=span.mask, scale=self.scale, enable_gqa=gqa)
+        return o[0].transpose(0, 1)
 
 
 class NativeCpuAttentionBackend(TorchAttentionBackend):
@@ -119,6 +121,11 @@ def make_backend(kind: str, device: str, num_heads: int, num_kv_heads: int, head
             if cpu_paged_attention.available():
                 kind = "cpu"
     if kind == "cpu":
+        from kubellm.kernels import cpu_extension
+
+        if device != "cpu" or not cpu_extension.available():
+            raise ValueError(f"the native CPU kernels cannot run here (device {device!r}): "
+                             f"{cpu_extension.build_info()['error'] or 'disabled'}; use --attention-backend torch")
         return NativeCpuAttentionBackend(num_heads, num_kv_heads, head_dim)
     if kind == "torch":
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kubellm.kernels import cpu_layer_ops as ops
 from kubellm.runtime.layers.attention import Attention, AttentionMetadata
 from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.models.checkpoint import CheckpointError
@@ -19,19 +20,34 @@ from kubellm.runtime.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """Normalises in float32 like the Hugging Face implementation, then scales in the model dtype.
+
+    With ``residual``, first folds ``x`` into the residual stream: returns ``(norm(residual + x), residual + x)``.
+    ``native`` (set by :func:`use_native_ops`) runs the fused CPU kernel, which does both in place.
+    """
+
+    native = False
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like the reference implementation, then scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            if self.native:
+                return ops.rms_norm(x, self.weight, self.eps)
+            return ops.reference_rms_norm(x, self.weight, self.eps)
+        if self.native:
+            ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return ops.reference_rms_norm(residual, self.weight, self.eps), residual
 
 
 class LlamaAttention(nn.Module):
+    native = False  # rotary embedding through the in-place CPU kernel
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -48,12 +64,17 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if self.native:
+            ops.rotary_embedding_(positions, q, k, self.rotary.cos, self.rotary.sin)
+        else:
+            q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
+    native = False  # SiLU-and-mul through the fused CPU kernel
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
@@ -61,7 +82,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -73,9 +97,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions, x, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, hidden, residual, meta):
+        """Returns this layer's MLP output and the residual stream before it is added (the next norm adds it)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -88,10 +118,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+            hidden, residual = layer(positions, hidden, residual, meta)
+        return self.norm(hidden, residual)[0]
 
 
 # HF parameter name fragment -> (our fused parameter, shard index)
@@ -171,3 +201,10 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(m.split("#")[0] for m in missing[:5])
             raise CheckpointError(f"{source or 'checkpoint'} is missing {len(missing)} tensors, e.g. {shown}")
+
+
+def use_native_ops(model: nn.Module, enabled: bool) -> None:
+    """Route RMSNorm, rotary and SiLU-and-mul through the fused CPU kernels (or back to the references)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+            module.native = enabled

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kubellm.kernels import cpu_extension as cx
 from kubellm.kernels import cpu_paged_attention as cpa
 
 GARBAGE_OFFSET = 1000  # padded block-table entries: num_blocks + this (never valid)
@@ -259,14 +260,14 @@ def test_build_info_reports_state(kernel):
 
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):
-    monkeypatch.setattr(cpa, "_state", {"tried": False, "ok": False, "error": None, "build_seconds": None})
-    monkeypatch.setattr(cpa, "_op_registered", lambda: False)
+    monkeypatch.setattr(cx, "_state", {"tried": False, "ok": False, "error": None, "build_seconds": None})
+    monkeypatch.setattr(cx, "_op_registered", lambda: False)
 
     def broken_build():
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(cpa, "_build", broken_build)
-    with caplog.at_level("WARNING", logger=cpa.__name__):
+    monkeypatch.setattr(cx, "_build", broken_build)
+    with caplog.at_level("WARNING", logger=cx.__name__):
         assert cpa.available() is False
         assert cpa.available() is False
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
@@ -284,7 +285,7 @@ def test_stale_build_lock_is_removed(monkeypatch, tmp_path):
     build_dir.mkdir()
     lock = build_dir / "lock"
     lock.touch()
-    old = time.time() - 2 * cpa._STALE_LOCK_S
+    old = time.time() - 2 * cx._STALE_LOCK_S
     os.utime(lock, (old, old))
     seen = {}
 
@@ -293,7 +294,7 @@ def test_stale_build_lock_is_removed(monkeypatch, tmp_path):
         seen["build_directory"] = kwargs["build_directory"]
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    monkeypatch.setattr(cpa, "_build_directory", lambda root=None: build_dir)
-    monkeypatch.setattr(cpa, "_op_registered", lambda: True)
-    cpa._build()
+    monkeypatch.setattr(cx, "_build_directory", lambda root=None: build_dir)
+    monkeypatch.setattr(cx, "_op_registered", lambda: True)
+    cx._build()
     assert seen == {"lock_exists": False, "build_directory": str(build_dir)}

@@ -84,16 +84,47 @@ def _cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def available_memory_bytes(device: str) -> int:
-    """Bytes free on the device now: CUDA's mem_get_info, or MemAvailable on Linux CPUs."""
+def available_memory_bytes(device: str, cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Bytes free on the device now: CUDA's mem_get_info; on CPUs the smaller of the host's MemAvailable and
+    what the container's cgroup memory limit still allows (a pod sees the whole node in /proc/meminfo, so
+    sizing from it alone gets the pod OOM-killed)."""
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
         return free
+    host = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    host = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) if hasattr(os, "sysconf") else 8 * 2**30
+    if host is None:
+        host = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) if hasattr(os, "sysconf") else 8 * 2**30
+    container = cgroup_memory_headroom(cgroup_root)
+    return host if container is None else min(host, container)
+
+
+def cgroup_memory_headroom(root: str = "/sys/fs/cgroup") -> int | None:
+    """Limit minus current usage of this process's memory cgroup (v2, else v1); None when unlimited/unknown."""
+    candidates = (("memory.max", "memory.current"),  # cgroup v2 (the container's own cgroup is mounted at root)
+                  ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))  # cgroup v1
+    for limit_name, usage_name in candidates:
+        try:
+            with open(os.path.join(root, limit_name)) as f:
+                limit_text = f.read().strip()
+            with open(os.path.join(root, usage_name)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max":
+            return None
+        try:
+            limit = int(limit_text)
+        except ValueError:
+            continue
+        if limit >= 2**60:  # cgroup v1 spells "unlimited" as a huge page-aligned number
+            return None
+        return max(0, limit - usage)
+    return None

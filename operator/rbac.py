@@ -1,0 +1,94 @@
+"""The Kubernetes API permissions the operator needs, written down once: what the Helm chart's RBAC grants.
+
+Every request the operator sends (its own :class:`~kubellm.operator.handlers.Kube` client and kopf's watches,
+patches and Events) must be allowed by these grants, and every grant must be used by some request.
+``tests/operator/test_operator_rbac.py`` checks both directions against the requests the operator really
+makes to an emulated API server; ``tests/delivery/test_chart.py`` checks that the chart's Roles and
+ClusterRoles (``charts/kubellm/templates/rbac.yaml``) grant exactly this, nothing more. A handler that starts
+calling the API differently fails the first test until this table and the chart change with it.
+
+Verbs are RBAC verbs, not HTTP methods: a GET is ``get`` (one object), ``list`` or ``watch``; server-side
+apply is a PATCH, which the API server authorizes as ``patch`` and, when it creates the object, also as
+``create``. Discovery (``/api``, ``/apis/...``, ``/version``) needs no grant: every authenticated user may read
+it (the ``system:discovery`` ClusterRole).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kubellm.operator import api
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Verbs on one resource (``plural`` or ``plural/subresource``) of one API group (``""``: core)."""
+
+    group: str
+    resource: str
+    verbs: tuple[str, ...]
+    why: str
+
+    def triples(self) -> set[tuple[str, str, str]]:
+        return {(self.group, self.resource, verb) for verb in self.verbs}
+
+
+Grants = tuple[Grant, ...]
+
+# Children are applied (patch, create), listed by owner label to find the stale ones, and deleted when no
+# longer rendered.
+CHILD_VERBS = ("list", "create", "patch", "delete")
+
+# In each watched namespace: a Role there, or part of the ClusterRole when the operator watches every namespace.
+NAMESPACED: Grants = (
+    Grant(api.GROUP, api.PLURAL, ("get", "list", "watch", "patch"),
+          "kopf watches them and patches its finalizer and kubellm.io/* annotations; the observer re-reads one "
+          "before writing its status"),
+    Grant(api.GROUP, f"{api.PLURAL}/status", ("patch",), "the observer writes status (conditions, replicas)"),
+    Grant("", "events", ("create",), "kopf posts the operator's Events (RolloutStarted, InvalidSpec, ...)"),
+    Grant("", "pods", ("list", "watch"),
+          "the observer reads the pods (readiness, crash loops); kopf watches them to wake it"),
+    Grant("", "services", CHILD_VERBS, "child Service"),
+    Grant("apps", "deployments", ("list", "watch", "create", "patch", "delete"),
+          "child Deployment; kopf watches it to wake the observer"),
+    Grant("policy", "poddisruptionbudgets", CHILD_VERBS, "child PodDisruptionBudget"),
+    Grant("autoscaling", "horizontalpodautoscalers", ("get", "list", "watch", "create", "patch", "delete"),
+          "child HPA (backend hpa); the observer reads KEDA's HPA by name; kopf watches them"),
+)  # fmt: skip
+
+# Namespaced too, granted only when the chart is asked to (rbac.keda, rbac.serviceMonitors): without them the
+# operator still runs, and LLMDeployments that need these kinds say so in their status.
+KEDA: Grants = (
+    Grant("keda.sh", "scaledobjects", CHILD_VERBS, "child ScaledObject (autoscaling.backend keda)"),
+)
+SERVICE_MONITORS: Grants = (
+    Grant("monitoring.coreos.com", "servicemonitors", CHILD_VERBS,
+          "child ServiceMonitor (monitoring.serviceMonitor Enabled, or Auto with the Prometheus operator)"),
+)  # fmt: skip
+
+# Cluster-scoped, whatever the operator watches.
+CLUSTER: Grants = (
+    Grant("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"),
+          "kopf follows CRDs being installed and removed (the LLMDeployment CRD among them)"),
+)  # fmt: skip
+
+# Cluster-scoped, only when the operator watches a list of namespaces (kopf resolves them, patterns included).
+NAMESPACE_DISCOVERY: Grants = (
+    Grant("", "namespaces", ("list", "watch"), "kopf follows the watched namespaces being created and deleted"),
+)
+
+
+def namespaced_grants(*, keda: bool, service_monitors: bool) -> Grants:
+    """What the operator needs in each namespace it watches."""
+    return NAMESPACED + (KEDA if keda else ()) + (SERVICE_MONITORS if service_monitors else ())
+
+
+def cluster_grants(*, all_namespaces: bool) -> Grants:
+    """What the operator needs cluster-wide besides the namespaced grants (which a ClusterRole holds too
+    when it watches every namespace)."""
+    return CLUSTER + (() if all_namespaces else NAMESPACE_DISCOVERY)
+
+
+def triples(grants: Grants) -> set[tuple[str, str, str]]:
+    """``{(group, resource, verb)}`` of ``grants``, the form RBAC comparisons are made in."""
+    return {t for g in grants for t in g.triples()}

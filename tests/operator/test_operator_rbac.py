@@ -1,0 +1,356 @@
+"""The operator's API requests against :mod:`kubellm.operator.rbac`, the permissions the Helm chart grants.
+
+The operator (kopf + handlers.py, in-process, scanning on as in production) runs through a life cycle against
+kmock (see test_operator_kmock.py) that makes it use every kind it may own: create with KEDA and a
+ServiceMonitor, switch to the HPA backend without monitoring (the ScaledObject and ServiceMonitor are deleted),
+clean up stale owned children of every kind, delete. Every recorded request (kopf's and the operator's own
+client's) is turned into the RBAC check the API server would make; each must be granted, and each grant must
+have been needed, in both watch modes (every namespace, a list of namespaces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import kmock
+import kopf
+import kubernetes.config.kube_config
+import pytest
+import pytest_asyncio
+import test_operator_kmock as t
+from kmock._internal import parsing as kmock_parsing
+
+from kubellm.operator import api, handlers, rbac, render
+
+pytestmark = pytest.mark.kmock(cls=t.ApiServer)
+
+SCALED_OBJECTS = kmock.resource("keda.sh", "v1alpha1", "scaledobjects")
+SERVICE_MONITORS = kmock.resource("monitoring.coreos.com", "v1", "servicemonitors")
+APPLY = "application/apply-patch+yaml"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One authorization check of the API server: ``namespace`` None means cluster scope."""
+
+    namespace: str | None
+    group: str
+    resource: str  # plural or plural/subresource
+    verb: str
+
+
+def checks(method: str, path: str, params: dict[str, str], content_type: str) -> list[Check]:
+    """The RBAC checks a request needs ([] for discovery), following the API server's request-info rules."""
+    parts = [p for p in path.split("/") if p]
+    if parts[:1] == ["api"] and len(parts) >= 3:
+        group, rest = "", parts[2:]
+    elif parts[:1] == ["apis"] and len(parts) >= 4:
+        group, rest = parts[1], parts[3:]
+    else:
+        return []  # /api, /api/v1, /apis, /apis/<group>[/<version>], /version: discovery
+    namespace = None
+    if rest[0] == "namespaces" and len(rest) >= 3:
+        namespace, rest = rest[1], rest[2:]
+    plural, name, sub = rest[0], rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None
+    resource = f"{plural}/{sub}" if sub else plural
+    method = method.upper()
+    if method == "GET":
+        verbs = ["watch"] if params.get("watch") in ("true", "1") else ["get"] if name else ["list"]
+    elif method == "POST":
+        verbs = ["create"]
+    elif method == "PUT":
+        verbs = ["update"]
+    elif method == "PATCH":  # server-side apply may create the object, which needs create as well
+        verbs = ["patch", "create"] if content_type.startswith(APPLY) else ["patch"]
+    elif method == "DELETE":
+        verbs = ["delete"] if name else ["deletecollection"]
+    else:
+        raise AssertionError(f"unexpected request {method} {path}")
+    return [Check(namespace, group, resource, verb) for verb in verbs]
+
+
+def recorded_checks(server) -> set[Check]:
+    """The checks of the operator's requests: those with its kubeconfig's token (the test sends none)."""
+    out: set[Check] = set()
+    for request in list(server):
+        if not request.headers.get("Authorization"):
+            continue
+        out |= set(
+            checks(request.method.value, request.url.path, dict(request.params),
+                   request.headers.get("Content-Type", ""))
+        )  # fmt: skip
+    return out
+
+
+def test_checks_follow_the_api_servers_rules():
+    assert checks("GET", "/apis/kubellm.io/v1alpha1/llmdeployments", {"watch": "true"}, "") == [
+        Check(None, "kubellm.io", "llmdeployments", "watch")
+    ]
+    assert checks("GET", "/api/v1/namespaces", {}, "") == [Check(None, "", "namespaces", "list")]
+    assert checks("GET", "/api/v1/namespaces/ml", {}, "") == [Check(None, "", "namespaces", "get")]
+    assert checks("PATCH", "/apis/kubellm.io/v1alpha1/namespaces/ml/llmdeployments/x/status", {},
+                  "application/merge-patch+json") == [Check("ml", "kubellm.io", "llmdeployments/status", "patch")]
+    assert {c.verb for c in checks("PATCH", "/api/v1/namespaces/ml/services/x", {}, APPLY)} == {"patch", "create"}
+    assert checks("DELETE", "/apis/apps/v1/namespaces/ml/deployments", {}, "")[0].verb == "deletecollection"
+    assert checks("GET", "/apis/monitoring.coreos.com/v1", {}, "") == []
+    assert checks("GET", "/version", {}, "") == []
+
+
+def declare_everything(server: kmock.KubernetesEmulator) -> None:
+    """test_operator_kmock's resources plus KEDA, the Prometheus operator and CRDs (kopf watches them)."""
+    t.declare_resources(server)
+    info = kmock.ResourceInfo
+    server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
+        kind="CustomResourceDefinition", namespaced=False, verbs=t.VERBS
+    )
+    server.resources["keda.sh/v1alpha1/scaledobjects"] = info(kind="ScaledObject", namespaced=True, verbs=t.VERBS)
+    server.resources["monitoring.coreos.com/v1/servicemonitors"] = info(
+        kind="ServiceMonitor", namespaced=True, verbs=t.VERBS
+    )
+
+
+def _parse_path_with_namespaces(parse_path):
+    """kmock 0.8 reads /api/v1/namespaces[/name] as a namespaced path without a resource (and fails); the
+    operator lists and watches namespaces when it serves a list of them, so parse that as the API server does."""
+
+    def parse(path: str):
+        parts = path.strip("/").split("/")
+        if parts[:3] == ["api", "v1", "namespaces"] and len(parts) <= 4:
+            name = parts[3] if len(parts) == 4 else None
+            return kmock_parsing.ParsedPath("", "v1", "namespaces", None, name, None)
+        return parse_path(path)
+
+    return parse
+
+
+@pytest_asyncio.fixture
+async def server(kmock: kmock.KubernetesEmulator, monkeypatch) -> kmock.KubernetesEmulator:
+    monkeypatch.setattr(kmock_parsing, "parse_path", _parse_path_with_namespaces(kmock_parsing.parse_path))
+    declare_everything(kmock)
+    async with kmock.post("/api/v1/namespaces", json={"apiVersion": "v1", "kind": "Namespace",
+                                                     "metadata": {"name": t.NS}}, headers=t.CLOSE) as resp:
+        assert resp.status < 300, await resp.text()
+    return kmock
+
+
+async def start_operator(clusterwide: bool, namespaces: list[str]):
+    """kopf with the kubellm handlers as ``kubellm operator`` runs them: CRD and namespace scanning on."""
+    settings = kopf.OperatorSettings()
+    settings.watching.reconnect_backoff = 0.1
+    settings.posting.default_backoffs = [0.1]
+    memo = kopf.Memo()
+    stop, ready = asyncio.Event(), asyncio.Event()
+    ignored = set(asyncio.all_tasks())
+    tasks = await kopf.spawn_tasks(
+        registry=kopf.get_default_registry(), settings=settings, clusterwide=clusterwide, namespaces=namespaces,
+        standalone=True, stop_flag=stop, ready_flag=ready, memo=memo,
+    )  # fmt: skip
+    runner = asyncio.create_task(kopf.run_tasks(tasks, ignored=ignored))
+    ignored.add(runner)
+    await asyncio.wait_for(ready.wait(), timeout=15)
+    await t.until(lambda: getattr(memo, "kubellm", None), "the startup handler to run")
+    return stop, runner, ignored
+
+
+async def run_operator(server, tmp_path, monkeypatch, scenario, *, clusterwide: bool) -> None:
+    kubeconfig = t.write_kubeconfig(server, tmp_path / "kubeconfig")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.setattr(handlers, "OBSERVE_INTERVAL", 1.0)
+    monkeypatch.setattr(handlers, "OBSERVE_DEBOUNCE", 0.05)
+    stop, runner, ignored = await start_operator(clusterwide, [] if clusterwide else [t.NS])
+    try:
+        await scenario(server)
+    finally:
+        ignored.add(asyncio.current_task())
+        stop.set()
+        await asyncio.wait_for(runner, timeout=15)
+
+
+def stale_child(api_version: str, kind: str) -> dict[str, Any]:
+    """An object the LLMDeployment owns under a name render no longer uses: the operator must delete it."""
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {
+            "name": "stale",
+            "namespace": t.NS,
+            "labels": {handlers.LABEL: t.NAME},
+            "ownerReferences": [{"apiVersion": api.API_VERSION, "kind": api.KIND, "name": t.NAME, "uid": t.UID,
+                                 "controller": True}],
+        },
+    }  # fmt: skip
+
+
+def exists(server, resource, name: str | None = None) -> bool:
+    return any(t.owned_by_ld(obj) and (name is None or n == name) for n, obj in t.live(server, resource).items())
+
+
+async def whole_life(server) -> None:
+    for api_version, kind in handlers.MANAGED_KINDS:
+        collection = handlers.resource_path(api_version, kind, t.NS)
+        async with server.post(collection, json=stale_child(api_version, kind), headers=t.CLOSE) as resp:
+            assert resp.status < 300, await resp.text()
+    autoscaling = {"enabled": True, "backend": "keda", "minReplicas": 1, "maxReplicas": 3}
+    await t.create(server, t.llmdeployment(autoscaling=autoscaling, monitoring={"serviceMonitor": "Enabled"}))
+    await t.until(lambda: exists(server, SCALED_OBJECTS, t.NAME), "the ScaledObject")
+    await t.until(lambda: exists(server, SERVICE_MONITORS, t.NAME), "the ServiceMonitor")
+    await t.until(lambda: not exists(server, t.DEPLOYMENTS, "stale"), "the stale children to go")
+    await t.until(lambda: t.condition(server, "Ready"), "a status")
+
+    await t.patch(server, f"{t.LD_PATH}/{t.NAME}", {
+        "metadata": {"generation": 2},
+        "spec": {"autoscaling": {"backend": "hpa"}, "monitoring": {"serviceMonitor": "Disabled"}},
+    })  # fmt: skip
+    await t.until(lambda: exists(server, t.HPAS, t.NAME), "the HPA")
+    await t.until(lambda: not exists(server, SCALED_OBJECTS), "the ScaledObject to go")
+    await t.until(lambda: not exists(server, SERVICE_MONITORS), "the ServiceMonitor to go")
+    await t.until(lambda: t.events(server), "an Event")
+    await delete(server)
+
+
+async def short_life(server) -> None:
+    await t.create(server, t.llmdeployment(replicas=1))
+    await t.until(lambda: exists(server, t.DEPLOYMENTS, t.NAME), "the Deployment")
+    await t.until(lambda: t.condition(server, "Ready"), "a status")
+    await t.until(lambda: t.events(server), "an Event")
+    assert t.condition(server, "Ready")["reason"] != "ReconcileFailed"
+    await delete(server)
+
+
+async def delete(server) -> None:
+    async with server.delete(f"{t.LD_PATH}/{t.NAME}", headers=t.CLOSE) as resp:
+        assert resp.status < 300
+    await t.until(lambda: server.objects[t.LD_RESOURCE, t.NS, t.NAME].deleted, "the LLMDeployment to be gone")
+
+
+def describe(items) -> str:
+    return "\n  ".join(sorted(map(str, items)))
+
+
+def authorize(server, namespaced: rbac.Grants, cluster: rbac.Grants, namespaces: set[str] | None) -> list[Check]:
+    """Answer 403 to operator requests these grants do not allow, as the API server's RBAC would.
+
+    ``namespaced`` hold in ``namespaces`` (None: everywhere, cluster scope included, as a ClusterRole's do);
+    ``cluster`` hold cluster-wide. Returns the list the denied checks are appended to.
+    """
+    in_namespace, everywhere = rbac.triples(namespaced), rbac.triples(cluster)
+    if namespaces is None:
+        everywhere |= in_namespace
+    denied: list[Check] = []
+
+    def allowed(c: Check) -> bool:
+        triple = (c.group, c.resource, c.verb)
+        return triple in everywhere or (c.namespace in (namespaces or ()) and triple in in_namespace)
+
+    def forbidden(request: kmock.Request) -> bool:
+        if not request.headers.get("Authorization"):
+            return False  # the test's own requests
+        found = checks(request.method.value, request.url.path, dict(request.params),
+                       request.headers.get("Content-Type", ""))  # fmt: skip
+        refused = [c for c in found if not allowed(c)]
+        denied.extend(refused)
+        return bool(refused)
+
+    server[forbidden] << kmock.KubernetesError(status=403, reason="Forbidden", message="denied by the test's RBAC")
+    return denied
+
+
+def triples_of(checks_: set[Check] | list[Check]) -> set[tuple[str, str, str]]:
+    return {(c.group, c.resource, c.verb) for c in checks_}
+
+
+@pytest.mark.asyncio
+async def test_watching_every_namespace_needs_exactly_the_cluster_role(server, tmp_path, monkeypatch):
+    namespaced = rbac.namespaced_grants(keda=True, service_monitors=True)
+    cluster = rbac.cluster_grants(all_namespaces=True)
+    denied = authorize(server, namespaced, cluster, namespaces=None)
+    try:
+        await run_operator(server, tmp_path, monkeypatch, whole_life, clusterwide=True)
+    finally:
+        assert not denied, "requests the chart's ClusterRole does not allow:\n  " + describe(set(denied))
+    unused = rbac.triples(namespaced + cluster) - triples_of(recorded_checks(server))
+    assert not unused, "grants no request needed:\n  " + describe(unused)
+
+
+@pytest.mark.asyncio
+async def test_watching_listed_namespaces_works_with_roles_there_and_little_cluster_wide(
+    server, tmp_path, monkeypatch
+):
+    """Without the optional grants, even with KEDA and the Prometheus operator installed: the operator is
+    refused only what the chart deliberately leaves out, and serves the LLMDeployment all the same."""
+    namespaced = rbac.namespaced_grants(keda=False, service_monitors=False)
+    cluster = rbac.cluster_grants(all_namespaces=False)
+    denied = authorize(server, namespaced, cluster, namespaces={t.NS})
+    await run_operator(server, tmp_path, monkeypatch, short_life, clusterwide=False)
+    optional = rbac.triples(rbac.KEDA + rbac.SERVICE_MONITORS)
+    assert triples_of(denied) <= optional, describe(set(denied))
+    assert {c.namespace for c in denied} == {t.NS}
+    recorded = recorded_checks(server)
+    assert {c.namespace for c in recorded} <= {None, t.NS}
+    cluster_used = triples_of({c for c in recorded if c.namespace is None})
+    assert cluster_used == rbac.triples(cluster), describe(cluster_used)
+
+
+def test_every_kind_the_operator_may_own_can_be_applied_listed_and_deleted():
+    granted = rbac.triples(rbac.namespaced_grants(keda=True, service_monitors=True))
+    for api_version, kind in handlers.MANAGED_KINDS:
+        group = api_version.rpartition("/")[0]
+        for verb in rbac.CHILD_VERBS:
+            assert (group, handlers.plural(kind), verb) in granted, (kind, verb)
+
+
+def test_optional_grants_are_the_optional_kinds():
+    optional = {g.resource for g in rbac.KEDA + rbac.SERVICE_MONITORS}
+    assert optional == {handlers.plural(kind) for kind in handlers.OPTIONAL_KINDS}
+
+
+class RefusingKube:
+    """Applies everything but ``refused`` kinds, which get 403 (lists too); records what it applied."""
+
+    field_manager = handlers.FIELD_MANAGER
+
+    def __init__(self, *refused: str) -> None:
+        self.refused, self.applied = set(refused), []
+
+    def _check(self, kind: str) -> None:
+        if kind in self.refused:
+            raise handlers.ApiError(403, "Forbidden", f"{kind} is not granted")
+
+    async def list(self, api_version, kind, namespace, selector):
+        self._check(kind)
+        return []
+
+    async def apply(self, obj, field_manager=None):
+        self._check(obj["kind"])
+        self.applied.append(obj["kind"])
+        return dict(obj)
+
+
+def _children(monitoring: str, autoscaling: dict[str, Any] | None = None):
+    spec = {"model": {"uri": "hf://org/llama"}, "monitoring": {"serviceMonitor": monitoring}}
+    if autoscaling:
+        spec["autoscaling"] = autoscaling
+    ld = api.LLMDeployment.model_validate({**t.llmdeployment(), "spec": spec})
+    return ld, render.render(ld, service_monitor_available=True)
+
+
+def test_without_service_monitor_grants_auto_skips_the_service_monitor_and_enabled_fails_visibly():
+    kube = RefusingKube("ServiceMonitor", "ScaledObject")
+    ld, children = _children("Auto")
+    asyncio.run(handlers.apply_children(kube, ld, children))
+    assert "Deployment" in kube.applied and "ServiceMonitor" not in kube.applied
+    ld, children = _children("Enabled")
+    with pytest.raises(handlers.ApiError, match="403"):
+        asyncio.run(handlers.apply_children(kube, ld, children))
+
+
+def test_without_keda_grants_a_keda_backend_fails_visibly_and_other_refusals_are_not_hidden():
+    ld, children = _children("Disabled", {"enabled": True, "backend": "keda", "minReplicas": 1, "maxReplicas": 2})
+    with pytest.raises(handlers.ApiError, match="ScaledObject"):
+        asyncio.run(handlers.apply_children(RefusingKube("ScaledObject"), ld, children))
+    ld, children = _children("Disabled")
+    with pytest.raises(handlers.ApiError, match="Service"):
+        asyncio.run(handlers.apply_children(RefusingKube("Service"), ld, children))

@@ -1,0 +1,80 @@
+"""The LLMDeployments the end-to-end suite applies: the repository's examples, loaded and adjusted in Python.
+
+The examples stay the source: each function loads one from examples/ and changes only what a kind cluster
+on a CI runner needs (the locally built image, less CPU per pod so a surge pod fits next to the old one, a
+CPU model in place of the autoscaled example's 7B GPU model). e2e/test_manifests.py checks offline that the
+results still validate and render.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+# Where `docker build --target runtime-cpu --build-arg BAKE_DEMO_MODEL=1` puts the demo model (the image's
+# KUBELLM_CACHE, see the Dockerfile); a file:// model needs no init container and no download.
+BAKED_DEMO_MODEL = "/opt/kubellm/cache/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SERVED_MODEL_NAME = "smollm2"
+
+
+def load_example(filename: str) -> dict[str, Any]:
+    with (EXAMPLES / filename).open() as f:
+        return yaml.safe_load(f)
+
+
+def _use_image(doc: dict[str, Any], image: str, pull_policy: str) -> None:
+    doc["spec"]["image"] = image
+    doc["spec"]["imagePullPolicy"] = pull_policy
+
+
+def cpu_deployment(
+    image: str, namespace: str, *, cpu: str = "1", pull_policy: str = "IfNotPresent"
+) -> dict[str, Any]:
+    """examples/llmdeployment-cpu.yaml running ``image``; the model stays the known name smollm2, so the pod's
+    init container pulls it exactly as it would for a user.
+
+    ``cpu``: the example asks for 2 CPUs; a rollout surges one extra pod, and two 2-CPU pods beside the
+    control plane and Prometheus do not fit on a 4-CPU CI runner.
+    """
+    doc = load_example("llmdeployment-cpu.yaml")
+    doc["metadata"]["namespace"] = namespace
+    _use_image(doc, image, pull_policy)
+    doc["spec"]["resources"]["cpu"] = cpu
+    return doc
+
+
+def autoscaled_deployment(
+    image: str,
+    namespace: str,
+    *,
+    model_uri: str = f"file://{BAKED_DEMO_MODEL}",
+    cpu: str = "1",
+    max_num_seqs: int = 2,
+    max_replicas: int = 2,
+    pull_policy: str = "IfNotPresent",
+) -> dict[str, Any]:
+    """examples/llmdeployment-autoscaled.yaml with the CPU example's model and resources.
+
+    Kept from the autoscaled example: autoscaling (HPA backend, targetQueueDepth, stabilization windows), the
+    rollout drain timeout and the ServiceMonitor. Changed: the model (the baked demo model, so scale-up pods
+    start in seconds), dtype (auto: bfloat16 is the GPU example's choice), resources (CPU), ``max_num_seqs``
+    (low, so concurrent requests wait in the queue the HPA scales on: with 256 slots nothing would ever
+    wait) and ``max_replicas`` (what a CI runner holds).
+    """
+    doc = load_example("llmdeployment-autoscaled.yaml")
+    cpu_spec = load_example("llmdeployment-cpu.yaml")["spec"]
+    doc["metadata"] = {"name": "smollm2-autoscaled", "namespace": namespace}
+    spec = doc["spec"]
+    spec["model"] = {"uri": model_uri, "servedModelName": SERVED_MODEL_NAME}
+    spec.pop("dtype", None)
+    spec["resources"] = copy.deepcopy(cpu_spec["resources"])
+    spec["resources"]["cpu"] = cpu
+    spec.setdefault("engine", {})["maxNumSeqs"] = max_num_seqs
+    spec["autoscaling"]["maxReplicas"] = max_replicas
+    _use_image(doc, image, pull_policy)
+    return doc

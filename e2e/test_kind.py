@@ -1,0 +1,172 @@
+"""kubellm on a real cluster: the CPU example serves, rolls without dropping a request, and the autoscaled
+example scales up on queue depth. Run through e2e/kind.sh (`make e2e`); without a cluster every test here
+skips with the reason (see conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import manifests
+import pytest
+from kube import Kubectl, KubectlError, api_proxy, port_forward, service_proxy_url, wait_until
+from openai import OpenAI
+from traffic import StreamingLoad
+
+KIND = "llmd"
+EVENT_KIND = "LLMDeployment"
+PRINTER_COLUMNS = ["NAME", "MODEL", "QUANT", "TP", "READY", "QUEUE", "STATUS", "AGE"]
+
+
+def _wait_ready(ns: Kubectl, name: str, timeout: float) -> None:
+    """``kubectl wait --for=condition=Ready``, with describe output in the failure."""
+    try:
+        ns.run("wait", "--for=condition=Ready", f"{KIND}/{name}", f"--timeout={int(timeout)}s", timeout=timeout + 30)
+    except KubectlError as e:
+        raise AssertionError(f"{KIND}/{name} did not become Ready in {timeout:.0f}s: {e}\n"
+                             f"{ns.diagnostics(KIND, name)}") from e
+
+
+def _service_port(ns: Kubectl, name: str) -> tuple[int, str]:
+    """(port, port name) of the LLMDeployment's Service."""
+    ports = ns.json("get", "service", name)["spec"]["ports"]
+    return ports[0]["port"], ports[0]["name"]
+
+
+def _pods(ns: Kubectl, name: str) -> set[str]:
+    items = ns.json("get", "pods", "--selector", f"kubellm.io/llmdeployment={name}")["items"]
+    return {p["metadata"]["name"] for p in items if not p["metadata"].get("deletionTimestamp")}
+
+
+def _event_reasons(ns: Kubectl, name: str) -> list[tuple[str, str]]:
+    return [(e["reason"], e.get("message", "")) for e in ns.events_for(EVENT_KIND, name)]
+
+
+@pytest.fixture(scope="module")
+def smollm2(namespace: Kubectl, runtime_image: str, pull_policy: str, ready_timeout: float) -> str:
+    """examples/llmdeployment-cpu.yaml, applied with the image under test and waited on until Ready."""
+    doc = manifests.cpu_deployment(runtime_image, namespace.namespace, pull_policy=pull_policy)
+    namespace.apply(doc)
+    name = doc["metadata"]["name"]
+    _wait_ready(namespace, name, ready_timeout)
+    return name
+
+
+def test_cpu_example_answers_openai_chat_through_its_service(namespace: Kubectl, smollm2: str):
+    port, _ = _service_port(namespace, smollm2)
+    with port_forward(namespace, f"service/{smollm2}", port) as local:
+        client = OpenAI(base_url=f"http://127.0.0.1:{local}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert manifests.SERVED_MODEL_NAME in [m.id for m in client.models.list().data]
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        reply = client.chat.completions.create(
+            model=manifests.SERVED_MODEL_NAME, messages=question, temperature=0, max_tokens=32
+        )
+        assert "Paris" in (reply.choices[0].message.content or ""), reply
+        assert reply.usage is not None and reply.usage.completion_tokens > 0
+        pieces = [
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model=manifests.SERVED_MODEL_NAME, messages=question, temperature=0, max_tokens=32, stream=True
+            )
+            if chunk.choices
+        ]
+        assert len(pieces) > 1 and "Paris" in "".join(pieces), pieces
+
+
+def test_kubectl_get_llmd_shows_model_quant_tp_ready_queue_status_age(namespace: Kubectl, smollm2: str):
+    lines = namespace.run("get", KIND, smollm2).splitlines()
+    header, row = lines[0].split(), lines[1].split()
+    assert header == PRINTER_COLUMNS, lines
+    values = dict(zip(header, row, strict=True))
+    assert values["NAME"] == smollm2
+    assert values["MODEL"] == "smollm2"
+    assert values["QUANT"] == "none"
+    assert values["TP"] == "1"
+    assert values["READY"] == "1/1"
+    assert values["STATUS"] == "Available"
+    assert values["QUEUE"] in ("<none>", "0"), "no autoscaling: the queue column has nothing to show"
+    wide = namespace.run("get", KIND, smollm2, "--output", "wide").splitlines()
+    wide_values = dict(zip(wide[0].split(), wide[1].split(), strict=True))
+    port, _ = _service_port(namespace, smollm2)
+    assert wide_values["ENDPOINT"] == f"http://{smollm2}.{namespace.namespace}.svc:{port}/v1"
+
+
+def test_rollout_under_streaming_load_fails_no_request(namespace: Kubectl, smollm2: str, ready_timeout: float):
+    """Changing the spec rolls the pods (surge first, drain last); clients of the Service see no error."""
+    _, port_name = _service_port(namespace, smollm2)
+    pods_before = _pods(namespace, smollm2)
+    with api_proxy(namespace) as proxy:
+        url = service_proxy_url(proxy, namespace.namespace, smollm2, port_name, "/v1")
+        load = StreamingLoad(url, manifests.SERVED_MODEL_NAME, workers=3).start()
+        try:
+            wait_until(lambda: load.succeeded >= 3, timeout=120, what="steady traffic before the rollout",
+                       interval=1, diagnostics=lambda: f"failures so far: {load.failures[:5]}")
+            patch = {"spec": {"env": [{"name": "KUBELLM_E2E_ROLLOUT", "value": str(time.time_ns())}]}}
+            namespace.run("patch", KIND, smollm2, "--type", "merge", "--patch", json.dumps(patch))
+            generation = namespace.get(KIND, smollm2)["metadata"]["generation"]
+            wait_until(
+                lambda: any(reason == "RolloutComplete" and f"generation {generation}:" in message
+                            for reason, message in _event_reasons(namespace, smollm2)),
+                timeout=ready_timeout, what=f"a RolloutComplete Event for generation {generation}",
+                diagnostics=lambda: namespace.diagnostics(KIND, smollm2),
+            )
+            settled = load.succeeded
+            wait_until(lambda: load.succeeded >= settled + 3, timeout=120, what="traffic after the rollout",
+                       interval=1)
+        finally:
+            load.stop(timeout=180)
+    failures = load.failures
+    assert not failures, f"{len(failures)} of {len(load.outcomes)} requests failed during the rollout: {failures[:10]}"
+    assert load.succeeded >= 6
+    pods_after = _pods(namespace, smollm2)
+    assert pods_after and not pods_after & pods_before, f"pods before {pods_before}, after {pods_after}"
+    status = namespace.get(KIND, smollm2)["status"]
+    assert status["readyText"] == "1/1", status
+
+
+def test_autoscaled_example_scales_up_on_queue_depth(
+    namespace: Kubectl, runtime_image: str, pull_policy: str, ready_timeout: float
+):
+    """Queue depth (kubellm:num_requests_waiting via Prometheus and prometheus-adapter) drives the HPA."""
+    doc = manifests.autoscaled_deployment(runtime_image, namespace.namespace, pull_policy=pull_policy)
+    name = doc["metadata"]["name"]
+    max_num_seqs = doc["spec"]["engine"]["maxNumSeqs"]
+    target = doc["spec"]["autoscaling"]["targetQueueDepth"]
+    namespace.apply(doc)
+    _wait_ready(namespace, name, ready_timeout)
+    hpa = wait_until(lambda: namespace.get("hpa", name), timeout=120, what=f"the HorizontalPodAutoscaler {name}")
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "kubellm_num_requests_waiting"
+
+    _, port_name = _service_port(namespace, name)
+    queue_depths: list[float] = []
+
+    def scaled_up() -> bool:
+        depth = (namespace.get(KIND, name).get("status", {}).get("autoscaling") or {}).get("currentQueueDepth")
+        if depth is not None:
+            queue_depths.append(float(depth))
+        return any(reason == "ScaledUp" for reason, _ in _event_reasons(namespace, name))
+
+    def autoscaler_state() -> str:
+        custom = namespace.run(
+            "get", "--raw",
+            f"/apis/custom.metrics.k8s.io/v1beta1/namespaces/{namespace.namespace}/pods/*/kubellm_num_requests_waiting",
+            check=False,
+        )
+        return (f"queue depths seen in status: {queue_depths}\ncustom metrics API: {custom}\n"
+                f"{namespace.run('describe', 'hpa', name, check=False)}\n{namespace.diagnostics(KIND, name)}")
+
+    with api_proxy(namespace) as proxy:
+        url = service_proxy_url(proxy, namespace.namespace, name, port_name, "/v1")
+        # Enough long requests that, with max_num_seqs of them running, the rest wait: well over the target.
+        workers = max_num_seqs + 4 * target
+        load = StreamingLoad(url, manifests.SERVED_MODEL_NAME, workers=workers, max_tokens=384, ignore_eos=True)
+        load.start()
+        try:
+            wait_until(scaled_up, timeout=ready_timeout, what="a ScaledUp Event", interval=5,
+                       diagnostics=autoscaler_state)
+        finally:
+            load.stop(timeout=0)  # the daemon threads finish their last request on their own
+    scaled = [message for reason, message in _event_reasons(namespace, name) if reason == "ScaledUp"]
+    assert scaled[0].startswith("from 1 to "), scaled  # "from 1 to 2, queue depth 9 (target 4)"
+    describe = namespace.run("describe", KIND, name)
+    assert "ScaledUp" in describe, describe

@@ -1,0 +1,76 @@
+"""Offline checks of what the end-to-end suite would apply: no cluster needed, so these run everywhere.
+
+A mistake in e2e/manifests.py would otherwise show only after minutes of cluster set-up on CI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import manifests
+
+from kubellm.operator import api, render
+
+IMAGE = "kubellm/runtime-cpu:e2e"
+NAMESPACE = "kubellm-e2e-test"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _children(doc: dict) -> dict[str, dict]:
+    ld = render.load(doc)
+    return {c["kind"]: c for c in render.render(ld, service_monitor_available=True)}
+
+
+def _runtime_container(deployment: dict) -> dict:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_cpu_deployment_is_the_cpu_example_with_the_image_under_test():
+    doc = manifests.cpu_deployment(IMAGE, NAMESPACE, pull_policy="Never")
+    example = manifests.load_example("llmdeployment-cpu.yaml")
+    assert doc["spec"]["model"] == example["spec"]["model"]
+    assert doc["metadata"]["name"] == example["metadata"]["name"]
+    children = _children(doc)
+    pod = children["Deployment"]["spec"]["template"]["spec"]
+    container = _runtime_container(children["Deployment"])
+    assert container["image"] == IMAGE and container["imagePullPolicy"] == "Never"
+    assert container["resources"]["requests"]["cpu"] == "1"
+    # The known model name goes through the init container's pull, as for a user.
+    assert [c["command"][-3:] for c in pod["initContainers"]] == [["models", "pull", "smollm2"]]
+    assert pod["initContainers"][0]["image"] == IMAGE
+    assert "HorizontalPodAutoscaler" not in children
+
+
+def test_autoscaled_deployment_scales_a_cpu_model_on_queue_depth():
+    doc = manifests.autoscaled_deployment(IMAGE, NAMESPACE)
+    example = manifests.load_example("llmdeployment-autoscaled.yaml")
+    for key in ("minReplicas", "targetQueueDepth", "scaleUpStabilizationSeconds", "scaleDownStabilizationSeconds"):
+        assert doc["spec"]["autoscaling"][key] == example["spec"]["autoscaling"][key]
+    children = _children(doc)
+    hpa = children["HorizontalPodAutoscaler"]
+    assert hpa["spec"]["maxReplicas"] == 2
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == render.HPA_METRIC_NAME
+    assert "ServiceMonitor" in children, "Prometheus must scrape the queue depth the HPA scales on"
+    pod = children["Deployment"]["spec"]["template"]["spec"]
+    assert "initContainers" not in pod, "the baked model needs no download"
+    args = _runtime_container(children["Deployment"])["args"]
+    assert args[args.index("--model") + 1] == manifests.BAKED_DEMO_MODEL
+    assert args[args.index("--max-num-seqs") + 1] == "2"
+    assert args[args.index("--device") + 1] == "cpu"
+    assert render.load(doc).spec.served_model_name == manifests.SERVED_MODEL_NAME
+
+
+def test_baked_model_path_is_where_the_image_keeps_the_demo_model():
+    from kubellm.runtime import model_store  # imports torch: only here
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    cache = "/opt/kubellm/cache"
+    assert f"KUBELLM_CACHE={cache}" in dockerfile
+    assert str(model_store.model_path("smollm2", cache_dir=cache)) == manifests.BAKED_DEMO_MODEL
+
+
+def test_rendered_pods_run_as_the_image_user():
+    children = _children(manifests.cpu_deployment(IMAGE, NAMESPACE))
+    security = children["Deployment"]["spec"]["template"]["spec"]["securityContext"]
+    assert security["runAsUser"] == render.RUN_AS_USER == 10001
+    assert api.KIND == "LLMDeployment"

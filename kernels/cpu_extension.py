@@ -27,10 +27,10 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "KUBELLM_DISABLE_CPU_KERNELS"
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp")
+_SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "prefill_attention_cpu.cpp")
 OP_NAMESPACE = "kubellm_cpu"
 # One op per source: the extension counts as loaded when all of them are registered.
-_OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_")
+_OPS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_")
 _STALE_LOCK_S = 600.0
 
 _lock = threading.Lock()

@@ -99,16 +99,26 @@ class TorchAttentionBackend:
 
 
 class NativeCpuAttentionBackend(TorchAttentionBackend):
-    """Decode through the compiled CPU kernel (reads K/V blocks in place, once); prefill as the reference."""
+    """The compiled CPU kernels: decode reads K/V blocks in place from the pool; prefill is a flash-style
+    causal kernel over the chunk's keys (plus the cached context, gathered, for later chunks)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
         from kubellm.kernels.cpu_paged_attention import paged_decode_attention
+        from kubellm.kernels.cpu_prefill_attention import prefill_attention
 
-        self._kernel = paged_decode_attention
+        self._decode_kernel = paged_decode_attention
+        self._prefill_kernel = prefill_attention
 
     def _decode(self, q, k_cache, v_cache, meta):
-        return self._kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        return self._decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                   self.scale)
+
+    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan):
+        if span.context_slots is not None:  # the kernel's causal offset is the mask the reference builds
+            k = torch.index_select(k_flat, 0, span.context_slots)
+            v = torch.index_select(v_flat, 0, span.context_slots)
+        return self._prefill_kernel(q, k, v, self.scale)
 
 
 def make_backend(kind: str, device: str, num_heads: int, num_kv_heads: int, head_dim: int):

@@ -78,17 +78,15 @@ async def run_server(engine_config: EngineConfig, options: ServerOptions, host: 
     log.info("listening on http://%s:%d (loading %s)", host, port, engine_config.model)
 
     try:
-        engine = await asyncio.to_thread(LLMEngine, engine_config, True)
+        async_engine = await AsyncEngine.create(lambda: LLMEngine(engine_config, True))
     except Exception as e:
         state.phase, state.load_error = "failed", f"model load failed: {e}"
         log.error("%s", state.load_error)
         server.should_exit = True
         await serving
         return 1
-    async_engine = AsyncEngine(engine)
     state.metrics = ServerMetrics(options.served_model_name, async_engine)
     async_engine.on_step = state.metrics.observe_step
-    async_engine.start(loop)
     state.engine = async_engine
 
     ok, detail = await probe_generation(state)

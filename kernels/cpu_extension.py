@@ -6,6 +6,11 @@ Every source registers its ops under ``torch.ops.kubellm_cpu``. The extension is
 torch/Python versions, the CPU (it is compiled with ``-march=native``) and the sources' hash. It needs a C++
 compiler and ninja; without them, or with ``KUBELLM_DISABLE_CPU_KERNELS=1``, :func:`available` is False and
 callers use the plain-PyTorch references that sit beside each kernel's wrapper.
+
+Images without a compiler ship prebuilt libraries instead: ``kubellm kernels build --out DIR --march x86-64-v4``
+(and ``x86-64-v3``) at image build time, then ``KUBELLM_CPU_KERNELS_DIR=DIR`` at run time makes
+:func:`available` load ``DIR/<level>/kubellm_cpu_ops.so`` for the best x86-64 level this CPU supports before
+it considers compiling. ``KUBELLM_CPU_MARCH`` overrides ``-march=native`` for local builds.
 """
 
 from __future__ import annotations
@@ -26,6 +31,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "KUBELLM_DISABLE_CPU_KERNELS"
+PREBUILT_ENV = "KUBELLM_CPU_KERNELS_DIR"
+MARCH_ENV = "KUBELLM_CPU_MARCH"
+LIBRARY_NAME = "kubellm_cpu_ops.so"
+# x86-64 micro-architecture levels, best first, with the /proc/cpuinfo flags each needs (a subset that tells
+# them apart; compilers target exactly these levels with -march=x86-64-vN).
+X86_LEVELS = {
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2"},
+    "x86-64-v3": {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"},
+    "x86-64-v2": {"sse4_2", "popcnt", "ssse3"},
+}
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "prefill_attention_cpu.cpp")
 OP_NAMESPACE = "kubellm_cpu"
@@ -34,7 +49,7 @@ _OPS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm
 _STALE_LOCK_S = 600.0
 
 _lock = threading.Lock()
-_state: dict[str, object] = {"tried": False, "ok": False, "error": None, "build_seconds": None}
+_state: dict[str, object] = {"tried": False, "ok": False, "error": None, "build_seconds": None, "library": None}
 
 
 def sources() -> list[Path]:
@@ -46,6 +61,44 @@ def _cache_root() -> Path:
     if env := os.environ.get("KUBELLM_CACHE"):
         return Path(env).expanduser()
     return Path.home() / ".cache" / "kubellm"
+
+
+def _march() -> str:
+    return os.environ.get(MARCH_ENV, "").strip() or "native"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() in ("flags", "Features"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def supported_levels(flags: set[str] | None = None) -> list[str]:
+    """The x86-64 levels this CPU runs, best first (empty on other architectures)."""
+    flags = cpu_flags() if flags is None else flags
+    return [level for level, needs in X86_LEVELS.items() if needs <= flags]
+
+
+def _load_prebuilt() -> str | None:
+    """Load ``$KUBELLM_CPU_KERNELS_DIR/<best level>/kubellm_cpu_ops.so``; its path, or None if there is none."""
+    root = os.environ.get(PREBUILT_ENV, "").strip()
+    if not root:
+        return None
+    for level in supported_levels():
+        path = Path(root) / level / LIBRARY_NAME
+        if path.is_file():
+            torch.ops.load_library(str(path))
+            if not _op_registered():
+                raise RuntimeError(f"{path} loaded but torch.ops.{OP_NAMESPACE} lacks one of {_OPS}")
+            return str(path)
+    logger.warning("%s=%s holds no library for this CPU (levels %s); compiling instead", PREBUILT_ENV, root,
+                   supported_levels() or "none")
+    return None
 
 
 def _cpu_fingerprint() -> str:
@@ -72,9 +125,10 @@ def _build_directory(root: Path | None = None) -> Path:
             digest.update(path.read_bytes())
         except OSError:
             digest.update(b"missing:" + path.name.encode())
+    march = _march()
     tag = (
         f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.replace('+', '_')}"
-        f"-{_cpu_fingerprint()}-{digest.hexdigest()[:8]}"
+        f"-{_cpu_fingerprint() if march == 'native' else march}-{digest.hexdigest()[:8]}"
     )
     return (root or _cache_root()) / "torch_extensions" / f"cpu_ops-{tag}"
 
@@ -98,7 +152,8 @@ def _op_registered() -> bool:
         return False
 
 
-def _build() -> None:
+def _build() -> Path:
+    """Compile (or load the cached build of) the extension into this process; returns the library's path."""
     from torch.utils import cpp_extension
 
     missing = [str(p) for p in sources() if not p.is_file()]
@@ -124,7 +179,7 @@ def _build() -> None:
             lock.unlink(missing_ok=True)
     except OSError:
         pass
-    flags = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
+    flags = ["-O3", f"-march={_march()}", "-fopenmp", "-DNDEBUG"]
     cpp_extension.load(
         name="kubellm_cpu_ops",
         sources=[str(p) for p in sources()],
@@ -136,6 +191,20 @@ def _build() -> None:
     )
     if not _op_registered():
         raise RuntimeError(f"the extension loaded but torch.ops.{OP_NAMESPACE} lacks one of {_OPS}")
+    return build_dir / LIBRARY_NAME
+
+
+def build_portable(out_dir: str | Path, march: str) -> Path:
+    """Compile for ``march`` (e.g. x86-64-v3) and copy the library to ``out_dir/<march>/`` for
+    ``KUBELLM_CPU_KERNELS_DIR``. One march per process: a process can load the ops only once."""
+    if _op_registered():
+        raise RuntimeError("the kernels are already loaded in this process; build each march in its own process")
+    os.environ[MARCH_ENV] = march
+    built = _build()
+    target = Path(out_dir) / march / LIBRARY_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(built, target)
+    return target
 
 
 def available() -> bool:
@@ -153,7 +222,8 @@ def available() -> bool:
             start = time.perf_counter()
             try:
                 if not _op_registered():
-                    _build()
+                    library = _load_prebuilt()
+                    _state["library"] = library or str(_build())
                 _state["ok"] = True
             except Exception as e:  # noqa: BLE001 - any build/load failure means "fall back"
                 _state["error"] = f"{type(e).__name__}: {e}"

@@ -166,6 +166,27 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return crd_main(["-o", args.output] if args.output else [])
 
 
+def cmd_kernels(args: argparse.Namespace) -> int:
+    from kubellm.kernels import cpu_extension
+
+    if args.kernels_cmd == "build":
+        # One process per -march: the ops can be loaded into a process only once.
+        import subprocess
+
+        code = "import sys; from kubellm.kernels.cpu_extension import build_portable; print(build_portable(*sys.argv[1:]))"
+        for march in args.march:
+            subprocess.run([sys.executable, "-c", code, args.out, march], check=True, cwd="/")
+        return 0
+    ok = cpu_extension.available()
+    info = cpu_extension.build_info()
+    print(f"native CPU kernels: {'loaded' if ok else 'unavailable'}")
+    print(f"library: {info['library'] or '-'}")
+    print(f"error: {info['error'] or '-'}")
+    print(f"x86-64 levels of this CPU: {', '.join(cpu_extension.supported_levels()) or 'none'}")
+    print(f"build directory (for -march={cpu_extension._march()}): {info['build_directory']}")
+    return 0 if ok else 1
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     from kubellm.operator.render import main as render_main
 
@@ -266,6 +287,18 @@ def build_parser() -> argparse.ArgumentParser:
                                    "`kubellm render -h` lists every flag.", add_help=False)
     r.add_argument("render_args", nargs=argparse.REMAINDER, help="-f FILE [-f FILE] [-n NAMESPACE] ...")
     r.set_defaults(func=cmd_render)
+
+    k = sub.add_parser("kernels", parents=[logging_flags], help="native CPU kernels: show what loads, prebuild",
+                       description="The runtime's native CPU kernels (C++ torch extension). `info` loads them "
+                                   "(compiling with -march=native if needed) and reports where from; `build` "
+                                   "compiles portable copies for KUBELLM_CPU_KERNELS_DIR (images without a compiler).")
+    ksub = k.add_subparsers(dest="kernels_cmd", required=True, metavar="ACTION")
+    ksub.add_parser("info", help="load the kernels and report the library, or why they are unavailable")
+    kb = ksub.add_parser("build", help="compile for given x86-64 levels into OUT/<level>/kubellm_cpu_ops.so")
+    kb.add_argument("--out", required=True, help="folder to set as KUBELLM_CPU_KERNELS_DIR")
+    kb.add_argument("--march", action="append", required=True,
+                    help="a -march value such as x86-64-v4 or x86-64-v3; repeatable")
+    k.set_defaults(func=cmd_kernels)
 
     m = sub.add_parser("models", parents=[logging_flags], help="pull, list and export models", description="Manage the local model cache "
                        "($KUBELLM_CACHE, default ~/.cache/kubellm).")

@@ -78,7 +78,7 @@ async def run_server(engine_config: EngineConfig, options: ServerOptions, host: 
     log.info("listening on http://%s:%d (loading %s)", host, port, engine_config.model)
 
     try:
-        async_engine = await AsyncEngine.create(lambda: LLMEngine(engine_config, True))
+        async_engine = await AsyncEngine.create(lambda: _build_engine(engine_config))
     except Exception as e:
         state.phase, state.load_error = "failed", f"model load failed: {e}"
         log.error("%s", state.load_error)
@@ -105,6 +105,12 @@ async def run_server(engine_config: EngineConfig, options: ServerOptions, host: 
     state.phase = "stopped"
     log.info("stopped")
     return 0 if state.startup_ok else 1
+
+
+def _build_engine(config) -> LLMEngine:
+    engine = LLMEngine(config, True)
+    log.info("warm-up: a full %d-token step took %.2fs", engine.scheduler.max_num_batched_tokens, engine.warmup())
+    return engine
 
 
 async def drain(state: ServerState, server: uvicorn.Server, reason: str) -> None:

@@ -54,37 +54,49 @@ class ServerMetrics:
                                  _TOKEN_BUCKETS)
         self._last_token: dict[str, float] = {}
         r.register(_EngineCollector(model_name, engine_state))
-
-    def _l(self, **extra):
-        return {"model_name": self.model_name, **extra}
+        # Children bound once: .labels() takes a lock and builds a key per call, and observe_step runs on the
+        # engine thread after every step.
+        (self._prompt_tokens, self._generation_tokens, self._ttft, self._itl, self._e2e, self._queue_time,
+         self._prompt_len, self._gen_len) = (
+            m.labels(model_name=model_name) for m in (self.prompt_tokens, self.generation_tokens, self.ttft,
+                                                      self.itl, self.e2e, self.queue_time, self.prompt_len,
+                                                      self.gen_len))
+        self._success: dict[str, object] = {}
 
     def observe_step(self, outputs: list[RequestOutput], step_time: float) -> None:
         """Called on the engine thread with a step's outputs."""
         now = time.monotonic()
+        generated = 0
         for out in outputs:
             n_new = len(out.new_token_ids)
             m = out.metrics
             if n_new:
-                self.generation_tokens.labels(**self._l()).inc(n_new)
+                generated += n_new
                 last = self._last_token.get(out.request_id)
                 if last is None:  # first token(s) of this request
-                    self.prompt_tokens.labels(**self._l()).inc(len(out.prompt_token_ids))
+                    self._prompt_tokens.inc(len(out.prompt_token_ids))
                     if m.first_token_time is not None:
-                        self.ttft.labels(**self._l()).observe(m.first_token_time - m.arrival_time)
+                        self._ttft.observe(m.first_token_time - m.arrival_time)
                 else:
-                    self.itl.labels(**self._l()).observe((now - last) / n_new)
+                    self._itl.observe((now - last) / n_new)
                 self._last_token[out.request_id] = now
             if out.finished:
                 self._last_token.pop(out.request_id, None)
-                self.request_success.labels(**self._l(finished_reason=out.finish_reason)).inc()
-                self.e2e.labels(**self._l()).observe(now - m.arrival_time)
+                reason = out.finish_reason
+                if reason not in self._success:
+                    self._success[reason] = self.request_success.labels(model_name=self.model_name,
+                                                                        finished_reason=reason)
+                self._success[reason].inc()
+                self._e2e.observe(now - m.arrival_time)
                 if m.first_scheduled_time is not None:
-                    self.queue_time.labels(**self._l()).observe(m.first_scheduled_time - m.arrival_time)
-                self.prompt_len.labels(**self._l()).observe(len(out.prompt_token_ids))
-                self.gen_len.labels(**self._l()).observe(len(out.token_ids))
+                    self._queue_time.observe(m.first_scheduled_time - m.arrival_time)
+                self._prompt_len.observe(len(out.prompt_token_ids))
+                self._gen_len.observe(len(out.token_ids))
+        if generated:
+            self._generation_tokens.inc(generated)
 
     def rejected(self, reason: str) -> None:
-        self.request_rejected.labels(**self._l(reason=reason)).inc()
+        self.request_rejected.labels(model_name=self.model_name, reason=reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -82,30 +82,35 @@ def _start_streams(url, n, max_tokens):
 
 def test_sigterm_lets_in_flight_streams_finish_refuses_new_work_and_exits_0(serve):
     proc, url, log = serve(drain_timeout=60)
-    threads, results = _start_streams(url, 8, max_tokens=120)
+    # Long enough (the tiny model's whole context) that the streams are still running during the checks below;
+    # the checks come first, before anything else can let the drain finish.
+    threads, results = _start_streams(url, 8, max_tokens=480)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while (ready := httpx.get(url + "/health/ready", timeout=10).status_code) == 200 and time.monotonic() < deadline:
+        time.sleep(0.005)  # the signal handler runs on the server's event loop, a moment after delivery
+    assert ready == 503
     refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
     assert refused.status_code == 503 and refused.headers["retry-after"]
     assert refused.json()["error"]["code"] == "draining"
-    assert httpx.get(url + "/health/ready", timeout=10).status_code == 503
+    assert not results, "the streams finished before the drain checks ran; the test proves nothing"
     for t in threads:
         t.join(120)
     assert proc.wait(timeout=60) == 0
     assert time.monotonic() - sent < 60
-    assert len(results) == 8 and all(r == ("length", 120, True) for r in results), results
+    assert len(results) == 8 and all(r == ("length", 480, True) for r in results), results
     text = log.read_text()
     assert "drain started (SIGTERM)" in text and "drain complete" in text
 
 
 def test_drain_timeout_aborts_the_rest_with_a_final_chunk(serve):
-    proc, url, log = serve(drain_timeout=0.5)
-    threads, results = _start_streams(url, 3, max_tokens=450)
+    proc, url, log = serve(drain_timeout=0.1)  # far below what 8 streams of 490 tokens take on the tiny model
+    threads, results = _start_streams(url, 8, max_tokens=490)
     proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(120)
     assert proc.wait(timeout=60) == 0
-    assert len(results) == 3
-    assert all(finish == "abort" and done and 0 < tokens < 450 for finish, tokens, done in results), results
-    assert "aborting 3 requests" in log.read_text()
+    assert len(results) == 8
+    assert all(finish == "abort" and done and 0 < tokens < 490 for finish, tokens, done in results), results
+    assert "aborting 8 requests" in log.read_text()

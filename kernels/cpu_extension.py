@@ -10,7 +10,8 @@ callers use the plain-PyTorch references that sit beside each kernel's wrapper.
 Images without a compiler ship prebuilt libraries instead: ``kubellm kernels build --out DIR --march x86-64-v4``
 (and ``x86-64-v3``) at image build time, then ``KUBELLM_CPU_KERNELS_DIR=DIR`` at run time makes
 :func:`available` load ``DIR/<level>/kubellm_cpu_ops.so`` for the best x86-64 level this CPU supports before
-it considers compiling. ``KUBELLM_CPU_MARCH`` overrides ``-march=native`` for local builds.
+it considers compiling; a CPU the folder has no library for compiles as usual, or, with no compiler either,
+falls back with one warning. ``KUBELLM_CPU_MARCH`` overrides ``-march=native`` for local builds.
 """
 
 from __future__ import annotations
@@ -85,19 +86,24 @@ def supported_levels(flags: set[str] | None = None) -> list[str]:
 
 
 def _load_prebuilt() -> str | None:
-    """Load ``$KUBELLM_CPU_KERNELS_DIR/<best level>/kubellm_cpu_ops.so``; its path, or None if there is none."""
+    """Load ``$KUBELLM_CPU_KERNELS_DIR/<best level>/kubellm_cpu_ops.so``; its path, or None (after a warning)
+    if the folder has none for this CPU and a compiler can build one. Raises if there is no compiler either,
+    so :func:`available` logs a single warning, not a second one for the build that cannot run."""
     root = os.environ.get(PREBUILT_ENV, "").strip()
     if not root:
         return None
-    for level in supported_levels():
+    levels = supported_levels()
+    for level in levels:
         path = Path(root) / level / LIBRARY_NAME
         if path.is_file():
             torch.ops.load_library(str(path))
             if not _op_registered():
                 raise RuntimeError(f"{path} loaded but torch.ops.{OP_NAMESPACE} lacks one of {_OPS}")
             return str(path)
-    logger.warning("%s=%s holds no library for this CPU (levels %s); compiling instead", PREBUILT_ENV, root,
-                   supported_levels() or "none")
+    missing = f"{PREBUILT_ENV}={root} holds no library for this CPU (x86-64 levels: {', '.join(levels) or 'none'})"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise RuntimeError(f"{missing} and there is no C++ compiler to build one")
+    logger.warning("%s; compiling instead", missing)
     return None
 
 
@@ -152,8 +158,9 @@ def _op_registered() -> bool:
         return False
 
 
-def _build() -> Path:
-    """Compile (or load the cached build of) the extension into this process; returns the library's path."""
+def _build(load: bool = True) -> Path:
+    """Compile (or load the cached build of) the extension into this process; returns the library's path.
+    With ``load=False`` it only compiles (for a -march this CPU may not run)."""
     from torch.utils import cpp_extension
 
     missing = [str(p) for p in sources() if not p.is_file()]
@@ -180,27 +187,40 @@ def _build() -> Path:
     except OSError:
         pass
     flags = ["-O3", f"-march={_march()}", "-fopenmp", "-DNDEBUG"]
-    cpp_extension.load(
-        name="kubellm_cpu_ops",
-        sources=[str(p) for p in sources()],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
-    if not _op_registered():
+    # cpp_extension.load always loads what it built, through this (private, long-stable) helper; swapping it
+    # for one that only names the file is the way to compile without loading.
+    import_library = cpp_extension._import_module_from_library
+    if not load:
+        cpp_extension._import_module_from_library = lambda name, path, is_python_module: os.path.join(
+            path, name + ".so")
+    try:
+        built = cpp_extension.load(
+            name="kubellm_cpu_ops",
+            sources=[str(p) for p in sources()],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    finally:
+        cpp_extension._import_module_from_library = import_library
+    if load and not _op_registered():
         raise RuntimeError(f"the extension loaded but torch.ops.{OP_NAMESPACE} lacks one of {_OPS}")
-    return build_dir / LIBRARY_NAME
+    return Path(built) if isinstance(built, str) else build_dir / LIBRARY_NAME
 
 
 def build_portable(out_dir: str | Path, march: str) -> Path:
     """Compile for ``march`` (e.g. x86-64-v3) and copy the library to ``out_dir/<march>/`` for
-    ``KUBELLM_CPU_KERNELS_DIR``. One march per process: a process can load the ops only once."""
+    ``KUBELLM_CPU_KERNELS_DIR``. One march per process: a process can load the ops only once.
+
+    The library is loaded (which checks that every op registers) only when this CPU runs ``march``: a build
+    for a level it lacks is compiled but not loaded, since even its op registration, run at load time, uses
+    that level's instructions (the x86-64-v4 build's uses AVX-512 registers) and would kill the process."""
     if _op_registered():
         raise RuntimeError("the kernels are already loaded in this process; build each march in its own process")
     os.environ[MARCH_ENV] = march
-    built = _build()
+    built = _build(load=march == "native" or march in supported_levels())
     target = Path(out_dir) / march / LIBRARY_NAME
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(built, target)

@@ -170,12 +170,17 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     from kubellm.kernels import cpu_extension
 
     if args.kernels_cmd == "build":
-        # One process per -march: the ops can be loaded into a process only once.
+        # One process per -march: the ops can be loaded into a process only once. The processes run from /
+        # (a source checkout's operator/ would shadow the standard library), so --out is made absolute here.
+        import os
         import subprocess
 
         code = "import sys; from kubellm.kernels.cpu_extension import build_portable; print(build_portable(*sys.argv[1:]))"
+        out = os.path.abspath(args.out)
         for march in args.march:
-            subprocess.run([sys.executable, "-c", code, args.out, march], check=True, cwd="/")
+            if subprocess.run([sys.executable, "-c", code, out, march], cwd="/").returncode != 0:
+                print(f"kubellm kernels build: building for -march={march} failed", file=sys.stderr)
+                return 1
         return 0
     ok = cpu_extension.available()
     info = cpu_extension.build_info()

@@ -17,6 +17,7 @@ from kubellm.runtime.layers.attention import (
     PrefillSpan,
     make_backend,
 )
+from kubellm.runtime.layers.linear import pack_linears
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM, use_native_ops
 from kubellm.runtime.scheduler import ScheduledSeq
@@ -49,6 +50,8 @@ class ModelRunner:
         # backend keeps the whole model on the plain-PyTorch references.
         self.native_ops = isinstance(self.backend, NativeCpuAttentionBackend)
         use_native_ops(model, self.native_ops)
+        if self.native_ops:  # weights reordered once for oneDNN instead of inside every GEMM
+            log.info("prepacked %d linear layers for oneDNN", pack_linears(model))
         log.info("attention backend: %s, fused CPU layer ops: %s", type(self.backend).__name__, self.native_ops)
 
     # ---- batch → tensors -----------------------------------------------------------------------

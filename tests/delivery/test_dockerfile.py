@@ -192,6 +192,34 @@ def test_runtime_cpu_uses_cpu_torch_and_can_bake_the_demo_model(dockerfile):
     assert env.count("KUBELLM_CACHE=/opt/kubellm/cache") == 2, "the baked cache and the image's cache differ"
 
 
+def test_runtime_cpu_ships_prebuilt_cpu_kernels_built_in_a_builder(dockerfile):
+    """The compiler-free runtime-cpu image carries the native CPU kernels prebuilt per x86-64 level (see the
+    header): compiled against runtime-cpu-builder's torch, copied root-owned, found via KUBELLM_CPU_KERNELS_DIR."""
+    from kubellm.kernels import cpu_extension
+
+    _, stages = dockerfile
+    kernels = "/opt/kubellm/kernels"
+    env = " ".join(stages["runtime-cpu"].args_of("ENV"))
+    assert f"{cpu_extension.PREBUILT_ENV}={kernels}" in env
+    copies = [shlex.split(args) for args in stages["runtime-cpu"].args_of("COPY")]
+    [copy] = [words for words in copies if words[-1] == kernels]
+    assert not [w for w in copy if w.startswith("--chown")], f"the kernels are code, root-owned: COPY {copy}"
+    builder = next(w.removeprefix("--from=") for w in copy if w.startswith("--from="))
+    assert "runtime-cpu-builder" in [s.name for s in ancestry(stages, builder)], (
+        f"{builder} must build on runtime-cpu-builder: the libraries link against the torch the image ships")
+    runs = " ".join(stages[builder].args_of("RUN"))
+    assert f"kubellm kernels build --out {kernels}" in runs
+    assert set(re.findall(r"--march (\S+)", runs)) == {"x86-64-v4", "x86-64-v3"}
+    assert "g++" in runs.split(), f"{builder} installs no compiler"
+    # Nothing user-owned may hold the kernels folder (the user could swap it): no chown-ed COPY onto one of
+    # its parents, and the kernels are copied before the user's cache creates /opt/kubellm.
+    for i, words in enumerate(copies):
+        if any(w.startswith("--chown") for w in words):
+            assert not kernels.startswith(words[-1].rstrip("/") + "/"), f"COPY {words} owns a parent of {kernels}"
+            if words[-1].startswith("/opt/kubellm/"):
+                assert copies.index(copy) < i, "the kernels must be copied before the user-owned cache"
+
+
 def test_runtime_cuda_installs_the_gpu_extra_with_cuda_torch(dockerfile):
     global_args, stages = dockerfile
     assert re.search(r"/whl/cu12\d$", global_args["TORCH_CUDA_INDEX"])

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from kubellm.kernels import cpu_prefill_attention as pa
 
-ATOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+# bf16: the kernel rounds the softmax probabilities to bf16 for P.V on AVX512-BF16 CPUs, as flash attention does
+# on GPUs; PyTorch's own bf16 SDPA deviates from the float32 reference by the same ~1-2 bf16 ulps.
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(scope="module", autouse=True)

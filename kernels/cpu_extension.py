@@ -44,6 +44,7 @@ X86_LEVELS = {
 }
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "prefill_attention_cpu.cpp")
+_HEADER_NAMES = ("scalar_math.h",)  # part of the build's cache key, not compiled on their own
 OP_NAMESPACE = "kubellm_cpu"
 # One op per source: the extension counts as loaded when all of them are registered.
 _OPS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_")
@@ -126,7 +127,7 @@ def _cpu_fingerprint() -> str:
 def _build_directory(root: Path | None = None) -> Path:
     """``<root>/torch_extensions/cpu_ops-<python>-<torch>-<cpu>-<sources hash>``."""
     digest = hashlib.sha256()
-    for path in sources():
+    for path in sources() + [_CSRC / name for name in _HEADER_NAMES]:
         try:
             digest.update(path.read_bytes())
         except OSError:
@@ -163,7 +164,7 @@ def _build(load: bool = True) -> Path:
     With ``load=False`` it only compiles (for a -march this CPU may not run)."""
     from torch.utils import cpp_extension
 
-    missing = [str(p) for p in sources() if not p.is_file()]
+    missing = [str(p) for p in sources() + [_CSRC / name for name in _HEADER_NAMES] if not p.is_file()]
     if missing:
         raise RuntimeError(f"kernel sources {missing} are missing (not shipped with the package?)")
     if not _ninja_on_path():

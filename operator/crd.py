@@ -222,9 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kubellm crd", description="Print the LLMDeployment CRD (YAML).")
     parser.add_argument("-o", "--output", help="write to this file instead of stdout")
     args = parser.parse_args(argv)
-    text = render_crd_yaml()
-    if args.output:
-        Path(args.output).write_text(text)
+    return emit(render_crd_yaml(), args.output)
+
+
+def emit(text: str, output: str | None) -> int:
+    """Write generated text to ``output``, or to stdout without one (the generators' CLI tail)."""
+    if output:
+        Path(output).write_text(text)
     else:
         sys.stdout.write(text)
     return 0

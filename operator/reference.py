@@ -17,7 +17,6 @@ import re
 import sys
 import tokenize
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from kubellm.operator import api, crd
@@ -344,12 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-o", "--output", help="write to this file instead of stdout")
     args = parser.parse_args(argv)
-    text = render_reference()
-    if args.output:
-        Path(args.output).write_text(text)
-    else:
-        sys.stdout.write(text)
-    return 0
+    return crd.emit(render_reference(), args.output)
 
 
 if __name__ == "__main__":

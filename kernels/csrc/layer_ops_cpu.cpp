@@ -17,6 +17,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "scalar_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,39 +27,9 @@
 namespace kubellm_cpu {
 namespace {
 
-inline float to_f(float x) { return x; }
-inline float to_f(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_f(c10::Half x) { return static_cast<float>(x); }
-
-template <typename T>
-inline T from_f(float f);
-template <>
-inline float from_f<float>(float f) {
-  return f;
-}
-template <>
-inline c10::BFloat16 from_f<c10::BFloat16>(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  // Round to nearest even; NaN stays a quiet NaN.
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const uint16_t out = std::isnan(f) ? static_cast<uint16_t>(0x7fc0) : static_cast<uint16_t>(rounded);
-  return c10::BFloat16(out, c10::BFloat16::from_bits());
-}
-template <>
-inline c10::Half from_f<c10::Half>(float f) {
-  return c10::Half(f);
-}
-// Round a float to what storing it in T and loading it back gives (identity for float).
-template <typename T>
-inline float round_as(float f) {
-  return to_f(from_f<T>(f));
-}
+using math::from_f;
+using math::round_as;
+using math::to_f;
 
 // Rows per parallel task: enough elements that the thread hand-off pays for itself.
 inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
@@ -138,26 +110,9 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
 }
 
 // ---- SiLU and mul -------------------------------------------------------------------------------------------
-// gate_up [T, 2I] -> T(T(silu(gate)) * up) [T, I]. exp by 2^n * e^r (degree-7 Taylor), no libm call, so the
-// loop vectorises; only non-positive arguments reach it (sigmoid written for the sign of x).
-inline float exp_nonpos(float x) {
-  const float xc = x > -87.0f ? x : -87.0f;
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x >= -87.0f ? p * scale : 0.0f;
-}
+// gate_up [T, 2I] -> T(T(silu(gate)) * up) [T, I]. exp_nonpos has no libm call, so the loop vectorises; only
+// non-positive arguments reach it (sigmoid written for the sign of x).
+using math::exp_nonpos;
 
 inline float silu(float x) {
   const float e = exp_nonpos(-std::fabs(x));  // e^-|x| in (0, 1]: x * sigmoid(x) without overflow

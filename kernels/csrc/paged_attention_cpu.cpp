@@ -26,6 +26,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "scalar_math.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -224,26 +226,7 @@ inline float vhmax(Vec a) {
 }
 inline Vec vexp(Vec x) {  // same scheme as the AVX-512 vexp, lane by lane
   Vec r;
-  for (int i = 0; i < kLanes; ++i) {
-    const float xi = x.v[i];
-    const float xc = xi > -87.0f ? xi : -87.0f;
-    // Round to nearest with the 1.5 * 2^23 trick (no libm call, vectorises everywhere).
-    const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float t = xc - n * 0.693359375f;
-    t = t - n * -2.12194440e-4f;
-    float p = 1.0f / 5040.0f;
-    p = p * t + 1.0f / 720.0f;
-    p = p * t + 1.0f / 120.0f;
-    p = p * t + 1.0f / 24.0f;
-    p = p * t + 1.0f / 6.0f;
-    p = p * t + 0.5f;
-    p = p * t + 1.0f;
-    p = p * t + 1.0f;
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    r.v[i] = xi >= -87.0f ? p * scale : 0.0f;
-  }
+  for (int i = 0; i < kLanes; ++i) r.v[i] = math::exp_nonpos(x.v[i]);
   return r;
 }
 #endif

@@ -19,6 +19,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "scalar_math.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -40,33 +42,44 @@ constexpr int kQueries = 16;  // query tokens per work item
 constexpr int kMaxHeadDim = 256;
 constexpr int kRows = 4;  // query rows per register block (fixed head_dim path)
 
+using math::bf16_bits;
+using math::exp_nonpos;
 inline float load_f(float x) { return x; }
-inline float load_f(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float load_f(c10::Half x) { return static_cast<float>(x); }
+inline float load_f(c10::BFloat16 x) { return math::to_f(x); }
+inline float load_f(c10::Half x) { return math::to_f(x); }
 
-// e^x for x <= 0 (scores minus their running max): 2^n * e^r, degree-7 Taylor, 0 below -87; vectorisable.
-inline float exp_nonpos(float x) {
-  const float xc = x > -87.0f ? x : -87.0f;
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x >= -87.0f ? p * scale : 0.0f;
+// One online-softmax step for a score row over a key block: turns sc[0, valid) into probabilities (0 past
+// valid), folds the block into the running max m and normaliser l, and returns the factor (<= 1) that rescales
+// the row's earlier accumulation.
+inline float online_softmax(float* sc, int64_t valid, float& m, float& l) {
+  float mb = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mb)
+  for (int j = 0; j < kKeys; ++j) mb = std::max(mb, j < valid ? sc[j] : -std::numeric_limits<float>::infinity());
+  const float m_new = std::max(m, mb);
+  const float corr = exp_nonpos(m - m_new);  // 0 on the first block (m = -inf)
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j < kKeys; ++j) {
+    const float p = j < valid ? exp_nonpos(sc[j] - m_new) : 0.0f;
+    sc[j] = p;
+    sum += p;
+  }
+  l = l * corr + sum;
+  m = m_new;
+  return corr;
+}
+
+// How many of the block's keys [kb, kb + nk) each of the kRows rows from r0 may see (0 for padding rows past
+// `rows`); returns the largest count. Row r is query token first_token + r / G, which sees keys up to itself.
+inline int64_t visible_keys(int64_t r0, int64_t rows, int64_t G, int64_t first_token, int64_t kb, int64_t nk,
+                            int64_t valid[kRows]) {
+  int64_t most = 0;
+  for (int i = 0; i < kRows; ++i) {
+    const int64_t limit = r0 + i < rows ? first_token + (r0 + i) / G : -1;
+    valid[i] = std::max<int64_t>(0, std::min<int64_t>(nk, limit - kb + 1));
+    most = std::max(most, valid[i]);
+  }
+  return most;
 }
 
 struct Shape {
@@ -114,12 +127,7 @@ void run_item(const Shape& s, const T* q, const T* k, const T* v, T* out, int64_
       // load-bound). Rows past `rows` read zero-padded qf rows and are never stored.
       for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
         int64_t valid[kRows];
-        int64_t most = 0;
-        for (int i = 0; i < kRows; ++i) {
-          const int64_t limit = r0 + i < rows ? offset + t0 + (r0 + i) / G : -1;
-          valid[i] = std::max<int64_t>(0, std::min<int64_t>(nk, limit - kb + 1));
-          most = std::max(most, valid[i]);
-        }
+        const int64_t most = visible_keys(r0, rows, G, offset + t0, kb, nk, valid);
         if (most == 0) continue;
         float sc[kRows][kKeys];
         for (int i = 0; i < kRows; ++i)
@@ -142,21 +150,7 @@ void run_item(const Shape& s, const T* q, const T* k, const T* v, T* out, int64_
             for (int j = 0; j < kKeys; ++j) sc[i][j] = 0.0f;
             continue;
           }
-          const int64_t vi = valid[i];
-          float mb = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mb)
-          for (int j = 0; j < kKeys; ++j) mb = std::max(mb, j < vi ? sc[i][j] : -std::numeric_limits<float>::infinity());
-          const float m_new = std::max(m[r], mb);
-          corr[i] = exp_nonpos(m[r] - m_new);
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int j = 0; j < kKeys; ++j) {
-            const float p = j < vi ? exp_nonpos(sc[i][j] - m_new) : 0.0f;
-            sc[i][j] = p;
-            sum += p;
-          }
-          l[r] = l[r] * corr[i] + sum;
-          m[r] = m_new;
+          corr[i] = online_softmax(sc[i], valid[i], m[r], l[r]);
         }
         float a[kRows][kD];
         for (int i = 0; i < kRows; ++i)
@@ -190,20 +184,7 @@ void run_item(const Shape& s, const T* q, const T* k, const T* v, T* out, int64_
 #pragma omp simd
         for (int j = 0; j < kKeys; ++j) sc[j] += qd * kd[j];
       }
-      float mb = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mb)
-      for (int j = 0; j < kKeys; ++j) mb = std::max(mb, j < valid ? sc[j] : -std::numeric_limits<float>::infinity());
-      const float m_new = std::max(m[r], mb);
-      const float corr = exp_nonpos(m[r] - m_new);  // 0 on the first block (m = -inf)
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < kKeys; ++j) {
-        const float p = j < valid ? exp_nonpos(sc[j] - m_new) : 0.0f;
-        sc[j] = p;
-        sum += p;
-      }
-      l[r] = l[r] * corr + sum;
-      m[r] = m_new;
+      const float corr = online_softmax(sc, valid, m[r], l[r]);
       float* ar = acc + r * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
@@ -230,12 +211,6 @@ void run_item(const Shape& s, const T* q, const T* k, const T* v, T* out, int64_
 // q and k are used as stored (bf16, exact); the probabilities are rounded to bf16 for P.V, as GPU flash
 // attention does; the softmax normaliser sums the unrounded float32 probabilities.
 #define KUBELLM_PREFILL_BF16_DOT 1
-inline uint32_t bf16_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;  // probabilities: finite, no NaN handling needed
-}
-
 void run_item_bf16_d64(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
                        c10::BFloat16* out, int64_t kvh, int64_t qb, float* qbuf, float* acc, float* ktbuf,
                        float* vbuf) {
@@ -280,12 +255,7 @@ void run_item_bf16_d64(const Shape& s, const c10::BFloat16* q, const c10::BFloat
     }
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       int64_t valid[kRows];
-      int64_t most = 0;
-      for (int i = 0; i < kRows; ++i) {
-        const int64_t limit = r0 + i < rows ? offset + t0 + (r0 + i) / G : -1;
-        valid[i] = std::max<int64_t>(0, std::min<int64_t>(nk, limit - kb + 1));
-        most = std::max(most, valid[i]);
-      }
+      const int64_t most = visible_keys(r0, rows, G, offset + t0, kb, nk, valid);
       if (most == 0) continue;
       __m512 sacc[kRows][kBlockVec];
       for (int i = 0; i < kRows; ++i)
@@ -311,21 +281,7 @@ void run_item_bf16_d64(const Shape& s, const c10::BFloat16* q, const c10::BFloat
           for (int j = 0; j < kKeys; ++j) sc[i][j] = 0.0f;
           continue;
         }
-        const int64_t vi = valid[i];
-        float mb = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mb)
-        for (int j = 0; j < kKeys; ++j) mb = std::max(mb, j < vi ? sc[i][j] : -std::numeric_limits<float>::infinity());
-        const float m_new = std::max(m[r], mb);
-        corr[i] = exp_nonpos(m[r] - m_new);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < kKeys; ++j) {
-          const float pj = j < vi ? exp_nonpos(sc[i][j] - m_new) : 0.0f;
-          sc[i][j] = pj;
-          sum += pj;
-        }
-        l[r] = l[r] * corr[i] + sum;
-        m[r] = m_new;
+        corr[i] = online_softmax(sc[i], valid[i], m[r], l[r]);
       }
       __m512 oacc[kRows][kVec];
       for (int i = 0; i < kRows; ++i)

@@ -16,6 +16,8 @@ falls back with one warning. ``KUBELLM_CPU_MARCH`` overrides ``-march=native`` f
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -48,7 +50,7 @@ _HEADER_NAMES = ("scalar_math.h",)  # part of the build's cache key, not compile
 OP_NAMESPACE = "kubellm_cpu"
 # One op per source: the extension counts as loaded when all of them are registered.
 _OPS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_")
-_STALE_LOCK_S = 600.0
+_BUILD_WAIT_S = 600.0  # a real build takes about a minute on 2 cores
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "error": None, "build_seconds": None, "library": None}
@@ -159,6 +161,35 @@ def _op_registered() -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _build_guard(build_dir: Path):
+    """One build per folder at a time, across processes, that a killed builder cannot wedge.
+
+    torch's own guard is a lock *file* that a build killed midway (a timed-out test, a stopped pod) leaves
+    behind, and every later build of that folder then waits on it forever. An flock is dropped by the kernel
+    when its holder dies, so holding ours means nobody is building and any torch lock file is a leftover.
+    A build still running elsewhere after _BUILD_WAIT_S is given up on (callers fall back to the references)."""
+    with open(build_dir / "kubellm-build.lock", "a") as handle:
+        deadline = time.monotonic() + _BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another process has been building {build_dir} for over "
+                                       f"{_BUILD_WAIT_S:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing a build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build(load: bool = True) -> Path:
     """Compile (or load the cached build of) the extension into this process; returns the library's path.
     With ``load=False`` it only compiles (for a -march this CPU may not run)."""
@@ -178,15 +209,6 @@ def _build(load: bool = True) -> Path:
     except OSError:  # read-only home (e.g. a locked-down pod): build in the temp dir instead
         build_dir = _build_directory(Path(tempfile.gettempdir()) / f"kubellm-{os.getuid()}")
         build_dir.mkdir(parents=True, exist_ok=True)
-    # torch's build lock: a process killed mid-build leaves it behind, and every later build would wait on it
-    # forever. A real build takes well under a minute, so a lock older than _STALE_LOCK_S is stale.
-    lock = build_dir / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            logger.warning("removing stale extension build lock %s", lock)
-            lock.unlink(missing_ok=True)
-    except OSError:
-        pass
     flags = ["-O3", f"-march={_march()}", "-fopenmp", "-DNDEBUG"]
     # cpp_extension.load always loads what it built, through this (private, long-stable) helper; swapping it
     # for one that only names the file is the way to compile without loading.
@@ -195,15 +217,16 @@ def _build(load: bool = True) -> Path:
         cpp_extension._import_module_from_library = lambda name, path, is_python_module: os.path.join(
             path, name + ".so")
     try:
-        built = cpp_extension.load(
-            name="kubellm_cpu_ops",
-            sources=[str(p) for p in sources()],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with _build_guard(build_dir):
+            built = cpp_extension.load(
+                name="kubellm_cpu_ops",
+                sources=[str(p) for p in sources()],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     finally:
         cpp_extension._import_module_from_library = import_library
     if load and not _op_registered():

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,65 @@ def test_build_without_loading_restores_the_loader(monkeypatch, tmp_path):
     assert built == cx._build_directory() / cx.LIBRARY_NAME
     assert "-march=x86-64-v4" in seen["cflags"]
     assert cpp_extension._import_module_from_library is original
+
+
+def _fake_torch_load(monkeypatch, seen):
+    """cpp_extension.load as far as its lock goes: torch waits while its lock file exists (for ever, with no
+    staleness check), then would compile. Here it waits at most 5 s, then fails the test."""
+    from torch.utils import cpp_extension
+
+    def fake_load(name, build_directory, **kwargs):
+        lock = Path(build_directory) / "lock"
+        deadline = time.monotonic() + 5
+        while lock.exists():
+            if time.monotonic() > deadline:
+                pytest.fail(f"the build waited on {lock}")
+            time.sleep(0.05)
+        seen.append(build_directory)
+        return str(Path(build_directory) / cx.LIBRARY_NAME)
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(cx, "_ninja_on_path", lambda: True)
+    monkeypatch.setenv("CXX", sys.executable)
+
+
+def test_a_lock_left_by_a_killed_build_does_not_wedge_the_next_one(monkeypatch, tmp_path, caplog):
+    """A build killed midway (a timed-out test, a stopped pod) leaves torch's lock file behind, seconds old.
+    Nobody holds our flock, so the next build removes it and goes on instead of waiting for ever."""
+    monkeypatch.setenv("KUBELLM_CACHE", str(tmp_path))
+    seen = []
+    _fake_torch_load(monkeypatch, seen)
+    build_dir = cx._build_directory()
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()
+    assert cx._build(load=False) == build_dir / cx.LIBRARY_NAME
+    assert seen == [str(build_dir)] and not (build_dir / "lock").exists()
+    assert "left by a killed build" in caplog.text
+
+
+def test_a_build_running_elsewhere_is_waited_for_then_given_up_on(monkeypatch, tmp_path):
+    """While another process (here: another open file description) holds the flock, a second build waits;
+    past _BUILD_WAIT_S it raises, which available() turns into the fallback to the references."""
+    import fcntl
+
+    monkeypatch.setenv("KUBELLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(cx, "_BUILD_WAIT_S", 0.5)
+    seen = []
+    _fake_torch_load(monkeypatch, seen)
+    build_dir = cx._build_directory()
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()  # the live builder's own torch lock: must survive
+    with open(build_dir / "kubellm-build.lock", "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="another process has been building"):
+            cx._build(load=False)
+        assert time.monotonic() - start >= 0.5
+        assert seen == [] and (build_dir / "lock").exists()
+        fcntl.flock(other, fcntl.LOCK_UN)
+    (build_dir / "lock").unlink()
+    cx._build(load=False)  # released: the next build goes ahead
+    assert seen == [str(build_dir)]
 
 
 def _kubellm() -> str:

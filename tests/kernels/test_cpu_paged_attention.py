@@ -272,29 +272,3 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):
         assert cpa.available() is False
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
     assert "no C++ compiler" in cpa.build_info()["error"]
-
-
-def test_stale_build_lock_is_removed(monkeypatch, tmp_path):
-    """A build killed mid-way leaves torch's lock file; an old one must not block every later build."""
-    import os
-    import time
-
-    from torch.utils import cpp_extension
-
-    build_dir = tmp_path / "build"
-    build_dir.mkdir()
-    lock = build_dir / "lock"
-    lock.touch()
-    old = time.time() - 2 * cx._STALE_LOCK_S
-    os.utime(lock, (old, old))
-    seen = {}
-
-    def fake_load(**kwargs):
-        seen["lock_exists"] = lock.exists()
-        seen["build_directory"] = kwargs["build_directory"]
-
-    monkeypatch.setattr(cpp_extension, "load", fake_load)
-    monkeypatch.setattr(cx, "_build_directory", lambda root=None: build_dir)
-    monkeypatch.setattr(cx, "_op_registered", lambda: True)
-    cx._build()
-    assert seen == {"lock_exists": False, "build_directory": str(build_dir)}

@@ -30,6 +30,6 @@ def reference_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = qf @ kf.transpose(1, 2) * scale  # [H, T, S]
-    visible = torch.arange(s)[None, :] <= (s - t + torch.arange(t))[:, None]
+    visible = torch.arange(s, device=q.device)[None, :] <= (s - t + torch.arange(t, device=q.device))[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
     return (scores.softmax(-1) @ vf).transpose(0, 1).to(q.dtype)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
 DEMO_QUESTION = "What is the capital of France?"
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 class _JsonFormatter(logging.Formatter):
@@ -45,9 +47,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="without --kv-cache-memory: this fraction of the memory free after loading (default 0.9)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--num-threads", type=int, help="CPU threads for torch (default: all)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
-                   help="decode attention: cpu = native kernel compiled at first use, torch = reference; "
-                        "auto = cpu when it builds here")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                   default=os.environ.get("KUBELLM_ATTENTION_BACKEND") or "auto",  # an LLMDeployment's spec.env
+                   help="attention kernels: cpu = native CPU kernels compiled at first use, triton = Triton "
+                        "kernels (CUDA), torch = the PyTorch reference; auto = triton on CUDA, cpu on CPU, each "
+                        "when it builds and passes its check here, else torch (default: $KUBELLM_ATTENTION_BACKEND "
+                        "or auto)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -330,7 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         from kubellm.operator.render import main as render_main
 
         return render_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # argparse checks choices on the command line, not in a default taken from the environment.
+    if getattr(args, "attention_backend", "auto") not in ATTENTION_BACKENDS:
+        parser.error(f"KUBELLM_ATTENTION_BACKEND={args.attention_backend!r}: use one of "
+                     f"{', '.join(ATTENTION_BACKENDS)}")
     setup_logging(args.log_level, args.log_format)
     try:
         return args.func(args)

@@ -42,7 +42,8 @@ class ModelRunner:
         # Zeroed, not empty: padded gathers read slot 0, and 0 * NaN garbage would poison outputs.
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.backend = make_backend(attention_backend, device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.backend = make_backend(attention_backend, device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    dtype=dtype, block_size=block_size)
         for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
             attn = layer.self_attn.attn
             attn.k_cache, attn.v_cache, attn.backend = k, v, self.backend

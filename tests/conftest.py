@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,11 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 import tiny_checkpoints  # noqa: E402
+
+# Triton kernels run on CPU tensors through Triton's interpreter; @triton.jit reads this when a kernel module
+# is imported, so it must be set before any test imports one. With a GPU the kernels run compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

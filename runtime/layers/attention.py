@@ -5,15 +5,19 @@ A token's *slot* is ``block_id * block_size + offset``; ``slot_mapping[t]`` says
 K/V go. Tokens of a step are ordered decodes first (one query each), then prefill chunks.
 
 The torch backend is the reference: it gathers each sequence's context from the pool by its block
-table and runs plain attention. A Triton backend (CUDA) consumes the same metadata.
+table and runs plain attention. The native CPU backend and the Triton backend (CUDA) consume the same
+metadata and read the pool in place for decodes.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,17 +102,13 @@ class TorchAttentionBackend:
         return o[0].transpose(0, 1)
 
 
-class NativeCpuAttentionBackend(TorchAttentionBackend):
-    """The compiled CPU kernels: decode reads K/V blocks in place from the pool; prefill is a flash-style
-    causal kernel over the chunk's keys (plus the cached context, gathered, for later chunks)."""
+class KernelAttentionBackend(TorchAttentionBackend):
+    """Kernels with the CPU/Triton contract: decode reads K/V blocks in place from the pool; prefill is a
+    flash-style causal kernel over the chunk's keys (plus the cached context, gathered, for later chunks)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, decode_kernel, prefill_kernel):
         super().__init__(num_heads, num_kv_heads, head_dim)
-        from kubellm.kernels.cpu_paged_attention import paged_decode_attention
-        from kubellm.kernels.cpu_prefill_attention import prefill_attention
-
-        self._decode_kernel = paged_decode_attention
-        self._prefill_kernel = prefill_attention
+        self._decode_kernel, self._prefill_kernel = decode_kernel, prefill_kernel
 
     def _decode(self, q, k_cache, v_cache, meta):
         return self._decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
@@ -121,11 +121,54 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
         return self._prefill_kernel(q, k, v, self.scale)
 
 
-def make_backend(kind: str, device: str, num_heads: int, num_kv_heads: int, head_dim: int):
-    """``auto`` picks the native CPU kernel on CPU when it builds here, else the torch reference."""
+class NativeCpuAttentionBackend(KernelAttentionBackend):
+    """The compiled CPU kernels (kernels/csrc)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        from kubellm.kernels.cpu_paged_attention import paged_decode_attention
+        from kubellm.kernels.cpu_prefill_attention import prefill_attention
+
+        super().__init__(num_heads, num_kv_heads, head_dim, paged_decode_attention, prefill_attention)
+
+
+class TritonAttentionBackend(KernelAttentionBackend):
+    """The Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        from kubellm.kernels.triton_paged_attention import paged_decode_attention
+        from kubellm.kernels.triton_prefill_attention import prefill_attention
+
+        super().__init__(num_heads, num_kv_heads, head_dim, paged_decode_attention, prefill_attention)
+
+
+def _triton_reason(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                   block_size: int) -> str | None:
+    """Why the Triton kernels cannot serve this model on ``device``, or None when they built and matched their
+    references here (kernels/triton_check.py). On CPU they run only under ``TRITON_INTERPRET=1`` (tests)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return "triton is not installed (pip install 'kubellm[gpu]')"
+    if not (device.startswith("cuda") or (device == "cpu" and knobs.runtime.interpret)):
+        return f"Triton kernels need a CUDA device (got {device!r}; TRITON_INTERPRET=1 runs them on CPU for tests)"
+    from kubellm.kernels import triton_check
+
+    return triton_check.check(device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+
+
+def make_backend(kind: str, device: str, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, block_size: int = 16):
+    """``auto`` picks the Triton kernels on CUDA and the native CPU kernels on CPU, each when it builds and
+    passes its self-check here, else the torch reference. An explicit choice that cannot run is an error."""
+    checked = False  # the Triton self-check already passed
     if kind == "auto":
         kind = "torch"
-        if device == "cpu" and head_dim % 16 == 0 and head_dim <= 512:  # the kernel's supported head sizes
+        if device.startswith("cuda"):
+            if reason := _triton_reason(device, dtype, num_heads, num_kv_heads, head_dim, block_size):
+                log.warning("Triton attention unavailable, using the PyTorch reference: %s", reason)
+            else:
+                kind, checked = "triton", True
+        elif device == "cpu" and head_dim % 16 == 0 and head_dim <= 512:  # the kernel's supported head sizes
             from kubellm.kernels import cpu_paged_attention
 
             if cpu_paged_attention.available():
@@ -137,9 +180,13 @@ def make_backend(kind: str, device: str, num_heads: int, num_kv_heads: int, head
             raise ValueError(f"the native CPU kernels cannot run here (device {device!r}): "
                              f"{cpu_extension.build_info()['error'] or 'disabled'}; use --attention-backend torch")
         return NativeCpuAttentionBackend(num_heads, num_kv_heads, head_dim)
+    if kind == "triton":
+        if not checked and (reason := _triton_reason(device, dtype, num_heads, num_kv_heads, head_dim, block_size)):
+            raise ValueError(f"{reason}; use --attention-backend torch")
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim)
     if kind == "torch":
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"attention backend {kind!r} is not available in this build; use auto, torch or cpu")
+    raise ValueError(f"attention backend {kind!r} is not available in this build; use auto, torch, cpu or triton")
 
 
 class Attention(torch.nn.Module):

@@ -54,3 +54,20 @@ def test_cpu_budget_is_bounded_by_the_pod_limit(tmp_path):
 @pytest.mark.parametrize("text,expected", [("1GiB", 2**30), ("512MiB", 512 * 2**20), ("1.5G", 3 * 2**29)])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
+
+
+def test_attention_backend_defaults_from_the_environment(monkeypatch, capsys):
+    """An LLMDeployment sets it through spec.env (KUBELLM_ATTENTION_BACKEND); a flag still wins, and a bad
+    value is a usage error naming the variable, not a traceback at model load."""
+    from kubellm.runtime.cli import build_parser, main
+
+    monkeypatch.delenv("KUBELLM_ATTENTION_BACKEND", raising=False)
+    assert build_parser().parse_args(["serve"]).attention_backend == "auto"
+    monkeypatch.setenv("KUBELLM_ATTENTION_BACKEND", "torch")
+    assert build_parser().parse_args(["serve"]).attention_backend == "torch"
+    assert build_parser().parse_args(["serve", "--attention-backend", "cpu"]).attention_backend == "cpu"
+    monkeypatch.setenv("KUBELLM_ATTENTION_BACKEND", "cuda-graphs")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "/nonexistent"])
+    assert exit_info.value.code == 2
+    assert "KUBELLM_ATTENTION_BACKEND='cuda-graphs': use one of auto, torch, cpu, triton" in capsys.readouterr().err

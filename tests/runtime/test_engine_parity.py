@@ -84,6 +84,28 @@ def test_torch_reference_attention_backend_also_equals_transformers(fixture, req
     _run_and_compare(llm, model_dir, _prompts())
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_mistral"])
+def test_triton_attention_backend_equals_transformers(fixture, request):
+    """The CUDA path's kernels, run by Triton's interpreter on CPU here (compiled on a GPU): the same greedy
+    tokens through chunked prefill over cached context, preemption and prefix hits. Mistral is MQA with
+    head_dim 32, llama GQA with head_dim 16; decode tiles span several 4-token KV blocks."""
+    model_dir = request.getfixturevalue(fixture)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = _engine(model_dir, attention_backend="triton", device=device)
+    assert type(llm.engine.runner.backend).__name__ == "TritonAttentionBackend"
+    _run_and_compare(llm, model_dir, _prompts()[:6])
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits > 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error(tiny_llama, monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "interpret", False)
+    with pytest.raises(ValueError, match="Triton kernels need a CUDA device.*--attention-backend torch"):
+        _engine(tiny_llama, attention_backend="triton", device="cpu")
+
+
 def test_auto_backend_uses_the_native_cpu_kernel_when_it_builds(tiny_llama):
     from kubellm.kernels import cpu_paged_attention
 

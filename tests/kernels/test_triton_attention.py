@@ -1,0 +1,114 @@
+"""The Triton attention kernels (the CUDA path) against the same PyTorch references the CPU kernels answer to.
+
+Without a GPU they run through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), which executes
+the kernels' own code, masks and index math on CPU tensors; shapes stay small because every interpreted
+program costs milliseconds. The decode pools are the CPU kernel tests' adversarial ones: shuffled block ids,
+NaN in every slot no sequence owns and out-of-range ids past each block table's end, so a read outside the
+contract shows up as NaN or a crash.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_paged_attention import TOL, context_lens_for, make_case
+from test_cpu_prefill_attention import qkv_views
+
+from kubellm.kernels import triton_paged_attention as tpa
+from kubellm.kernels import triton_prefill_attention as tpp
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _to(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 2, 24), (6, 1, 32)],
+                         ids=["mha-d16", "gqa3-d64", "gqa4-d24", "mqa-d32"])
+@pytest.mark.parametrize("block_size", [16, 3])
+def test_decode_matches_reference(dtype, heads, kv_heads, head_dim, block_size):
+    """Block size 3 and head_dim 24 are not powers of two (masked lanes); the long sequence spans several
+    16-token tiles, each crossing KV blocks."""
+    lens = context_lens_for(4, block_size, seed=head_dim + block_size)
+    if block_size == 16:
+        lens[2] = 70  # keep the interpreter's work small: 37 blocks of 16 would be 600 tokens
+    q, kc, vc, bt, cl, _, _ = make_case(lens, heads, kv_heads, head_dim, block_size, dtype, seed=block_size)
+    scale = head_dim**-0.5
+    ref = tpa.reference_paged_decode_attention(q, kc, vc, bt, cl, scale)
+    out = tpa.paged_decode_attention(*_to(DEVICE, q, kc, vc, bt, cl), scale, block_n=16).cpu()
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.isfinite(out.float()).all(), "the kernel read memory outside the contexts"
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+def test_decode_reads_a_strided_query_and_handles_an_empty_batch():
+    """q as a view into the fused qkv output (rows strided); batch 0 launches nothing."""
+    lens = [1, 9, 20]
+    q, kc, vc, bt, cl, _, _ = make_case(lens, 4, 2, 16, 4, torch.float32)
+    fused = torch.cat([q.reshape(3, -1), torch.randn(3, 32)], dim=1)
+    q_view = fused[:, :64].view(3, 4, 16)
+    assert not q_view.is_contiguous()
+    out = tpa.paged_decode_attention(*_to(DEVICE, q_view, kc, vc, bt, cl), 0.25).cpu()
+    torch.testing.assert_close(out, tpa.reference_paged_decode_attention(q, kc, vc, bt, cl, 0.25),
+                               **TOL[torch.float32])
+    empty = tpa.paged_decode_attention(*_to(DEVICE, q[:0], kc, vc, bt[:0], cl[:0]), 0.25)
+    assert empty.shape == (0, 4, 16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 24), (6, 1, 32)],
+                         ids=["gqa3-d64", "gqa4-d24", "mqa-d32"])
+@pytest.mark.parametrize("tokens,context", [(1, 1), (17, 17), (40, 40), (1, 50), (7, 33), (20, 45)])
+def test_prefill_matches_reference(dtype, heads, kv_heads, head_dim, tokens, context):
+    """Whole prompts (tokens == context) and later chunks over cached context; 16-row query tiles and 16-key
+    tiles, so tiles are partial, cross the causal edge and (40 tokens) stop early."""
+    q, _, _ = qkv_views(tokens, heads, kv_heads, head_dim, dtype, seed=tokens)
+    _, k, v = qkv_views(context, heads, kv_heads, head_dim, dtype, seed=context + 1)
+    scale = head_dim**-0.5
+    out = tpp.prefill_attention(*_to(DEVICE, q, k, v), scale, block_m=16, block_n=16).cpu()
+    assert out.shape == (tokens, heads, head_dim) and out.dtype == dtype
+    ref = tpp.reference_prefill_attention(q, k, v, scale)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+def test_prefill_refuses_fewer_keys_than_queries():
+    q, k, v = qkv_views(5, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="5 queries need at least as many keys, got 3"):
+        tpp.prefill_attention(q, k[:3], v[:3], 0.25)
+
+
+# ------------------------------------------------------------------------------------------ start-up check
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_start_up_check_passes_for_sound_kernels(dtype):
+    from kubellm.kernels import triton_check
+
+    assert triton_check.check(DEVICE, dtype, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16) is None
+
+
+def test_start_up_check_reports_a_wrong_or_failing_kernel(monkeypatch):
+    """A kernel off by one ulp-scale amount passes; one that is wrong or cannot compile is named, and an
+    explicit --attention-backend triton then refuses to start with that reason."""
+    from kubellm.kernels import triton_check
+    from kubellm.runtime.layers.attention import make_backend
+
+    sound = tpa.paged_decode_attention
+    monkeypatch.setattr(tpa, "paged_decode_attention", lambda *a, **k: sound(*a, **k) + 1e-6)
+    assert triton_check.check(DEVICE, torch.float32, 4, 2, 16, 4) is None
+    monkeypatch.setattr(tpa, "paged_decode_attention", lambda *a, **k: sound(*a, **k) * 1.01)
+    reason = triton_check.check(DEVICE, torch.float32, 4, 2, 16, 4)
+    assert reason and reason.startswith("the Triton paged decode kernel differs from its reference")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX assembly aborted")
+
+    monkeypatch.setattr(tpp, "prefill_attention", broken)
+    monkeypatch.setattr(tpa, "paged_decode_attention", sound)
+    reason = triton_check.check(DEVICE, torch.bfloat16, 4, 2, 16, 4)
+    assert reason and "prefill kernel failed" in reason and "PTX assembly aborted" in reason
+    with pytest.raises(ValueError, match="prefill kernel failed.*use --attention-backend torch"):
+        make_backend("triton", DEVICE, 4, 2, 16, dtype=torch.bfloat16, block_size=4)

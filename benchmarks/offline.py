@@ -18,6 +18,7 @@ Run ``python benchmarks/offline.py --help`` for the systems and options; see ben
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import hashlib
 import json
@@ -37,7 +38,7 @@ from tqdm import tqdm
 
 from workload_args import check_systems_and_workload
 
-SYSTEMS = ("kubellm", "hf-generate", "hf-static-batch", "hf-generate-batch", "vllm")
+SYSTEMS = ("kubellm", "kubellm-int8", "hf-generate", "hf-static-batch", "hf-generate-batch", "vllm")
 DEFAULT_BASELINE = "hf-generate-batch"
 WARMUP_REQUESTS, WARMUP_INPUT, WARMUP_OUTPUT = 2, 16, 4
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -153,7 +154,8 @@ def model_info(model_dir: Path) -> dict:
 # --------------------------------------------------------------------------------------------------------
 
 
-def run_kubellm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict) -> Result:
+def run_kubellm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict,
+                quantization: str = "none") -> Result:
     from kubellm.runtime.engine import LLM
     from kubellm.runtime.sampling_params import SamplingParams
 
@@ -167,18 +169,20 @@ def run_kubellm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: d
         max_model_len=_max_model_len(args),
         num_threads=args.threads,
         seed=args.seed,
+        quantization=quantization,
     )
+    name = "kubellm" if quantization == "none" else f"kubellm-{quantization}"
     warm = SamplingParams(max_tokens=WARMUP_OUTPUT, ignore_eos=True, temperature=0.0)
     llm.generate(wl.warmup_prompts, [warm] * len(wl.warmup_prompts), use_tqdm=False)
     params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for o in wl.outputs]
     start = time.perf_counter()
     outs = llm.generate(wl.prompts, params, use_tqdm=True)
     wall = time.perf_counter() - start
-    _check_lengths("kubellm", [len(o.token_ids) for o in outs], wl.outputs)
+    _check_lengths(name, [len(o.token_ids) for o in outs], wl.outputs)
     del llm, outs
     n = len(wl.prompts)
     return Result(
-        "kubellm",
+        name,
         n,
         wl.input_tokens,
         wl.output_tokens,
@@ -514,6 +518,7 @@ def run_vllm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict
 
 RUNNERS = {
     "kubellm": run_kubellm,
+    "kubellm-int8": functools.partial(run_kubellm, quantization="int8"),
     "hf-generate": run_hf_generate,
     "hf-static-batch": run_hf_static_batch,
     "hf-generate-batch": run_hf_generate_batch,
@@ -642,6 +647,7 @@ protocol:
 
 systems:
   kubellm             kubellm.runtime LLM.generate (paged KV cache, continuous batching)
+  kubellm-int8        the same with --quantization int8 (weight-only int8 decoder linears)
   hf-generate         transformers generate(), one request at a time (--hf-generate-limit K times only
                       the first K and extrapolates by output tokens; marked ~ in the table)
   hf-static-batch     generate() on left-padded batches of --hf-batch-size in request order, each batch

@@ -11,6 +11,7 @@ import time
 
 DEMO_QUESTION = "What is the capital of France?"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+QUANTIZATIONS = ("none", "int8", "int4", "fp8", "awq", "gptq", "gguf")  # as the LLMDeployment API names them
 
 
 class _JsonFormatter(logging.Formatter):
@@ -53,6 +54,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "kernels (CUDA), torch = the PyTorch reference; auto = triton on CUDA, cpu on CPU, each "
                         "when it builds and passes its check here, else torch (default: $KUBELLM_ATTENTION_BACKEND "
                         "or auto)")
+    g.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="weight quantization: int8 = weight-only int8 per output channel (about half bf16's "
+                        "weight memory); int4, fp8, awq, gptq and gguf are refused: not implemented yet")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs to shard each layer over; only 1 so far (tensor parallelism is not implemented)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -62,7 +68,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                 kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                 enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads, seed=args.seed,
-                attention_backend=args.attention_backend)
+                attention_backend=args.attention_backend, quantization=args.quantization,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

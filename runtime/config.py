@@ -55,6 +55,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # auto | torch | cpu (native CPU kernel) | triton
+    quantization: str = "none"  # none | int8 (weight-only, per output channel; runtime/quantization.py)
+    tensor_parallel_size: int = 1  # only 1 so far: tensor parallelism is not implemented yet
     num_threads: int | None = None  # CPU intra-op threads; default: all cores torch sees
     seed: int = 0
 
@@ -73,6 +75,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(f"attention_backend: unknown {self.attention_backend!r}; use auto, torch, cpu or triton")
+        from kubellm.runtime.quantization import check_method
+
+        check_method(self.quantization)
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size}: tensor parallelism is not "
+                             "implemented in this runtime yet; use 1")
 
 
 def _cpu_has_fast_bf16() -> bool:

@@ -19,6 +19,7 @@ from kubellm.runtime.config import EngineConfig, available_memory_bytes
 from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kubellm.runtime.model_runner import ModelRunner, kv_block_bytes
 from kubellm.runtime.models.loader import build_model, read_checkpoint
+from kubellm.runtime.quantization import quantize_model
 from kubellm.runtime.sampler import Sampler
 from kubellm.runtime.sampling_params import SamplingParams
 from kubellm.runtime.scheduler import Scheduler
@@ -85,6 +86,7 @@ class LLMEngine:
         max_pos = ckpt.config.get("max_position_embeddings") or 2048
         self.max_model_len = min(config.max_model_len or max_pos, max_pos)
         model, self.model_config = build_model(ckpt, config.dtype, config.device, self.max_model_len, progress)
+        quantize_model(model, config.quantization)  # before the KV cache is sized from the memory left
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

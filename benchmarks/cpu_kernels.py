@@ -6,6 +6,9 @@ Rows (median of several timed repeats, after warm-up; one process, same threads 
   (4-D, causal, ``enable_gqa``) for one prompt of T tokens, 9 query heads / 3 kv heads of 64.
 * ``rms_norm`` / ``add_rms_norm`` / ``silu_and_mul`` / ``rotary`` at T rows: the fused ops vs their references.
 * ``linear NxK, M rows``: a linear layer with oneDNN-prepacked weights vs ``F.linear``.
+* ``int8 NxK, M rows`` (bfloat16, CPUs with AVX512-BF16): ``kubellm.kernels.cpu_int8_gemm`` vs PyTorch's
+  int8 weight-only GEMM (``torch._weight_int8pack_mm``), and ``... vs bf16`` against the bf16 prepacked
+  linear it stands in for under ``--quantization int8``.
 
     python benchmarks/cpu_kernels.py [--threads 2] [--dtype bfloat16]
 
@@ -23,11 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from kubellm.kernels import cpu_int8_gemm
 from kubellm.kernels import cpu_layer_ops as ops
 from kubellm.kernels import cpu_prefill_attention as pa
 from kubellm.runtime import host_malloc
 from kubellm.runtime.layers.linear import PackedLinear, can_pack
 from kubellm.runtime.layers.rotary import RotaryEmbedding
+from kubellm.runtime.quantization import quantize_int8
 
 H, KVH, D, HIDDEN, INTER = 9, 3, 64, 576, 1536  # SmolLM2-135M
 
@@ -78,6 +83,18 @@ def cases(dtype: torch.dtype):
             for m in (1, 32, 2048):
                 x = torch.randn(m, k_in).to(dtype)
                 yield (f"linear {n}x{k_in}, M={m}", lambda p=packed, x=x: p(x), lambda x=x, w=linear.weight: F.linear(x, w))
+    if dtype == torch.bfloat16 and cpu_int8_gemm.available():
+        for n, k_in in ((3 * D * 5, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)):
+            linear = nn.Linear(k_in, n, bias=False).to(dtype)
+            bf16 = PackedLinear(linear) if can_pack("cpu", dtype) else linear
+            q, scales = quantize_int8(linear.weight)
+            packed_q, scales_bf16 = cpu_int8_gemm.pack(q), scales.to(dtype)
+            for m in (1, 8, 32, 256):
+                x = torch.randn(m, k_in).to(dtype)
+                native = lambda x=x, pq=packed_q, s=scales: cpu_int8_gemm.int8_gemm(x, pq, s)  # noqa: E731
+                yield (f"int8 {n}x{k_in}, M={m}", native,
+                       lambda x=x, q=q, s=scales_bf16: torch._weight_int8pack_mm(x, q, s))
+                yield (f"int8 {n}x{k_in}, M={m} vs bf16", native, lambda x=x, lin=bf16: lin(x))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,18 +38,23 @@ PREBUILT_ENV = "KUBELLM_CPU_KERNELS_DIR"
 MARCH_ENV = "KUBELLM_CPU_MARCH"
 LIBRARY_NAME = "kubellm_cpu_ops.so"
 # x86-64 micro-architecture levels, best first, with the /proc/cpuinfo flags each needs (a subset that tells
-# them apart; compilers target exactly these levels with -march=x86-64-vN).
+# them apart; compilers target exactly these levels with -march=x86-64-vN). x86-64-v4-bf16 is v4 plus
+# AVX512-BF16 (AMD Zen 4+, Intel Cooper Lake and Sapphire Rapids+): the bf16 prefill attention and the int8
+# GEMM need it.
 X86_LEVELS = {
+    "x86-64-v4-bf16": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2",
+                       "avx512_bf16"},
     "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2"},
     "x86-64-v3": {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"},
     "x86-64-v2": {"sse4_2", "popcnt", "ssse3"},
 }
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "prefill_attention_cpu.cpp")
+_SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "prefill_attention_cpu.cpp", "int8_gemm_cpu.cpp")
 _HEADER_NAMES = ("scalar_math.h",)  # part of the build's cache key, not compiled on their own
 OP_NAMESPACE = "kubellm_cpu"
 # One op per source: the extension counts as loaded when all of them are registered.
-_OPS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_")
+_OPS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_",
+        "int8_gemm")
 _BUILD_WAIT_S = 600.0  # a real build takes about a minute on 2 cores
 
 _lock = threading.Lock()
@@ -67,8 +72,16 @@ def _cache_root() -> Path:
     return Path.home() / ".cache" / "kubellm"
 
 
+# Levels that are not a compiler -march of their own.
+_LEVEL_CFLAGS = {"x86-64-v4-bf16": ["-march=x86-64-v4", "-mavx512bf16"]}
+
+
 def _march() -> str:
     return os.environ.get(MARCH_ENV, "").strip() or "native"
+
+
+def _march_cflags(march: str) -> list[str]:
+    return _LEVEL_CFLAGS.get(march, [f"-march={march}"])
 
 
 def cpu_flags() -> set[str]:
@@ -209,7 +222,7 @@ def _build(load: bool = True) -> Path:
     except OSError:  # read-only home (e.g. a locked-down pod): build in the temp dir instead
         build_dir = _build_directory(Path(tempfile.gettempdir()) / f"kubellm-{os.getuid()}")
         build_dir.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", f"-march={_march()}", "-fopenmp", "-DNDEBUG"]
+    flags = ["-O3", *_march_cflags(_march()), "-fopenmp", "-DNDEBUG"]
     # cpp_extension.load always loads what it built, through this (private, long-stable) helper; swapping it
     # for one that only names the file is the way to compile without loading.
     import_library = cpp_extension._import_module_from_library

@@ -314,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     kb = ksub.add_parser("build", help="compile for given x86-64 levels into OUT/<level>/kubellm_cpu_ops.so")
     kb.add_argument("--out", required=True, help="folder to set as KUBELLM_CPU_KERNELS_DIR")
     kb.add_argument("--march", action="append", required=True,
-                    help="a -march value such as x86-64-v4 or x86-64-v3; repeatable")
+                    help="a -march value such as x86-64-v4 or x86-64-v3, or x86-64-v4-bf16 (v4 plus AVX512-BF16); "
+                         "repeatable")
     k.set_defaults(func=cmd_kernels)
 
     m = sub.add_parser("models", parents=[logging_flags], help="pull, list and export models", description="Manage the local model cache "

@@ -2,12 +2,14 @@
 
 ``int8``: each output channel (weight row) gets one scale, ``max|w| / 127``, and its weights are rounded to
 int8 in ``[-127, 127]``; activations stay in the model dtype. Weights take about half the memory of bf16 (a
-quarter of fp32), which leaves more room for the KV cache. On CPU, steps of up to 32 rows (decodes) use
-PyTorch's int8 weight-only GEMM (``torch._weight_int8pack_mm``: reads half the bytes, ~1.4x bf16 at one row,
-slower than bf16's prepacked GEMM from about 8 rows); larger steps (prefill) dequantize the weight for the
-call and run the ordinary GEMM (~1.05x bf16's time at 2048 rows). Elsewhere the layer always dequantizes per
-call: correct, and the memory saving holds, but no speed-up. See benchmarks/README.md for what that does to
-throughput.
+quarter of fp32), which leaves more room for the KV cache. The GEMM, by what runs here:
+
+* bf16 models on CPUs with AVX512-BF16: kubellm's kernel (``kernels/cpu_int8_gemm.py``), which widens the
+  int8 weights to bf16 in registers: faster than bf16's prepacked GEMM up to ~64 rows (it reads half the
+  bytes), level with it above.
+* other CPU cases: PyTorch's int8 weight-only GEMM (``torch._weight_int8pack_mm``) for steps of up to 32
+  rows, where it beats dequantizing; larger steps dequantize the weight for the call.
+* other devices: dequantize per call (correct, the memory saving holds, no speed-up).
 
 Embeddings, norms and the LM head stay in the model dtype, as in most weight-only schemes: they are a small
 share of the weights of a large model and the LM head decides the tokens. The other methods the
@@ -21,6 +23,8 @@ import logging
 
 import torch
 from torch import nn
+
+from kubellm.kernels import cpu_int8_gemm
 
 log = logging.getLogger("kubellm.quantization")
 
@@ -52,26 +56,54 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return (q.float() * scales[:, None]).to(dtype)
 
 
+def _gemm_path(q: torch.Tensor, dtype: torch.dtype) -> str:
+    """``native``: kubellm's AVX512-BF16 kernel (bf16 CPU models, packable shapes); ``torch``: torch's int8
+    GEMM for small steps, dequantize for large ones; ``dequantize``: always (other devices)."""
+    if q.device.type != "cpu":
+        return "dequantize"
+    if dtype == torch.bfloat16 and cpu_int8_gemm.packable(q) and cpu_int8_gemm.available():
+        return "native"
+    return "torch" if hasattr(torch, "_weight_int8pack_mm") else "dequantize"
+
+
 class Int8Linear(nn.Module):
-    """Drop-in for an ``nn.Linear``: int8 weight, one scale per output channel, activations in ``dtype``."""
+    """Drop-in for an ``nn.Linear``: int8 weight, one scale per output channel, activations in the model dtype.
+
+    ``qweight`` is the int8 weight, in the native kernel's packed layout when ``path == "native"``."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scales = quantize_int8(linear.weight)
-        self.register_buffer("qweight", q.contiguous())
-        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.path = _gemm_path(q, linear.weight.dtype)
         self.bias = linear.bias
-        self._packed_gemm = q.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
+        if self.path == "native":  # float32 scales and bias, applied before the output is rounded to bf16
+            self.register_buffer("qweight", cpu_int8_gemm.pack(q))
+            self.register_buffer("scales", scales)
+            self.bias_f32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        else:
+            self.register_buffer("qweight", q.contiguous())
+            self.register_buffer("scales", scales.to(linear.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self._packed_gemm and x.dtype == self.scales.dtype and rows.shape[0] <= INT8_GEMM_MAX_ROWS:
-            out = torch._weight_int8pack_mm(rows if rows.is_contiguous() else rows.contiguous(), self.qweight,
-                                            self.scales).view(*x.shape[:-1], self.out_features)
+        if self.path == "native" and x.dtype == torch.bfloat16:
+            out = cpu_int8_gemm.int8_gemm(rows if rows.stride(-1) == 1 else rows.contiguous(), self.qweight,
+                                          self.scales, self.bias_f32)
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.path == "torch" and x.dtype == self.scales.dtype and rows.shape[0] <= INT8_GEMM_MAX_ROWS:
+            out = torch._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales)
+            out = out.view(*x.shape[:-1], self.out_features)
         else:
-            out = nn.functional.linear(x, self.qweight.to(x.dtype) * self.scales[:, None].to(x.dtype))
+            out = nn.functional.linear(x, self.dequantized(x.dtype))
         return out if self.bias is None else out + self.bias
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The ``[out, in]`` weight this layer computes with."""
+        q = self.qweight
+        if self.path == "native":  # [N/16, K/2, 16, 2] -> [N, K]
+            q = q.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
+        return q.to(dtype) * self.scales[:, None].to(dtype)
 
 
 def quantize_model(model: nn.Module, method: str) -> int:

@@ -209,7 +209,7 @@ def test_runtime_cpu_ships_prebuilt_cpu_kernels_built_in_a_builder(dockerfile):
         f"{builder} must build on runtime-cpu-builder: the libraries link against the torch the image ships")
     runs = " ".join(stages[builder].args_of("RUN"))
     assert f"kubellm kernels build --out {kernels}" in runs
-    assert set(re.findall(r"--march (\S+)", runs)) == {"x86-64-v4", "x86-64-v3"}
+    assert set(re.findall(r"--march (\S+)", runs)) == {"x86-64-v4-bf16", "x86-64-v4", "x86-64-v3"}
     assert "g++" in runs.split(), f"{builder} installs no compiler"
     # Nothing user-owned may hold the kernels folder (the user could swap it): no chown-ed COPY onto one of
     # its parents, and the kernels are copied before the user's cache creates /opt/kubellm.

@@ -2,7 +2,7 @@
 libraries from KUBELLM_CPU_KERNELS_DIR (the compiler-free images' path), and `kubellm kernels build` end to end.
 
 Everything but the last test fakes the CPU, the compiler and the loader, so it runs in milliseconds and on any
-machine. The last one compiles for x86-64-v3 in a subprocess and loads the result in a fresh process whose
+machine. The last one compiles for x86-64-v4-bf16 (or x86-64-v3) in a subprocess and loads the result in a fresh process whose
 kernel cache is empty, so only the prebuilt library can supply the ops.
 """
 
@@ -30,16 +30,18 @@ ZEN3 = ("fpu vme sse sse2 ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes xsave av
         "clwb sha_ni xsaveopt xsavec vaes vpclmulqdq")
 NEHALEM = "fpu vme sse sse2 ssse3 cx16 sse4_1 sse4_2 popcnt lahf_lm"
 GRAVITON2 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp"
-ALL_LEVELS = ["x86-64-v4", "x86-64-v3", "x86-64-v2"]
+ZEN4 = SKYLAKE_X + " avx512_bf16 avx512vnni avx512_vbmi2"
+ALL_LEVELS = ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64-v2"]
 
 
 @pytest.mark.parametrize("flags,levels", [
-    (SKYLAKE_X, ALL_LEVELS),
+    (ZEN4, ALL_LEVELS),
+    (SKYLAKE_X, ALL_LEVELS[1:]),  # AVX-512 without AVX512-BF16
     (ZEN3, ["x86-64-v3", "x86-64-v2"]),  # AVX2, no AVX-512
     (NEHALEM, ["x86-64-v2"]),
     (GRAVITON2, []),  # aarch64 "Features"
     ("", []),  # /proc/cpuinfo unreadable
-], ids=["v4", "v3-only", "v2-only", "aarch64", "no-flags"])
+], ids=["v4-bf16", "v4", "v3-only", "v2-only", "aarch64", "no-flags"])
 def test_supported_levels_from_cpu_flags(flags, levels):
     assert cx.supported_levels(set(flags.split())) == levels
 
@@ -181,7 +183,9 @@ def test_build_portable_loads_only_a_level_this_cpu_runs(monkeypatch, tmp_path):
     assert calls == [("x86-64-v4", False), ("x86-64-v3", True)]
 
 
-def test_build_without_loading_restores_the_loader(monkeypatch, tmp_path):
+@pytest.mark.parametrize("march,cflags", [("x86-64-v4", ["-march=x86-64-v4"]),
+                                          ("x86-64-v4-bf16", ["-march=x86-64-v4", "-mavx512bf16"])])
+def test_build_without_loading_restores_the_loader(monkeypatch, tmp_path, march, cflags):
     """_build(load=False) goes through cpp_extension.load with its loader swapped out, then puts it back."""
     from torch.utils import cpp_extension
 
@@ -197,10 +201,10 @@ def test_build_without_loading_restores_the_loader(monkeypatch, tmp_path):
         return cpp_extension._import_module_from_library(name, build_directory, is_python_module)
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    monkeypatch.setenv(cx.MARCH_ENV, "x86-64-v4")
+    monkeypatch.setenv(cx.MARCH_ENV, march)
     built = cx._build(load=False)
     assert built == cx._build_directory() / cx.LIBRARY_NAME
-    assert "-march=x86-64-v4" in seen["cflags"]
+    assert [f for f in seen["cflags"] if f.startswith(("-march", "-mavx"))] == cflags
     assert cpp_extension._import_module_from_library is original
 
 
@@ -277,10 +281,16 @@ g = torch.Generator().manual_seed(0)
 x = (torch.randn(7, 576, generator=g) * 3).to(torch.bfloat16)
 w = (torch.rand(576, generator=g) + 0.5).to(torch.bfloat16)
 torch.testing.assert_close(torch.ops.kubellm_cpu.rms_norm(x, w, 1e-5), ops.reference_rms_norm(x, w, 1e-5))
+print(torch.ops.kubellm_cpu.int8_gemm_available())
 """
 
 
-@pytest.mark.skipif("x86-64-v3" not in cx.supported_levels(), reason="this CPU lacks x86-64-v3 (AVX2/FMA)")
+# The best level this CPU has of the two: x86-64-v4-bf16 also proves that its extra compiler flag
+# (-mavx512bf16) reaches the build, since only then does the library carry the int8 GEMM.
+PORTABLE = next((lv for lv in ("x86-64-v4-bf16", "x86-64-v3") if lv in cx.supported_levels()), None)
+
+
+@pytest.mark.skipif(PORTABLE is None, reason="this CPU lacks x86-64-v3 (AVX2/FMA)")
 def test_kernels_build_then_a_fresh_process_loads_the_prebuilt_library(tmp_path):
     """`kubellm kernels build --out kernels` (relative: written under the caller's folder), then a process
     with KUBELLM_CPU_KERNELS_DIR and an empty kernel cache: it must load the prebuilt library and compute
@@ -291,9 +301,9 @@ def test_kernels_build_then_a_fresh_process_loads_the_prebuilt_library(tmp_path)
             pytest.fail("no C++ compiler in CI")
         pytest.skip("no C++ compiler")
     env = {k: v for k, v in os.environ.items() if k not in (cx.PREBUILT_ENV, cx.MARCH_ENV, cx.DISABLE_ENV)}
-    build = subprocess.run([_kubellm(), "kernels", "build", "--out", "kernels", "--march", "x86-64-v3"],
+    build = subprocess.run([_kubellm(), "kernels", "build", "--out", "kernels", "--march", PORTABLE],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    library = tmp_path / "kernels" / "x86-64-v3" / cx.LIBRARY_NAME
+    library = tmp_path / "kernels" / PORTABLE / cx.LIBRARY_NAME
     assert build.returncode == 0, build.stdout + build.stderr
     assert library.is_file(), build.stdout + build.stderr
     assert str(library.resolve()) in build.stdout
@@ -310,5 +320,5 @@ def test_kernels_build_then_a_fresh_process_loads_the_prebuilt_library(tmp_path)
     check = subprocess.run([sys.executable, "-c", RMS_NORM_CHECK], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert check.stdout.strip().splitlines()[-1] == str(library)
+    assert check.stdout.strip().splitlines()[-2:] == [str(library), str(PORTABLE == "x86-64-v4-bf16")]
     assert not any(empty_cache.iterdir()), "something was compiled into the empty cache"

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from test_engine_parity import _engine, _prompts, _run_and_compare
 from torch import nn
 
+from kubellm.kernels import cpu_int8_gemm
 from kubellm.runtime.config import EngineConfig
 from kubellm.runtime.quantization import Int8Linear, dequantize_int8, quantize_int8
 
@@ -31,25 +32,82 @@ def test_quantize_int8_bounds_and_round_trip():
     assert (error <= scales[:, None] / 2 + 1e-7).all(), "rounding must be to the nearest step"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,path", [(torch.float32, "torch"), (torch.float32, "dequantize"),
+                                        (torch.bfloat16, "native"), (torch.bfloat16, "torch"),
+                                        (torch.bfloat16, "dequantize")])  # native: bf16 only
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("packed", [True, False], ids=["int8-gemm", "dequantize"])
-@pytest.mark.parametrize("rows", [1, 15, 40])  # 40: past INT8_GEMM_MAX_ROWS, the prefill path
-def test_int8_linear_equals_a_matmul_on_the_dequantized_weight(dtype, bias, packed, rows):
+@pytest.mark.parametrize("rows", [1, 15, 40])  # 40: past INT8_GEMM_MAX_ROWS (torch path) and 3 native row tiles
+def test_int8_linear_equals_a_matmul_on_the_dequantized_weight(dtype, bias, path, rows):
+    if path == "native" and not cpu_int8_gemm.available():
+        pytest.skip("the native int8 kernel needs a CPU with AVX512-BF16")
     g = torch.Generator().manual_seed(1)
-    linear = nn.Linear(96, 40, bias=bias).to(dtype)
+    linear = nn.Linear(96, 48, bias=bias).to(dtype)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(40, 96, generator=g))
+        linear.weight.copy_(torch.randn(48, 96, generator=g))
+        if bias:
+            linear.bias.copy_(torch.randn(48, generator=g))
     layer = Int8Linear(linear)
-    layer._packed_gemm &= packed
-    assert layer.qweight.dtype == torch.int8 and layer.qweight.shape == (40, 96)
+    if path != "native":
+        layer = _forced_path(layer, linear, path)
+    assert layer.path == path and layer.qweight.dtype == torch.int8 and layer.qweight.numel() == 48 * 96
+    q, scales = quantize_int8(linear.weight)
+    weight = dequantize_int8(q, scales)
+    torch.testing.assert_close(layer.dequantized(torch.float32), weight, atol=0, rtol=2**-8)
     x = torch.randn(rows, 1, 96, generator=g).to(dtype)
-    weight = dequantize_int8(layer.qweight, layer.scales.float())
     expected = nn.functional.linear(x.float(), weight, None if linear.bias is None else linear.bias.float())
     out = layer(x)
-    assert out.shape == (rows, 1, 40) and out.dtype == dtype
-    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.25, "rtol": 2e-2}
+    assert out.shape == (rows, 1, 48) and out.dtype == dtype
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1.6e-2}
     torch.testing.assert_close(out.float(), expected, **tol)
+
+
+def _forced_path(layer, linear, path):
+    """The layer as a CPU without the native kernel (or without torch's int8 GEMM) would build it."""
+    if layer.path == "native":
+        import kubellm.runtime.quantization as quantization
+
+        original = quantization.cpu_int8_gemm.available
+        quantization.cpu_int8_gemm.available = lambda: False
+        try:
+            layer = Int8Linear(linear)
+        finally:
+            quantization.cpu_int8_gemm.available = original
+    layer.path = path
+    return layer
+
+
+@pytest.fixture
+def native_int8():
+    """The native kernel, built on first use (not at collection); only CPUs with AVX512-BF16 have it."""
+    if not cpu_int8_gemm.available():
+        pytest.skip("the native int8 kernel needs a CPU with AVX512-BF16")
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (12, 64, 16), (13, 576, 3072), (40, 1536, 48), (7, 2, 32)])
+def test_native_int8_kernel_matches_its_reference(native_int8, m, k, n):
+    """Row tiles of 12 plus a remainder, an odd number of 16-channel blocks (48 = 3), a single input pair."""
+    g = torch.Generator().manual_seed(m * n)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) / 50
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        out = cpu_int8_gemm.int8_gemm(x, cpu_int8_gemm.pack(q), scales, b)
+        ref = cpu_int8_gemm.reference_int8_gemm(x, q, scales, b)
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=2**-7)  # one bf16 rounding
+    strided = torch.randn(m, k + 2, generator=g).bfloat16()[:, :k]  # rows of a wider buffer (fused outputs)
+    torch.testing.assert_close(cpu_int8_gemm.int8_gemm(strided, cpu_int8_gemm.pack(q), scales, None).float(),
+                               cpu_int8_gemm.reference_int8_gemm(strided, q, scales).float(), atol=1e-2, rtol=2**-7)
+
+
+def test_native_int8_kernel_refuses_bad_shapes_and_dtypes(native_int8):
+    q = cpu_int8_gemm.pack(torch.zeros(32, 8, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="x has 6 columns, the weight 8"):
+        cpu_int8_gemm.int8_gemm(torch.zeros(2, 6, dtype=torch.bfloat16), q, torch.ones(32))
+    with pytest.raises(RuntimeError, match="x must be \\[M, K\\] bfloat16"):
+        cpu_int8_gemm.int8_gemm(torch.zeros(2, 8), q, torch.ones(32))
+    with pytest.raises(RuntimeError, match="scales must be \\[N\\] float32"):
+        cpu_int8_gemm.int8_gemm(torch.zeros(2, 8, dtype=torch.bfloat16), q, torch.ones(16))
 
 
 def _dequantized_twin(model_dir, out_dir):

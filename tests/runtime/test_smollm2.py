@@ -60,13 +60,24 @@ def test_greedy_equals_transformers_on_the_gguf_with_chunking_preemption_and_pre
         torch.testing.assert_close(torch.stack(rows[out.request_id]), torch.cat(ref.logits), atol=LOGIT_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_demo_answers_the_capital_of_france(smollm2_gguf, dtype):
-    llm = LLM(str(smollm2_gguf), progress=False, dtype=dtype, kv_cache_memory="64MiB", max_model_len=1024)
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"), ("float32", "int8"),
+                                                ("bfloat16", "int8")])
+def test_demo_answers_the_capital_of_france(smollm2_gguf, dtype, quantization):
+    """The real model, also with its decoder weights in int8 (the native AVX512-BF16 kernel for bf16 where
+    the CPU has it, torch's int8 GEMM for float32)."""
+    llm = LLM(str(smollm2_gguf), progress=False, dtype=dtype, kv_cache_memory="64MiB", max_model_len=1024,
+              quantization=quantization)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
     assert out.text.strip() == "The capital of France is Paris."
     assert out.finish_reason == "stop"
+    if quantization == "int8":
+        from kubellm.kernels import cpu_int8_gemm
+        from kubellm.runtime.quantization import Int8Linear
+
+        paths = {m.path for m in llm.engine.runner.model.modules() if isinstance(m, Int8Linear)}
+        native = dtype == "bfloat16" and cpu_int8_gemm.available()
+        assert paths == ({"native"} if native else {"torch"})
 
 
 def test_kubellm_demo_streams_the_answer_over_http_and_exits_cleanly(smollm2_gguf, tmp_path):

@@ -179,6 +179,7 @@ def run_kubellm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: d
     outs = llm.generate(wl.prompts, params, use_tqdm=True)
     wall = time.perf_counter() - start
     _check_lengths(name, [len(o.token_ids) for o in outs], wl.outputs)
+    llm.close()
     del llm, outs
     n = len(wl.prompts)
     return Result(

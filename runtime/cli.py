@@ -58,7 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight quantization: int8 = weight-only int8 per output channel (about half bf16's "
                         "weight memory); int4, fp8, awq, gptq and gguf are refused: not implemented yet")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="GPUs to shard each layer over; only 1 so far (tensor parallelism is not implemented)")
+                   help="processes (one per GPU on CUDA) that each hold 1/N of every layer; must divide the "
+                        "model's attention heads, kv heads and MLP size (default 1)")
     g.add_argument("--seed", type=int, default=0)
 
 

@@ -56,7 +56,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # auto | torch | cpu (native CPU kernel) | triton
     quantization: str = "none"  # none | int8 (weight-only, per output channel; runtime/quantization.py)
-    tensor_parallel_size: int = 1  # only 1 so far: tensor parallelism is not implemented yet
+    tensor_parallel_size: int = 1  # processes (ranks) each holding 1/N of every layer (runtime/parallel.py)
     num_threads: int | None = None  # CPU intra-op threads; default: all cores torch sees
     seed: int = 0
 
@@ -78,9 +78,12 @@ class EngineConfig:
         from kubellm.runtime.quantization import check_method
 
         check_method(self.quantization)
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size}: tensor parallelism is not "
-                             "implemented in this runtime yet; use 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.device.startswith("cuda") and self.tensor_parallel_size > 1:
+            count = torch.cuda.device_count()
+            if count < self.tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs as many GPUs; {count} visible")
 
 
 def _cpu_has_fast_bf16() -> bool:

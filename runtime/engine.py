@@ -6,6 +6,7 @@ offline API (``LLM(model).generate(prompts, SamplingParams(...))``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -13,12 +14,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from kubellm.runtime import host_malloc
+from kubellm.runtime import host_malloc, parallel
 from kubellm.runtime.block_manager import BlockManager
 from kubellm.runtime.config import EngineConfig, available_memory_bytes
 from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kubellm.runtime.model_runner import ModelRunner, kv_block_bytes
+from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.loader import build_model, read_checkpoint
+from kubellm.runtime.parallel import Group, check_divisible
 from kubellm.runtime.quantization import quantize_model
 from kubellm.runtime.sampler import Sampler
 from kubellm.runtime.sampling_params import SamplingParams
@@ -69,38 +72,75 @@ class _Request:
     extra: dict = field(default_factory=dict)
 
 
+def _max_model_len(ckpt, config: EngineConfig) -> int:
+    max_pos = ckpt.config.get("max_position_embeddings") or 2048
+    return min(config.max_model_len or max_pos, max_pos)
+
+
+def build_rank_runner(config: EngineConfig, tp: Group) -> ModelRunner:
+    """Ranks 1..N-1 of tensor parallelism: this rank's shards and KV pool (rank 0 sizes it), no scheduler."""
+    if config.device == "cpu":
+        host_malloc.tune()
+    ckpt = read_checkpoint(config.model)
+    model, cfg = build_model(ckpt, config.dtype, tp.device, _max_model_len(ckpt, config), False, tp=tp)
+    quantize_model(model, config.quantization)
+    num_blocks = tp.broadcast()
+    return ModelRunner(model, cfg, num_blocks, config.block_size, config.dtype, tp.device, Sampler([]),
+                       config.attention_backend)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         from kubellm.runtime.model_store import resolve
 
-        self.config = config
         if config.device == "cpu":
             host_malloc.tune()  # recycle activation buffers instead of page-faulting them in every step
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         path = resolve(config.model)
+        self.config = config = dataclasses.replace(config, model=str(path))  # ranks 1.. load this very path
         ckpt = read_checkpoint(path)
         self.tokenizer = Tokenizer.from_checkpoint(ckpt)
         self.model_path = path
-        max_pos = ckpt.config.get("max_position_embeddings") or 2048
-        self.max_model_len = min(config.max_model_len or max_pos, max_pos)
-        model, self.model_config = build_model(ckpt, config.dtype, config.device, self.max_model_len, progress)
-        quantize_model(model, config.quantization)  # before the KV cache is sized from the memory left
-        num_blocks = self._num_kv_blocks()
+        self.max_model_len = _max_model_len(ckpt, config)
+        self.tp = Group(device=config.device)
+        if config.tensor_parallel_size > 1:
+            cfg = ModelConfig.from_hf(ckpt.config, ckpt.source)
+            check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, config.tensor_parallel_size)
+            self.tp = parallel.start(config)
+        try:
+            model, self.model_config = build_model(ckpt, config.dtype, self.tp.device, self.max_model_len, progress,
+                                                   tp=self.tp)
+            quantize_model(model, config.quantization)  # before the KV cache is sized from the memory left
+            num_blocks = self._num_kv_blocks()
+            if self.tp.size > 1:  # every rank's pool has rank 0's block count: one scheduler serves them all
+                self.tp.broadcast(num_blocks)
+            self.runner = ModelRunner(model, self.model_config, num_blocks, config.block_size, config.dtype,
+                                      self.tp.device, Sampler(self.tokenizer.eos_token_ids), config.attention_backend)
+        except BaseException:
+            self.tp.shutdown()
+            raise
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.model_config, num_blocks, config.block_size, config.dtype,
-                                  config.device, Sampler(self.tokenizer.eos_token_ids), config.attention_backend)
         self.requests: dict[str, _Request] = {}
-        log.info("engine ready: %s, dtype=%s, max_model_len=%d, %d KV blocks of %d tokens (%.0f MiB)",
+        tp_note = f", tensor parallel x{self.tp.size} (per rank)" if self.tp.size > 1 else ""
+        log.info("engine ready: %s, dtype=%s, max_model_len=%d, %d KV blocks of %d tokens (%.0f MiB%s)",
                  path, str(config.dtype).removeprefix("torch."), self.max_model_len, num_blocks, config.block_size,
-                 num_blocks * kv_block_bytes(self.model_config, config.block_size, config.dtype) / 2**20)
+                 num_blocks * kv_block_bytes(self.model_config, config.block_size, config.dtype, self.tp.size) / 2**20,
+                 tp_note)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them). Call on the thread that steps."""
+        self.tp.shutdown()
+
+    def workers_alive(self) -> bool:
+        return all(p.is_alive() for p in self.tp._workers)
 
     def _num_kv_blocks(self) -> int:
         c = self.config
-        per_block = kv_block_bytes(self.model_config, c.block_size, c.dtype)
+        per_block = kv_block_bytes(self.model_config, c.block_size, c.dtype, self.tp.size)
         if c.num_kv_blocks:
             return c.num_kv_blocks
         if c.kv_cache_memory:
@@ -247,6 +287,16 @@ class LLM:
     def __init__(self, model: str, progress: bool = True, **engine_args):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args), progress=progress)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (they also end with this process)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

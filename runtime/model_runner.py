@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kubellm.runner")
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes one block takes across all layers, K and V, on one rank (each holds 1/tp_size of the kv heads)."""
+    return 2 * cfg.num_layers * block_size * (cfg.num_kv_heads // tp_size) * cfg.head_dim * dtype.itemsize
 
 
 class ModelRunner:
@@ -38,11 +38,13 @@ class ModelRunner:
                  dtype: torch.dtype, device: str, sampler: Sampler, attention_backend: str = "auto"):
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
         self.sampler = sampler
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.tp = model.tp  # tensor parallelism: rank 0 broadcasts each step's inputs to the other ranks
+        num_heads, num_kv_heads = cfg.num_heads // self.tp.size, cfg.num_kv_heads // self.tp.size
+        shape = (num_blocks, block_size, num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: padded gathers read slot 0, and 0 * NaN garbage would poison outputs.
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.backend = make_backend(attention_backend, device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        self.backend = make_backend(attention_backend, device, num_heads, num_kv_heads, cfg.head_dim,
                                     dtype=dtype, block_size=block_size)
         for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
             attn = layer.self_attn.attn
@@ -113,11 +115,21 @@ class ModelRunner:
         return input_ids, pos_t, meta, sample_at
 
     # ---- run -----------------------------------------------------------------------------------
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.tp.size > 1:
+            self.tp.broadcast(("step", input_ids, positions, meta))
+        return self.model(input_ids, positions, meta)
+
+    @torch.inference_mode()
+    def replay(self, kind: str, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Ranks 1..N-1: rank 0's forward pass on this rank's shards (its all-reduces need every rank)."""
+        self.model(input_ids, positions, meta)
+
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> list[int]:
         """One forward pass; returns a sampled token for each batch entry that samples, in order."""
         input_ids, positions, meta, sample_at = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta)
         if not sample_at:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_at, device=self.device)])
@@ -128,5 +140,5 @@ class ModelRunner:
     def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Same forward pass, returning the float32 logits that would be sampled (for tests/tools)."""
         input_ids, positions, meta, sample_at = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta)
         return self.model.compute_logits(hidden[torch.tensor(sample_at, device=self.device)])

@@ -17,6 +17,7 @@ from kubellm.runtime.layers.attention import Attention, AttentionMetadata
 from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
+from kubellm.runtime.parallel import Group
 
 
 class RMSNorm(nn.Module):
@@ -46,17 +47,21 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """With tensor parallelism this rank's share of the heads; o_proj's partial sums are all-reduced."""
+
     native = False  # rotary embedding through the in-place CPU kernel
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -69,33 +74,34 @@ class LlamaAttention(nn.Module):
         else:
             q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v, meta)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
     native = False  # SiLU-and-mul through the fused CPU kernel
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: Group):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.native:
-            return self.down_proj(ops.silu_and_mul(gate_up))
+            return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, positions, hidden, residual, meta):
         """Returns this layer's MLP output and the residual stream before it is added (the next norm adds it)."""
@@ -109,12 +115,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, tp: Group):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # One table shared by every layer (registered once here, referenced by each attention).
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -131,11 +137,31 @@ _FUSED = {
 }
 
 
+# Tensor parallelism: HF weights split by output rows (whole heads, whole MLP channels; biases alike) or by
+# input columns (o_proj, down_proj); everything else is replicated.
+_SPLIT_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_SPLIT_COLUMNS = ("o_proj", "down_proj")
+
+
+def tp_shard(name: str, tensor: torch.Tensor, tp: Group) -> torch.Tensor:
+    """This rank's slice of the HF tensor ``name``."""
+    if tp.size == 1:
+        return tensor
+    part = name.split(".")[-2] if "." in name else ""
+    dim = 0 if part in _SPLIT_ROWS else 1 if part in _SPLIT_COLUMNS and name.endswith("weight") else None
+    if dim is None:
+        return tensor
+    n = tensor.shape[dim] // tp.size
+    return tensor.narrow(dim, tp.rank * n, n)
+
+
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None,
+                 tp: Group | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype, max_positions or cfg.max_position_embeddings)
+        self.tp = tp or Group()
+        self.model = LlamaModel(cfg, dtype, max_positions or cfg.max_position_embeddings, self.tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -156,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         if fused == "qkv_proj":
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [self.config.intermediate_size] * 2
+        return [self.model.layers[0].mlp.intermediate] * 2
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
@@ -176,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise CheckpointError(f"unexpected tensor {name!r} in {source or 'checkpoint'}")
+            tensor = tp_shard(name, tensor, self.tp)
             dst = param.data
             if shard is not None:
                 sizes = self.shard_sizes(target.split(".")[-2])

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from kubellm.runtime.models.checkpoint import Checkpoint, CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM
+from kubellm.runtime.parallel import Group
 
 log = logging.getLogger("kubellm.loader")
 
@@ -31,11 +32,12 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len: int,
-                progress: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
+                progress: bool = True, tp: Group | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model with its weights (this rank's shards with tensor parallelism) on ``device``."""
     cfg = ModelConfig.from_hf(ckpt.config, ckpt.source)
     start = time.perf_counter()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, dtype, max_positions=max_model_len)
+        model = LlamaForCausalLM(cfg, dtype, max_positions=max_model_len, tp=tp)
     # Materialise directly in the target dtype/device; weights are copied in by load_weights.
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty() materialises shared parameters separately

@@ -149,8 +149,12 @@ class AsyncEngine:
                 log.exception("engine step failed; aborting %d in-flight requests", len(self.engine.requests))
                 self.error = e
                 self._fail_all(e)
+                if not self.engine.workers_alive():  # a lost tensor-parallel rank: no step can succeed again
+                    log.error("a tensor-parallel worker is gone: stopping the engine loop (liveness will fail)")
+                    break
             self._update_gauges()
             self.heartbeat = time.monotonic()
+        self.engine.shutdown()
         log.info("engine loop stopped")
 
     def _apply_commands(self) -> None:

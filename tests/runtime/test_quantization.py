@@ -153,16 +153,16 @@ def test_methods_not_implemented_yet_are_refused_by_name(method):
         EngineConfig(model="x", device="cpu", quantization=method)
 
 
-def test_unknown_method_and_tensor_parallelism_are_refused():
+def test_unknown_method_and_a_bad_tensor_parallel_size_are_refused():
     with pytest.raises(ValueError, match="quantization: unknown 'int3'"):
         EngineConfig(model="x", device="cpu", quantization="int3")
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: tensor parallelism is not implemented"):
-        EngineConfig(model="x", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        EngineConfig(model="x", device="cpu", tensor_parallel_size=0)
 
 
-@pytest.mark.parametrize("argv", [["serve", "--quantization", "int4"], ["serve", "--tensor-parallel-size", "2"]])
+@pytest.mark.parametrize("argv", [["serve", "--quantization", "int4"], ["serve", "--quantization", "gguf"]])
 def test_the_runtime_refuses_what_it_cannot_run_with_exit_2_and_one_line(argv, capfd):
-    """What the operator renders for int4 / TP=2 specs: a pod that exits at once with the reason in its
+    """What the operator renders for an int4 spec: a pod that exits at once with the reason in its
     termination message, before loading anything (the model path here does not even exist)."""
     from kubellm.runtime.cli import main
 

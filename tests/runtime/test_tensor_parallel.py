@@ -1,0 +1,159 @@
+"""Tensor parallelism on CPU (gloo): shards are exact slices of the checkpoint, TP=2 generates what TP=1 and
+transformers generate, bad sizes are refused before any process starts, and no worker process outlives its
+engine or server."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from test_engine_parity import _engine, _prompts, _run_and_compare
+
+from kubellm.runtime.models.loader import build_model, read_checkpoint
+from kubellm.runtime.parallel import Group
+from kubellm.runtime.sampling_params import SamplingParams
+from server_harness import free_port
+
+
+def _tp_children() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("kubellm-tp")]
+
+
+def test_each_rank_holds_its_slice_of_every_split_layer(tiny_qwen2):
+    """Rows of q/k/v (and their biases) and gate/up by whole heads / channels, columns of o/down; the rest
+    replicated. Concatenating the two ranks' shards gives back the unsharded model's tensors."""
+    ckpt = read_checkpoint(tiny_qwen2)
+    full, cfg = build_model(ckpt, torch.float32, "cpu", 256, False)
+    ranks = [build_model(ckpt, torch.float32, "cpu", 256, False, tp=Group(rank=r, size=2))[0] for r in (0, 1)]
+    h, kv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+    for i, layer in enumerate(full.model.layers):
+        shards = [m.model.layers[i] for m in ranks]
+        for name in ("weight", "bias"):
+            whole = getattr(layer.self_attn.qkv_proj, name)
+            q, k, v = whole.split([h, kv, kv])
+            parts = [getattr(s.self_attn.qkv_proj, name).split([h // 2, kv // 2, kv // 2]) for s in shards]
+            for j, t in enumerate((q, k, v)):
+                torch.testing.assert_close(torch.cat([p[j] for p in parts]), t, atol=0, rtol=0)
+        torch.testing.assert_close(torch.cat([s.self_attn.o_proj.weight for s in shards], dim=1),
+                                   layer.self_attn.o_proj.weight, atol=0, rtol=0)
+        gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+        halves = [s.mlp.gate_up_proj.weight.chunk(2) for s in shards]
+        torch.testing.assert_close(torch.cat([g for g, _ in halves]), gate, atol=0, rtol=0)
+        torch.testing.assert_close(torch.cat([u for _, u in halves]), up, atol=0, rtol=0)
+        torch.testing.assert_close(torch.cat([s.mlp.down_proj.weight for s in shards], dim=1),
+                                   layer.mlp.down_proj.weight, atol=0, rtol=0)
+        assert shards[0].self_attn.num_heads == cfg.num_heads // 2 and d == shards[1].self_attn.head_dim
+    for m in ranks:
+        assert torch.equal(m.model.embed_tokens.weight, full.model.embed_tokens.weight)
+        assert torch.equal(m.lm_head.weight, full.lm_head.weight)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_tp2_generates_what_transformers_generates(fixture, request):
+    """The engine's hard paths (chunked prefill, preemption, prefix hits) with two ranks: greedy tokens equal
+    to transformers' and logits within the fp32 parity tolerance (the all-reduce only reorders sums)."""
+    model_dir = request.getfixturevalue(fixture)
+    llm = _engine(model_dir, tensor_parallel_size=2)
+    try:
+        assert len(_tp_children()) == 1
+        _run_and_compare(llm, model_dir, _prompts())
+        assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits > 0
+        assert llm.engine.block_manager.num_used_blocks == 0
+    finally:
+        llm.close()
+    assert _tp_children() == []
+
+
+def test_sizes_that_do_not_divide_the_model_are_refused_before_spawning(tiny_mistral):
+    """Mistral's tiny checkpoint has one kv head: it cannot be split in two."""
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's 1 kv heads"):
+        _engine(tiny_mistral, tensor_parallel_size=2)
+    assert _tp_children() == []
+
+
+def test_a_lost_worker_fails_the_step_instead_of_hanging(tiny_llama):
+    llm = _engine(tiny_llama, tensor_parallel_size=2)
+    try:
+        [worker] = _tp_children()
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        assert not llm.engine.workers_alive()
+        with pytest.raises(RuntimeError):
+            llm.generate([[5, 6, 7]], use_tqdm=False)
+    finally:
+        llm.close()
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_serve_with_two_ranks_answers_and_drains_cleanly(tiny_llama, tmp_path):
+    """`kubellm serve --tensor-parallel-size 2`: the OpenAI client gets what one rank generates, SIGTERM
+    drains and exits 0, and the worker rank is gone with it."""
+    import openai
+
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kubellm.runtime.cli", "serve", "--model", str(tiny_llama), "--host",
+             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB",
+             "--max-model-len", "256", "--served-model-name", "tiny", "--tensor-parallel-size", "2"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(url + "/health/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        workers = _children_of(proc.pid)
+        assert any(_running(w) for w in workers), "no worker rank process"
+        prompt = _prompts()[4]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 8
+        single = _engine(tiny_llama).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                              use_tqdm=False)[0]
+        assert out.choices[0].text == single.text  # TP=1, offline (equal to transformers by the tests above)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+        deadline = time.monotonic() + 10
+        while any(_running(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(w) for w in workers), "a worker rank outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

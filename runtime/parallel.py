@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import pickle
+import signal
 import threading
 from datetime import timedelta
 
@@ -93,7 +94,7 @@ class Group:
         for p in self._workers:
             p.join(timeout=10)
             if p.is_alive():
-                p.terminate()
+                p.kill()  # the ranks ignore SIGTERM
                 p.join(timeout=5)
         self._workers = []
 
@@ -153,12 +154,12 @@ def start(config) -> Group:
         dead = [p for p in workers if not p.is_alive()]
         if dead and t.is_alive():
             for p in workers:
-                p.terminate()
+                p.kill()  # the ranks ignore SIGTERM
             raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited with code {dead[0].exitcode} "
                                "before joining the group")
     if "error" in joined:
         for p in workers:
-            p.terminate()
+            p.kill()  # the ranks ignore SIGTERM
         raise joined["error"]
     group = joined["group"]
     group._workers = workers
@@ -178,6 +179,10 @@ def worker_main(config, rank: int, size: int, port: int, threads: int) -> None:
     from kubellm.runtime.engine import build_rank_runner
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
+    # Rank 0 decides when the ranks stop (after a drain): a Ctrl-C or a SIGTERM to the whole process group must
+    # not take a rank away mid-drain. If rank 0 dies, the next broadcast fails and this process exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
     group = _join(store, rank, size, config.device)

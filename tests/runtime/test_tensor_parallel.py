@@ -113,8 +113,9 @@ def _running(pid: int) -> bool:
 
 
 def test_serve_with_two_ranks_answers_and_drains_cleanly(tiny_llama, tmp_path):
-    """`kubellm serve --tensor-parallel-size 2`: the OpenAI client gets what one rank generates, SIGTERM
-    drains and exits 0, and the worker rank is gone with it."""
+    """`kubellm serve --tensor-parallel-size 2`: the OpenAI client gets what one rank generates, SIGTERM to the
+    whole process group drains and exits 0 (the worker rank ignores it and leaves when rank 0 says so), and the
+    worker rank is gone with the server."""
     import openai
 
     port = free_port()
@@ -124,7 +125,7 @@ def test_serve_with_two_ranks_answers_and_drains_cleanly(tiny_llama, tmp_path):
             [sys.executable, "-m", "kubellm.runtime.cli", "serve", "--model", str(tiny_llama), "--host",
              "127.0.0.1", "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB",
              "--max-model-len", "256", "--served-model-name", "tiny", "--tensor-parallel-size", "2"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -147,8 +148,16 @@ def test_serve_with_two_ranks_answers_and_drains_cleanly(tiny_llama, tmp_path):
         single = _engine(tiny_llama).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                               use_tqdm=False)[0]
         assert out.choices[0].text == single.text  # TP=1, offline (equal to transformers by the tests above)
-        proc.send_signal(signal.SIGTERM)
+        # A stream in flight, then SIGTERM to the whole process group (as a Ctrl-C or systemd would): the worker
+        # rank must stay until the drain is over, so the stream still runs to its length.
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=96, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        os.killpg(proc.pid, signal.SIGTERM)
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length", log_path.read_text()
         assert proc.wait(timeout=60) == 0, log_path.read_text()
+        assert "drain complete" in log_path.read_text()
         deadline = time.monotonic() + 10
         while any(_running(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)

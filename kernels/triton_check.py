@@ -1,5 +1,6 @@
-"""A start-up self-check for the Triton kernels: compile them for the model's shapes and dtype on the serving
-device, run each once on a small random case and compare with its PyTorch reference.
+"""Start-up self-checks for the Triton kernels: compile them for the model's shapes and dtype on the serving
+device, run each once on a small random case and compare with its PyTorch reference (:func:`check` for
+attention, :func:`check_int8_gemm` for ``--quantization int8``).
 
 It costs one compile and a few milliseconds, and turns a kernel that fails to build or computes wrong on this
 GPU / driver / Triton version into a logged fallback to the reference backend (``auto``) or a clear start-up
@@ -53,4 +54,23 @@ def check(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, he
         if error > _ATOL[dtype]:
             return (f"the Triton {name} kernel differs from its reference on {device} ({dtype}) by {error:.3g} "
                     f"(tolerance {_ATOL[dtype]})")
+    return None
+
+
+def check_int8_gemm(device: str, dtype: torch.dtype) -> str | None:
+    """The weight-only int8 GEMM kernel against its reference on ``device``; None when it matches."""
+    from kubellm.kernels import triton_int8_gemm
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 200, generator=gen).to(dtype)  # partial tiles on every side
+    q = torch.randint(-127, 128, (72, 200), generator=gen, dtype=torch.int8)
+    scales, bias = torch.rand(72, generator=gen) / 50, torch.randn(72, generator=gen)
+    try:
+        out = triton_int8_gemm.int8_gemm(*(t.to(device) for t in (x, q, scales, bias))).float().cpu()
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
+        return f"the Triton int8 GEMM failed on {device} ({dtype}): {type(e).__name__}: {e}"
+    ref = triton_int8_gemm.reference_int8_gemm(x, q, scales, bias).float()
+    error = ((out - ref).abs() / (ref.abs() + 1)).nan_to_num(float("inf")).max().item()
+    if error > _ATOL[dtype]:
+        return f"the Triton int8 GEMM differs from its reference on {device} ({dtype}) by {error:.3g} (relative)"
     return None

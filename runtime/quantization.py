@@ -9,6 +9,9 @@ quarter of fp32), which leaves more room for the KV cache. The GEMM, by what run
   bytes), level with it above.
 * other CPU cases: PyTorch's int8 weight-only GEMM (``torch._weight_int8pack_mm``) for steps of up to 32
   rows, where it beats dequantizing; larger steps dequantize the weight for the call.
+* CUDA: a Triton kernel (``kernels/triton_int8_gemm.py``) that reads the int8 weights and widens them in
+  registers for the tensor cores, once its start-up check passed on the device (else dequantize per call).
+  Not yet run on a GPU.
 * other devices: dequantize per call (correct, the memory saving holds, no speed-up).
 
 Embeddings, norms and the LM head stay in the model dtype, as in most weight-only schemes: they are a small
@@ -19,6 +22,7 @@ at start-up with that message.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -56,9 +60,15 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return (q.float() * scales[:, None]).to(dtype)
 
 
+PATHS = ("native", "triton", "torch", "dequantize")
+
+
 def _gemm_path(q: torch.Tensor, dtype: torch.dtype) -> str:
-    """``native``: kubellm's AVX512-BF16 kernel (bf16 CPU models, packable shapes); ``torch``: torch's int8
-    GEMM for small steps, dequantize for large ones; ``dequantize``: always (other devices)."""
+    """``native``: kubellm's AVX512-BF16 kernel (bf16 CPU models, packable shapes); ``triton``: the Triton
+    kernel (CUDA, once its start-up check passed there); ``torch``: torch's int8 GEMM for small steps,
+    dequantize for large ones; ``dequantize``: always."""
+    if q.device.type == "cuda":
+        return "triton" if _triton_int8_ok(str(q.device), dtype) else "dequantize"
     if q.device.type != "cpu":
         return "dequantize"
     if dtype == torch.bfloat16 and cpu_int8_gemm.packable(q) and cpu_int8_gemm.available():
@@ -66,19 +76,35 @@ def _gemm_path(q: torch.Tensor, dtype: torch.dtype) -> str:
     return "torch" if hasattr(torch, "_weight_int8pack_mm") else "dequantize"
 
 
+@functools.cache
+def _triton_int8_ok(device: str, dtype: torch.dtype) -> bool:
+    try:
+        from kubellm.kernels import triton_check
+    except ImportError as e:  # no triton in this image
+        reason = str(e)
+    else:
+        reason = triton_check.check_int8_gemm(device, dtype)
+    if reason:
+        log.warning("int8 layers dequantize per call (slower; the memory saving holds): %s", reason)
+    return reason is None
+
+
 class Int8Linear(nn.Module):
     """Drop-in for an ``nn.Linear``: int8 weight, one scale per output channel, activations in the model dtype.
 
-    ``qweight`` is the int8 weight, in the native kernel's packed layout when ``path == "native"``."""
+    ``qweight`` is the int8 weight, in the native kernel's packed layout when ``path == "native"``. ``path``
+    is chosen for the layer's device and dtype unless given (tests)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, path: str | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scales = quantize_int8(linear.weight)
-        self.path = _gemm_path(q, linear.weight.dtype)
+        self.path = path or _gemm_path(q, linear.weight.dtype)
+        if self.path not in PATHS:
+            raise ValueError(f"int8 GEMM path {self.path!r}; use one of {', '.join(PATHS)}")
         self.bias = linear.bias
-        if self.path == "native":  # float32 scales and bias, applied before the output is rounded to bf16
-            self.register_buffer("qweight", cpu_int8_gemm.pack(q))
+        if self.path in ("native", "triton"):  # float32 scales and bias, applied before the output is rounded
+            self.register_buffer("qweight", cpu_int8_gemm.pack(q) if self.path == "native" else q.contiguous())
             self.register_buffer("scales", scales)
             self.bias_f32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
         else:
@@ -90,6 +116,11 @@ class Int8Linear(nn.Module):
         if self.path == "native" and x.dtype == torch.bfloat16:
             out = cpu_int8_gemm.int8_gemm(rows if rows.stride(-1) == 1 else rows.contiguous(), self.qweight,
                                           self.scales, self.bias_f32)
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.path == "triton":
+            from kubellm.kernels import triton_int8_gemm
+
+            out = triton_int8_gemm.int8_gemm(rows, self.qweight, self.scales, self.bias_f32)
             return out.view(*x.shape[:-1], self.out_features)
         if self.path == "torch" and x.dtype == self.scales.dtype and rows.shape[0] <= INT8_GEMM_MAX_ROWS:
             out = torch._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales)

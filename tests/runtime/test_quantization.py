@@ -34,46 +34,65 @@ def test_quantize_int8_bounds_and_round_trip():
 
 @pytest.mark.parametrize("dtype,path", [(torch.float32, "torch"), (torch.float32, "dequantize"),
                                         (torch.bfloat16, "native"), (torch.bfloat16, "torch"),
-                                        (torch.bfloat16, "dequantize")])  # native: bf16 only
+                                        (torch.bfloat16, "dequantize"), (torch.float32, "triton"),
+                                        (torch.bfloat16, "triton")])  # native: bf16 only
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 15, 40])  # 40: past INT8_GEMM_MAX_ROWS (torch path) and 3 native row tiles
 def test_int8_linear_equals_a_matmul_on_the_dequantized_weight(dtype, bias, path, rows):
+    """Every GEMM path of the layer; ``triton`` (the CUDA path) runs through Triton's interpreter here."""
     if path == "native" and not cpu_int8_gemm.available():
         pytest.skip("the native int8 kernel needs a CPU with AVX512-BF16")
+    device = "cuda" if path == "triton" and torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(1)
     linear = nn.Linear(96, 48, bias=bias).to(dtype)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(48, 96, generator=g))
         if bias:
             linear.bias.copy_(torch.randn(48, generator=g))
-    layer = Int8Linear(linear)
-    if path != "native":
-        layer = _forced_path(layer, linear, path)
-    assert layer.path == path and layer.qweight.dtype == torch.int8 and layer.qweight.numel() == 48 * 96
     q, scales = quantize_int8(linear.weight)
     weight = dequantize_int8(q, scales)
-    torch.testing.assert_close(layer.dequantized(torch.float32), weight, atol=0, rtol=2**-8)
+    expected_bias = None if linear.bias is None else linear.bias.detach().float()
+    layer = Int8Linear(linear.to(device), path=path)
+    assert layer.path == path and layer.qweight.dtype == torch.int8 and layer.qweight.numel() == 48 * 96
+    torch.testing.assert_close(layer.dequantized(torch.float32).cpu(), weight, atol=0, rtol=2**-8)
     x = torch.randn(rows, 1, 96, generator=g).to(dtype)
-    expected = nn.functional.linear(x.float(), weight, None if linear.bias is None else linear.bias.float())
-    out = layer(x)
+    expected = nn.functional.linear(x.float(), weight, expected_bias)
+    out = layer(x.to(device)).cpu()
     assert out.shape == (rows, 1, 48) and out.dtype == dtype
     tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1.6e-2}
     torch.testing.assert_close(out.float(), expected, **tol)
 
 
-def _forced_path(layer, linear, path):
-    """The layer as a CPU without the native kernel (or without torch's int8 GEMM) would build it."""
-    if layer.path == "native":
-        import kubellm.runtime.quantization as quantization
+def test_int8_linear_picks_its_path_from_the_device_and_refuses_unknown_ones():
+    linear = nn.Linear(64, 32).to(torch.bfloat16)
+    expected = "native" if cpu_int8_gemm.available() else "torch"
+    assert Int8Linear(linear).path == expected
+    assert Int8Linear(nn.Linear(64, 32)).path == "torch"
+    with pytest.raises(ValueError, match="int8 GEMM path 'int4'"):
+        Int8Linear(linear, path="int4")
 
-        original = quantization.cpu_int8_gemm.available
-        quantization.cpu_int8_gemm.available = lambda: False
-        try:
-            layer = Int8Linear(linear)
-        finally:
-            quantization.cpu_int8_gemm.available = original
-    layer.path = path
-    return layer
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_int8_kernel_and_its_start_up_check(dtype, monkeypatch):
+    """The kernel against its reference with partial tiles on every side, and the check that gates it on a
+    GPU: passes for the sound kernel, names a broken one."""
+    from kubellm.kernels import triton_check, triton_int8_gemm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(21, 70, generator=g).to(dtype)
+    q = torch.randint(-127, 128, (33, 70), generator=g, dtype=torch.int8)
+    scales, bias = torch.rand(33, generator=g) / 50, torch.randn(33, generator=g)
+    for b in (None, bias):
+        out = triton_int8_gemm.int8_gemm(*(t.to(device) for t in (x, q, scales)),
+                                         None if b is None else b.to(device), block_m=16, block_n=16,
+                                         block_k=16).cpu()
+        ref = triton_int8_gemm.reference_int8_gemm(x, q, scales, b)
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=2**-7)
+    assert triton_check.check_int8_gemm(device, dtype) is None
+    sound = triton_int8_gemm.int8_gemm
+    monkeypatch.setattr(triton_int8_gemm, "int8_gemm", lambda *a, **k: sound(*a, **k) * 1.05)
+    assert "int8 GEMM differs from its reference" in triton_check.check_int8_gemm(device, dtype)
 
 
 @pytest.fixture

@@ -200,6 +200,10 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     print(f"native CPU kernels: {'loaded' if ok else 'unavailable'}")
     print(f"library: {info['library'] or '-'}")
     print(f"error: {info['error'] or '-'}")
+    if ok:
+        from kubellm.kernels import cpu_int8_gemm
+
+        print(f"int8 GEMM (AVX512-BF16 build): {'yes' if cpu_int8_gemm.available() else 'no'}")
     print(f"x86-64 levels of this CPU: {', '.join(cpu_extension.supported_levels()) or 'none'}")
     print(f"build directory (for -march={cpu_extension._march()}): {info['build_directory']}")
     return 0 if ok else 1

@@ -315,6 +315,7 @@ def test_kernels_build_then_a_fresh_process_loads_the_prebuilt_library(tmp_path)
                           text=True, timeout=120)
     assert info.returncode == 0, info.stdout + info.stderr
     assert "native CPU kernels: loaded" in info.stdout
+    assert f"int8 GEMM (AVX512-BF16 build): {'yes' if PORTABLE == 'x86-64-v4-bf16' else 'no'}" in info.stdout
     assert f"library: {library}\n" in info.stdout, info.stdout
 
     check = subprocess.run([sys.executable, "-c", RMS_NORM_CHECK], cwd=tmp_path, env=env, capture_output=True,

@@ -1,6 +1,6 @@
 """Start-up self-checks for the Triton kernels: compile them for the model's shapes and dtype on the serving
 device, run each once on a small random case and compare with its PyTorch reference (:func:`check` for
-attention, :func:`check_int8_gemm` for ``--quantization int8``).
+attention, :func:`check_int8_gemm` and :func:`check_int4_gemm` for ``--quantization``).
 
 It costs one compile and a few milliseconds, and turns a kernel that fails to build or computes wrong on this
 GPU / driver / Triton version into a logged fallback to the reference backend (``auto``) or a clear start-up
@@ -73,4 +73,24 @@ def check_int8_gemm(device: str, dtype: torch.dtype) -> str | None:
     error = ((out - ref).abs() / (ref.abs() + 1)).nan_to_num(float("inf")).max().item()
     if error > _ATOL[dtype]:
         return f"the Triton int8 GEMM differs from its reference on {device} ({dtype}) by {error:.3g} (relative)"
+    return None
+
+
+def check_int4_gemm(device: str, dtype: torch.dtype) -> str | None:
+    """The weight-only int4 GEMM kernel against its reference on ``device``; None when it matches."""
+    from kubellm.kernels import triton_int4_gemm
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(20, 256, generator=gen).to(dtype)  # two groups of 128, partial row and column tiles
+    packed = torch.randint(0, 256, (72, 128), generator=gen, dtype=torch.uint8)
+    scales, bias = torch.rand(72, 2, generator=gen) / 10, torch.randn(72, generator=gen)
+    try:
+        out = triton_int4_gemm.int4_gemm(*(t.to(device) for t in (x, packed, scales)), 128,
+                                         bias.to(device)).float().cpu()
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
+        return f"the Triton int4 GEMM failed on {device} ({dtype}): {type(e).__name__}: {e}"
+    ref = triton_int4_gemm.reference_int4_gemm(x, packed, scales, 128, bias).float()
+    error = ((out - ref).abs() / (ref.abs() + 1)).nan_to_num(float("inf")).max().item()
+    if error > _ATOL[dtype]:
+        return f"the Triton int4 GEMM differs from its reference on {device} ({dtype}) by {error:.3g} (relative)"
     return None

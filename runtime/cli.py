@@ -56,7 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or auto)")
     g.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="weight quantization: int8 = weight-only int8 per output channel (about half bf16's "
-                        "weight memory); int4, fp8, awq, gptq and gguf are refused: not implemented yet")
+                        "weight memory); int4 = 4-bit weights in groups of 128 inputs (about a quarter; fast only "
+                        "on CUDA); fp8, awq, gptq and gguf are refused: not implemented yet")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="processes (one per GPU on CUDA) that each hold 1/N of every layer; must divide the "
                         "model's attention heads, kv heads and MLP size (default 1)")

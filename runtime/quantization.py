@@ -14,10 +14,16 @@ quarter of fp32), which leaves more room for the KV cache. The GEMM, by what run
   Not yet run on a GPU.
 * other devices: dequantize per call (correct, the memory saving holds, no speed-up).
 
+``int4``: signed 4-bit weights in ``[-8, 7]`` with one scale (``max|w| / 7``) per output channel and group of
+128 inputs (fewer where the layer's input size is not a multiple of 128), two weights per byte: about a
+quarter of bf16's weight memory. On CUDA a Triton kernel (``kernels/triton_int4_gemm.py``) unpacks the
+nibbles in registers, once its start-up check passed (not yet run on a GPU); elsewhere the layer
+dequantizes per call (correct, slow: the LLMDeployment API admits int4 only on GPUs).
+
 Embeddings, norms and the LM head stay in the model dtype, as in most weight-only schemes: they are a small
 share of the weights of a large model and the LM head decides the tokens. The other methods the
-LLMDeployment API names (int4, fp8, awq, gptq, gguf) are not implemented in the runtime yet and are refused
-at start-up with that message.
+LLMDeployment API names (fp8, awq, gptq, gguf) are not implemented in the runtime yet and are refused at
+start-up with that message.
 """
 
 from __future__ import annotations
@@ -28,21 +34,22 @@ import logging
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_int8_gemm
+from kubellm.kernels import cpu_int8_gemm, int4_weights
 
 log = logging.getLogger("kubellm.quantization")
 
-METHODS = ("none", "int8")
+METHODS = ("none", "int8", "int4")
 # Above this many rows torch's int8 GEMM loses to dequantize-then-GEMM (measured on 2 cores, SmolLM2 shapes).
 INT8_GEMM_MAX_ROWS = 32
-NOT_YET = ("int4", "fp8", "awq", "gptq", "gguf")
+NOT_YET = ("fp8", "awq", "gptq", "gguf")
+INT4_GROUP = 128
 
 
 def check_method(method: str) -> None:
     if method in NOT_YET:
-        raise ValueError(f"quantization {method!r} is not implemented in this runtime yet; use none or int8")
+        raise ValueError(f"quantization {method!r} is not implemented in this runtime yet; use none, int8 or int4")
     if method not in METHODS:
-        raise ValueError(f"quantization: unknown {method!r}; use none or int8")
+        raise ValueError(f"quantization: unknown {method!r}; use none, int8 or int4")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +75,7 @@ def _gemm_path(q: torch.Tensor, dtype: torch.dtype) -> str:
     kernel (CUDA, once its start-up check passed there); ``torch``: torch's int8 GEMM for small steps,
     dequantize for large ones; ``dequantize``: always."""
     if q.device.type == "cuda":
-        return "triton" if _triton_int8_ok(str(q.device), dtype) else "dequantize"
+        return "triton" if _triton_ok("int8", str(q.device), dtype) else "dequantize"
     if q.device.type != "cpu":
         return "dequantize"
     if dtype == torch.bfloat16 and cpu_int8_gemm.packable(q) and cpu_int8_gemm.available():
@@ -77,15 +84,17 @@ def _gemm_path(q: torch.Tensor, dtype: torch.dtype) -> str:
 
 
 @functools.cache
-def _triton_int8_ok(device: str, dtype: torch.dtype) -> bool:
+def _triton_ok(method: str, device: str, dtype: torch.dtype) -> bool:
+    """The Triton GEMM for ``method`` passed its start-up check on ``device`` (run once per process)."""
     try:
         from kubellm.kernels import triton_check
     except ImportError as e:  # no triton in this image
         reason = str(e)
     else:
-        reason = triton_check.check_int8_gemm(device, dtype)
+        check = triton_check.check_int8_gemm if method == "int8" else triton_check.check_int4_gemm
+        reason = check(device, dtype)
     if reason:
-        log.warning("int8 layers dequantize per call (slower; the memory saving holds): %s", reason)
+        log.warning("%s layers dequantize per call (slower; the memory saving holds): %s", method, reason)
     return reason is None
 
 
@@ -137,6 +146,58 @@ class Int8Linear(nn.Module):
         return q.to(dtype) * self.scales[:, None].to(dtype)
 
 
+def int4_group(in_features: int) -> int:
+    """128, or the largest of 64/32 dividing ``in_features``, else one group per row."""
+    return next((g for g in (INT4_GROUP, 64, 32) if in_features % g == 0), in_features)
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [out, in]`` → (uint8 ``[out, in/2]``: two signed nibbles per byte, low = even input; float32
+    scales ``[out, in/group]``), symmetric per output channel and group of ``group`` inputs."""
+    out_features, in_features = weight.shape
+    if in_features % 2 or in_features % group:
+        raise ValueError(f"int4 needs an even input size divisible by the group ({group}), got {in_features}")
+    w = weight.detach().float().view(out_features, in_features // group, group)
+    scales = w.abs().amax(dim=2) / 7.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w / scales[:, :, None]).clamp_(-8, 7).view(out_features, in_features)
+    return int4_weights.pack_int4(q), scales
+
+
+class Int4Linear(nn.Module):
+    """Drop-in for an ``nn.Linear``: packed int4 weight, group-wise float32 scales, activations in the model
+    dtype. ``path``: ``triton`` (CUDA, checked at start-up) or ``dequantize``."""
+
+    def __init__(self, linear: nn.Linear, path: str | None = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group = int4_group(linear.in_features)
+        packed, scales = quantize_int4(linear.weight, self.group)
+        if path is None:
+            cuda = packed.device.type == "cuda"
+            path = "triton" if cuda and _triton_ok("int4", str(packed.device), linear.weight.dtype) else "dequantize"
+        if path not in ("triton", "dequantize"):
+            raise ValueError(f"int4 GEMM path {path!r}; use triton or dequantize")
+        self.path = path
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales", scales)
+        self.bias = linear.bias
+        self.bias_f32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path == "triton":
+            from kubellm.kernels import triton_int4_gemm
+
+            rows = x.reshape(-1, self.in_features)
+            out = triton_int4_gemm.int4_gemm(rows, self.qweight, self.scales, self.group, self.bias_f32)
+            return out.view(*x.shape[:-1], self.out_features)
+        out = nn.functional.linear(x, self.dequantized(x.dtype))
+        return out if self.bias is None else out + self.bias
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return int4_weights.dequantize_int4(self.qweight, self.scales, self.group, dtype)
+
+
 def quantize_model(model: nn.Module, method: str) -> int:
     """Replace the decoder layers' ``nn.Linear`` modules per ``method``; returns how many were replaced."""
     check_method(method)
@@ -145,9 +206,12 @@ def quantize_model(model: nn.Module, method: str) -> int:
     layers = model.get_submodule("model.layers")
     targets = [(name, m) for name, m in layers.named_modules() if type(m) is nn.Linear]
     before = sum(m.weight.numel() * m.weight.element_size() for _, m in targets)
+    layer_type = Int8Linear if method == "int8" else Int4Linear
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
-        setattr(layers.get_submodule(parent_name) if parent_name else layers, attr, Int8Linear(linear))
-    log.info("quantized %d linear layers to int8: %.1f MiB -> %.1f MiB of weights", len(targets),
-             before / 2**20, sum(m.weight.numel() for _, m in targets) / 2**20)
+        setattr(layers.get_submodule(parent_name) if parent_name else layers, attr, layer_type(linear))
+    after = sum(b.numel() * b.element_size() for m in layers.modules() if isinstance(m, layer_type)
+                for b in (m.qweight, m.scales))
+    log.info("quantized %d linear layers to %s: %.1f MiB -> %.1f MiB of weights", len(targets), method,
+             before / 2**20, after / 2**20)
     return len(targets)

@@ -12,9 +12,16 @@ from safetensors.torch import load_file, save_file
 from test_engine_parity import _engine, _prompts, _run_and_compare
 from torch import nn
 
-from kubellm.kernels import cpu_int8_gemm
+from kubellm.kernels import cpu_int8_gemm, int4_weights
 from kubellm.runtime.config import EngineConfig
-from kubellm.runtime.quantization import Int8Linear, dequantize_int8, quantize_int8
+from kubellm.runtime.quantization import (
+    Int4Linear,
+    Int8Linear,
+    dequantize_int8,
+    int4_group,
+    quantize_int4,
+    quantize_int8,
+)
 
 LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -129,15 +136,18 @@ def test_native_int8_kernel_refuses_bad_shapes_and_dtypes(native_int8):
         cpu_int8_gemm.int8_gemm(torch.zeros(2, 8, dtype=torch.bfloat16), q, torch.ones(16))
 
 
-def _dequantized_twin(model_dir, out_dir):
-    """A copy of the checkpoint whose decoder linear weights are what int8 makes of them."""
+def _dequantized_twin(model_dir, out_dir, method="int8"):
+    """A copy of the checkpoint whose decoder linear weights are what ``method`` makes of them."""
     shutil.copytree(model_dir, out_dir)
     tensors = load_file(out_dir / "model.safetensors")
     changed = 0
     for name, t in tensors.items():
         if name.startswith("model.layers.") and name.endswith(".weight") and name.split(".")[-2] in LAYER_WEIGHTS:
-            q, scales = quantize_int8(t)
-            tensors[name] = dequantize_int8(q, scales, t.dtype)
+            if method == "int8":
+                tensors[name] = dequantize_int8(*quantize_int8(t), t.dtype)
+            else:
+                group = int4_group(t.shape[1])
+                tensors[name] = int4_weights.dequantize_int4(*quantize_int4(t, group), group, t.dtype)
             changed += 1
     assert changed > 0
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
@@ -166,7 +176,7 @@ def test_int8_changes_the_model():
     assert not torch.equal(dequantize_int8(*quantize_int8(w)), w)
 
 
-@pytest.mark.parametrize("method", ["int4", "fp8", "awq", "gptq", "gguf"])
+@pytest.mark.parametrize("method", ["fp8", "awq", "gptq", "gguf"])
 def test_methods_not_implemented_yet_are_refused_by_name(method):
     with pytest.raises(ValueError, match=f"quantization '{method}' is not implemented in this runtime yet"):
         EngineConfig(model="x", device="cpu", quantization=method)
@@ -179,12 +189,88 @@ def test_unknown_method_and_a_bad_tensor_parallel_size_are_refused():
         EngineConfig(model="x", device="cpu", tensor_parallel_size=0)
 
 
-@pytest.mark.parametrize("argv", [["serve", "--quantization", "int4"], ["serve", "--quantization", "gguf"]])
+@pytest.mark.parametrize("argv", [["serve", "--quantization", "fp8"], ["serve", "--quantization", "gguf"]])
 def test_the_runtime_refuses_what_it_cannot_run_with_exit_2_and_one_line(argv, capfd):
-    """What the operator renders for an int4 spec: a pod that exits at once with the reason in its
+    """What the operator renders for an fp8 spec: a pod that exits at once with the reason in its
     termination message, before loading anything (the model path here does not even exist)."""
     from kubellm.runtime.cli import main
 
     assert main([*argv, "--model", "/nonexistent/model"]) == 2
     err = capfd.readouterr().err
     assert "not implemented in this runtime yet" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------------------ int4
+
+
+def test_int4_packing_round_trips_every_byte_and_quantizes_within_half_a_step():
+    every = torch.tensor([[lo, hi] for lo in range(-8, 8) for hi in range(-8, 8)]).view(1, -1)
+    assert torch.equal(int4_weights.unpack_int4(int4_weights.pack_int4(every)), every.to(torch.int8))
+    assert int4_weights.pack_int4(every).unique().numel() == 256
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 256, generator=g) * torch.logspace(-2, 1, 24)[:, None]
+    w[3, :128] = 0.0  # one all-zero group
+    packed, scales = quantize_int4(w, 128)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 128) and scales.shape == (24, 2)
+    q = int4_weights.unpack_int4(packed)
+    assert int(q.min()) >= -8 and int(q.max()) <= 7 and scales[3, 0] == 1.0 and not q[3, :128].any()
+    step = scales.repeat_interleave(128, dim=1)
+    assert ((int4_weights.dequantize_int4(packed, scales, 128) - w).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("in_features,group", [(1536, 128), (576, 64), (96, 32), (40, 40)])
+def test_int4_group_is_128_where_the_layer_allows(in_features, group):
+    assert int4_group(in_features) == group
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["triton", "dequantize"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_equals_a_matmul_on_the_dequantized_weight(dtype, path, bias):
+    """``triton`` is the CUDA path, run through Triton's interpreter here."""
+    device = "cuda" if path == "triton" and torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    linear = nn.Linear(192, 40, bias=bias).to(dtype)  # 192 inputs: groups of 64
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 192, generator=g))
+    weight = int4_weights.dequantize_int4(*quantize_int4(linear.weight, 64), 64)
+    expected_bias = None if linear.bias is None else linear.bias.detach().float()
+    layer = Int4Linear(linear.to(device), path=path)
+    assert layer.group == 64 and layer.qweight.numel() == 40 * 96
+    x = torch.randn(9, 192, generator=g).to(dtype)
+    out = layer(x.to(device)).cpu()
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1.6e-2}
+    torch.testing.assert_close(out.float(), nn.functional.linear(x.float(), weight, expected_bias), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_int4_kernel_and_its_start_up_check(dtype, monkeypatch):
+    from kubellm.kernels import triton_check, triton_int4_gemm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(19, 128, generator=g).to(dtype)
+    packed = torch.randint(0, 256, (33, 64), generator=g, dtype=torch.uint8)
+    scales, bias = torch.rand(33, 4, generator=g) / 10, torch.randn(33, generator=g)
+    for b in (None, bias):
+        out = triton_int4_gemm.int4_gemm(*(t.to(device) for t in (x, packed, scales)), 32,
+                                         None if b is None else b.to(device), block_n=16, block_k=32).cpu()
+        ref = int4_weights.reference_int4_gemm(x, packed, scales, 32, b)
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=2**-7)
+    assert triton_check.check_int4_gemm(device, dtype) is None
+    sound = triton_int4_gemm.int4_gemm
+    monkeypatch.setattr(triton_int4_gemm, "int4_gemm", lambda *a, **k: sound(*a, **k) * 1.05)
+    assert "int4 GEMM differs from its reference" in triton_check.check_int4_gemm(device, dtype)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_int4_engine_equals_transformers_on_the_dequantized_weights(fixture, request, tmp_path):
+    """Groups run along the inputs, so the fused q/k/v and gate/up rows quantize as the separate projections
+    do: the twin's weights are exactly the engine's (CPU: the dequantize path)."""
+    model_dir = request.getfixturevalue(fixture)
+    twin = _dequantized_twin(model_dir, tmp_path / "twin", method="int4")
+    llm = _engine(model_dir, quantization="int4")
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 4 * len(llm.engine.runner.model.model.layers)
+    _run_and_compare(llm, twin, _prompts())
+    assert llm.engine.block_manager.num_used_blocks == 0

@@ -39,21 +39,31 @@ def check(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, he
     q = rand(len(lens), num_heads, head_dim)
     pq, pk, pv = rand(20, num_heads, head_dim), rand(45, num_kv_heads, head_dim), rand(45, num_kv_heads, head_dim)
     cases = [
-        ("paged decode", lambda: decode.paged_decode_attention(
+        ("paged decode kernel", lambda: decode.paged_decode_attention(
             *(t.to(device) for t in (q, k_cache, v_cache, tables, context)), scale),
          lambda: decode.reference_paged_decode_attention(q, k_cache, v_cache, tables, context, scale)),
-        ("prefill", lambda: prefill.prefill_attention(*(t.to(device) for t in (pq, pk, pv)), scale),
+        ("prefill kernel", lambda: prefill.prefill_attention(*(t.to(device) for t in (pq, pk, pv)), scale),
          lambda: prefill.reference_prefill_attention(pq, pk, pv, scale)),
     ]
     for name, kernel, reference in cases:
-        try:
-            out = kernel().float().cpu()
-        except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
-            return f"the Triton {name} kernel failed on {device} ({dtype}): {type(e).__name__}: {e}"
-        error = (out - reference().float()).abs().nan_to_num(float("inf")).max().item()
-        if error > _ATOL[dtype]:
-            return (f"the Triton {name} kernel differs from its reference on {device} ({dtype}) by {error:.3g} "
-                    f"(tolerance {_ATOL[dtype]})")
+        if reason := _compare(name, device, dtype, kernel, reference):
+            return reason
+    return None
+
+
+def _compare(name: str, device: str, dtype: torch.dtype, kernel, reference, relative: bool = False) -> str | None:
+    """Run ``kernel()`` and ``reference()``; None when they agree within _ATOL[dtype], else why not. ``relative``:
+    errors over (|reference| + 1), for outputs that grow with the reduction length (GEMMs)."""
+    try:
+        out = kernel().float().cpu()
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
+        return f"the Triton {name} failed on {device} ({dtype}): {type(e).__name__}: {e}"
+    ref = reference().float()
+    diff = (out - ref).abs() / (ref.abs() + 1) if relative else (out - ref).abs()
+    error = diff.nan_to_num(float("inf")).max().item()
+    if error > _ATOL[dtype]:
+        return (f"the Triton {name} differs from its reference on {device} ({dtype}) by {error:.3g} "
+                f"({'relative ' if relative else ''}tolerance {_ATOL[dtype]})")
     return None
 
 
@@ -65,15 +75,9 @@ def check_int8_gemm(device: str, dtype: torch.dtype) -> str | None:
     x = torch.randn(20, 200, generator=gen).to(dtype)  # partial tiles on every side
     q = torch.randint(-127, 128, (72, 200), generator=gen, dtype=torch.int8)
     scales, bias = torch.rand(72, generator=gen) / 50, torch.randn(72, generator=gen)
-    try:
-        out = triton_int8_gemm.int8_gemm(*(t.to(device) for t in (x, q, scales, bias))).float().cpu()
-    except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
-        return f"the Triton int8 GEMM failed on {device} ({dtype}): {type(e).__name__}: {e}"
-    ref = triton_int8_gemm.reference_int8_gemm(x, q, scales, bias).float()
-    error = ((out - ref).abs() / (ref.abs() + 1)).nan_to_num(float("inf")).max().item()
-    if error > _ATOL[dtype]:
-        return f"the Triton int8 GEMM differs from its reference on {device} ({dtype}) by {error:.3g} (relative)"
-    return None
+    return _compare("int8 GEMM", device, dtype,
+                    lambda: triton_int8_gemm.int8_gemm(*(t.to(device) for t in (x, q, scales, bias))),
+                    lambda: triton_int8_gemm.reference_int8_gemm(x, q, scales, bias), relative=True)
 
 
 def check_int4_gemm(device: str, dtype: torch.dtype) -> str | None:
@@ -84,13 +88,7 @@ def check_int4_gemm(device: str, dtype: torch.dtype) -> str | None:
     x = torch.randn(20, 256, generator=gen).to(dtype)  # two groups of 128, partial row and column tiles
     packed = torch.randint(0, 256, (72, 128), generator=gen, dtype=torch.uint8)
     scales, bias = torch.rand(72, 2, generator=gen) / 10, torch.randn(72, generator=gen)
-    try:
-        out = triton_int4_gemm.int4_gemm(*(t.to(device) for t in (x, packed, scales)), 128,
-                                         bias.to(device)).float().cpu()
-    except Exception as e:  # noqa: BLE001 - a compile or launch failure is the answer
-        return f"the Triton int4 GEMM failed on {device} ({dtype}): {type(e).__name__}: {e}"
-    ref = triton_int4_gemm.reference_int4_gemm(x, packed, scales, 128, bias).float()
-    error = ((out - ref).abs() / (ref.abs() + 1)).nan_to_num(float("inf")).max().item()
-    if error > _ATOL[dtype]:
-        return f"the Triton int4 GEMM differs from its reference on {device} ({dtype}) by {error:.3g} (relative)"
-    return None
+    return _compare("int4 GEMM", device, dtype,
+                    lambda: triton_int4_gemm.int4_gemm(*(t.to(device) for t in (x, packed, scales)), 128,
+                                                       bias.to(device)),
+                    lambda: triton_int4_gemm.reference_int4_gemm(x, packed, scales, 128, bias), relative=True)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kubellm.kernels.int4_weights import reference_int4_gemm, unpack_int4
+from kubellm.kernels.triton_dot import dot_options
 
 __all__ = ["int4_gemm", "reference_int4_gemm", "unpack_int4"]
 
@@ -81,8 +82,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group
     _int4_gemm_kernel[grid](
         y, x, packed, scales, bias if bias is not None else scales, m, n, k,
         x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
-        GROUP=group, HAS_BIAS=bias is not None, UPCAST=x.device.type == "cpu" or x.dtype == torch.float32,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        GROUP=group, HAS_BIAS=bias is not None, **dot_options(x),
         BLOCK_M=max(16, block_m), BLOCK_N=max(16, block_n), BLOCK_K=block_k,
     )
     return y

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kubellm.kernels.cpu_int8_gemm import reference_int8_gemm
+from kubellm.kernels.triton_dot import dot_options
 
 __all__ = ["int8_gemm", "reference_int8_gemm"]
 
@@ -66,8 +67,7 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     _int8_gemm_kernel[grid](
         y, x, q, scales, bias if bias is not None else scales, m, n, k,
         x.stride(0), q.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, UPCAST=x.device.type == "cpu" or x.dtype == torch.float32,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        HAS_BIAS=bias is not None, **dot_options(x),
         BLOCK_M=max(16, block_m), BLOCK_N=max(16, block_n), BLOCK_K=max(16, block_k),
     )
     return y

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kubellm.kernels.cpu_paged_attention import reference_paged_decode_attention
+from kubellm.kernels.triton_dot import dot_options
 
 __all__ = ["paged_decode_attention", "reference_paged_decode_attention"]
 
@@ -109,7 +110,6 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCK_N=max(16, block_n), HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        UPCAST=q.device.type == "cpu" or q.dtype == torch.float32,  # CPU tensors: only the interpreter
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **dot_options(q),
     )
     return out

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kubellm.kernels.cpu_prefill_attention import reference_prefill_attention
+from kubellm.kernels.triton_dot import dot_options
 
 __all__ = ["prefill_attention", "reference_prefill_attention"]
 
@@ -88,7 +89,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     out = torch.empty((num_queries, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_queries == 0:
         return out
-    interpreting = q.device.type == "cpu"  # only the interpreter runs Triton on CPU tensors
     # tl.dot needs tiles of at least 16 on every side.
     block_m = max(16, min(block_m, triton.next_power_of_2(num_queries)))
     grid = (triton.cdiv(num_queries, block_m), num_heads)
@@ -97,7 +97,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=max(16, block_n), UPCAST=interpreting or q.dtype == torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=max(16, block_n), **dot_options(q),
     )
     return out

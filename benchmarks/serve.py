@@ -297,7 +297,7 @@ def kubellm_spec(args: argparse.Namespace, model_dir: Path, port: int) -> Server
     name = model_dir.name
     argv = [
         _venv_bin("kubellm"), "serve", "--model", str(model_dir), "--dtype", args.dtype,
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
+        "--host", "127.0.0.1", "--port", str(port), "--admin-port", "0", "--served-model-name", name,
         "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-model-len", str(_max_model_len(args)), "--seed", str(args.seed),

@@ -108,7 +108,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             probe_timeout=args.probe_timeout, probe_skip_window=args.probe_skip_window,
                             liveness_timeout=args.liveness_timeout)
     config = EngineConfig(model=args.model, **engine_kwargs(args))
-    return asyncio.run(run_server(config, options, args.host, args.port))
+    admin_port = None if args.admin_port < 0 else args.admin_port
+    return asyncio.run(run_server(config, options, args.host, args.port, admin_port=admin_port))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -150,7 +151,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     config = EngineConfig(model=str(path), **engine_kwargs(args))
     options = ServerOptions(served_model_name="smollm2", drain_timeout=5)
-    return asyncio.run(run_server(config, options, "127.0.0.1", args.port, on_ready=on_ready))
+    # The demo drains in-process, so it needs no admin listener (and cannot collide with a server on 8001).
+    return asyncio.run(run_server(config, options, "127.0.0.1", args.port, on_ready=on_ready, admin_port=None))
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -268,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.add_argument("--host", default="0.0.0.0")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--admin-port", type=int, default=8001,
+                   help="port of the admin listener (POST /admin/drain, GET /admin/status), always bound to "
+                        "127.0.0.1 so nothing outside the pod can reach it; 0 picks a free port, -1 turns it off "
+                        "(default 8001). Drain is never served on --port")
     s.add_argument("--served-model-name", help="model name clients send (default: --model's last path part)")
     s.add_argument("--max-queue", type=int, default=256,
                    help="waiting requests beyond which new ones get 429 + Retry-After (default 256)")

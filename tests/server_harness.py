@@ -24,7 +24,8 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """Starts ``run_server`` on its own thread and event loop; ``stop()`` drains it through the API."""
+    """Starts ``run_server`` on its own thread and event loop; ``stop()`` drains it through the loopback admin
+    listener (on a free port)."""
 
     def __init__(self, model_dir, engine_kwargs: dict | None = None, **option_kwargs):
         self.port = free_port()
@@ -47,7 +48,7 @@ class ServerThread:
             self._ready.set()
 
         self.exit_code = asyncio.run(run_server(self.engine_config, self.options, "127.0.0.1", self.port,
-                                                on_ready=on_ready, install_signals=False))
+                                                on_ready=on_ready, install_signals=False, admin_port=0))
         self._ready.set()
 
     def start(self, timeout: float = 120) -> ServerThread:
@@ -75,9 +76,9 @@ class ServerThread:
                              f"{len(self.engine.requests)} requests")
 
     def stop(self) -> None:
-        if self.thread.is_alive():
+        if self.thread.is_alive() and self.state is not None:
             with contextlib.suppress(httpx.HTTPError):
-                httpx.post(f"{self.url}/admin/drain", timeout=5)
+                httpx.post(f"{self.state.admin_url}/admin/drain", timeout=5)
             self.thread.join(timeout=30)
 
 

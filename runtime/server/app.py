@@ -1,4 +1,7 @@
-"""HTTP routes: the OpenAI API, health probes, drain and metrics. State lives in ``ServerState``."""
+"""HTTP routes of the serving port: the OpenAI API, health probes and metrics. State lives in ``ServerState``.
+
+Nothing here changes the pod's state: drain is on the loopback admin listener (admin.py) and SIGTERM.
+"""
 
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ class ServerState:
     probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_probe: tuple[bool, dict | str] | None = None
     on_drain: Callable[[str], None] | None = None  # set by the process runner: starts the drain sequence
+    admin_url: str | None = None  # the loopback admin listener (drain), once bound
 
     @property
     def tokenizer(self):
@@ -131,7 +135,7 @@ def build_app(state: ServerState) -> FastAPI:
         return {"id": rid, "object": "chat.completion", "created": now(), "model": state.options.served_model_name,
                 "choices": choices, "usage": _usage([ids], outs).model_dump(exclude_none=True)}
 
-    # ---- health, drain, metrics ----------------------------------------------------------------
+    # ---- health, metrics ----------------------------------------------------------------
     @app.get("/health/live")
     async def live():
         if state.phase == "failed":
@@ -163,13 +167,6 @@ def build_app(state: ServerState) -> FastAPI:
         if not ok:
             return JSONResponse({"status": "unready", "reason": detail}, status_code=503)
         return {"status": "ready", "probe": "ok", **detail}
-
-    @app.post("/admin/drain")
-    async def admin_drain():
-        if state.on_drain is None:
-            raise APIError(501, "drain is not wired in this process", "not_implemented")
-        state.on_drain("POST /admin/drain")
-        return JSONResponse({"status": "draining"}, status_code=202)
 
     @app.get("/metrics")
     async def metrics():

@@ -2,7 +2,7 @@
 
 Start-up: uvicorn listens at once (probes answer 503 "loading"), the model loads on a worker
 thread with a progress bar, one real generation runs, then the server reports ready.
-Drain: SIGTERM (or POST /admin/drain) → readiness 503 and new requests 503 at once; in-flight
+Drain: SIGTERM (or POST /admin/drain on the loopback admin listener) → readiness 503 and new requests 503 at once; in-flight
 requests finish; after --drain-timeout the rest are aborted (finish_reason "abort"); exit 0.
 A second SIGTERM exits immediately.
 """
@@ -20,6 +20,7 @@ import uvicorn
 
 from kubellm.runtime.config import EngineConfig
 from kubellm.runtime.engine import LLMEngine
+from kubellm.runtime.server.admin import ADMIN_HOST, DEFAULT_ADMIN_PORT, bind_admin_socket, build_admin_app
 from kubellm.runtime.server.app import ServerOptions, ServerState, build_app, probe_generation
 from kubellm.runtime.server.async_engine import AsyncEngine
 from kubellm.runtime.server.metrics import ServerMetrics
@@ -39,12 +40,23 @@ class _Server(uvicorn.Server):
 
 
 async def run_server(engine_config: EngineConfig, options: ServerOptions, host: str, port: int,
-                     on_ready=None, install_signals: bool = True) -> int:
+                     on_ready=None, install_signals: bool = True, admin_port: int | None = DEFAULT_ADMIN_PORT) -> int:
     """Serve until drained. ``on_ready(state)`` is called once ready (tests use it to reach the state);
-    ``install_signals=False`` lets the server run off the main thread (then drain via POST /admin/drain)."""
+    ``install_signals=False`` lets the server run off the main thread (then drain via the admin listener).
+    ``admin_port``: the loopback admin listener's port (0 = any free port, None = no admin listener)."""
     state = ServerState(options)
+    admin_sock = None
+    if admin_port is not None:
+        try:
+            admin_sock = bind_admin_socket(admin_port)
+        except OSError as e:
+            log.error("cannot bind the admin listener on %s:%d (%s): pass --admin-port with a free port, "
+                      "0 for any, or -1 for none", ADMIN_HOST, admin_port, e.strerror or e)
+            return 1
+        state.admin_url = "http://{}:{}".format(*admin_sock.getsockname())
     server = _Server(uvicorn.Config(build_app(state), host=host, port=port, log_config=None, access_log=False,
                                     timeout_keep_alive=30, lifespan="off"))
+    admin = _Server(uvicorn.Config(build_admin_app(state), log_config=None, access_log=False, lifespan="off"))
     loop = asyncio.get_running_loop()
     drain_task: asyncio.Task | None = None
 
@@ -74,9 +86,22 @@ async def run_server(engine_config: EngineConfig, options: ServerOptions, host: 
     while not server.started and not serving.done():
         await asyncio.sleep(0.01)
     if serving.done():
+        if admin_sock is not None:
+            admin_sock.close()
         return 1  # could not bind
-    log.info("listening on http://%s:%d (loading %s)", host, port, engine_config.model)
+    administering = asyncio.ensure_future(admin.serve(sockets=[admin_sock]) if admin_sock else asyncio.sleep(0))
+    log.info("listening on http://%s:%d (loading %s); admin (drain) on %s", host, port, engine_config.model,
+             state.admin_url or "none")
+    try:
+        return await _load_and_serve(state, server, serving, engine_config, options, host, port, on_ready)
+    finally:
+        admin.should_exit = True
+        await administering
 
+
+async def _load_and_serve(state: ServerState, server: uvicorn.Server, serving: asyncio.Future,
+                          engine_config: EngineConfig, options: ServerOptions, host: str, port: int,
+                          on_ready) -> int:
     try:
         async_engine = await AsyncEngine.create(lambda: _build_engine(engine_config))
     except Exception as e:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
 from server_harness import free_port
@@ -19,12 +21,12 @@ from server_harness import free_port
 def serve(tiny_llama, tmp_path):
     procs = []
 
-    def start(drain_timeout: float):
+    def start(drain_timeout: float, admin_port: int = 0):
         port = free_port()
         log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115 (closed with the process)
         proc = subprocess.Popen(
             [sys.executable, "-m", "kubellm.runtime.cli", "serve", "--model", str(tiny_llama), "--host", "127.0.0.1",
-             "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+             "--port", str(port), "--admin-port", str(admin_port), "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
              "--served-model-name", "tiny", "--drain-timeout", str(drain_timeout)],
             stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)  # not the repo root: operator/ shadows stdlib
         procs.append((proc, log))
@@ -46,6 +48,43 @@ def serve(tiny_llama, tmp_path):
             proc.kill()
         proc.wait()
         log.close()
+
+
+def test_drain_is_refused_on_the_serving_port_and_served_only_on_loopback(serve):
+    """Security: any client of the Service reaches the serving port, so it must not be able to drain a
+    replica. The drain control is on a second listener bound to 127.0.0.1 only."""
+    admin_port = free_port()
+    proc, url, log = serve(drain_timeout=5, admin_port=admin_port)
+    for method in ("POST", "GET", "PUT"):
+        r = httpx.request(method, url + "/admin/drain", timeout=10)
+        assert r.status_code in (404, 405), (method, r.status_code)
+        assert "error" in r.json()
+    time.sleep(0.5)
+    assert proc.poll() is None
+    assert httpx.get(url + "/health/ready", timeout=30).status_code == 200
+    assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
+    listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    assert (("127.0.0.1", admin_port)) in [(a.ip, a.port) for a in listening], listening
+    assert not [a for a in listening if a.port == admin_port and a.ip != "127.0.0.1"], listening
+
+    admin = f"http://127.0.0.1:{admin_port}"
+    assert httpx.get(admin + "/admin/status", timeout=10).json()["phase"] == "ready"
+    r = httpx.post(admin + "/admin/drain", timeout=10)
+    assert r.status_code == 202 and r.json() == {"status": "draining"}
+    assert proc.wait(timeout=60) == 0
+    assert "drain started (POST /admin/drain (loopback))" in log.read_text()
+
+
+def test_a_taken_admin_port_is_a_clear_start_up_error(tiny_llama, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        proc = subprocess.run(
+            [sys.executable, "-m", "kubellm.runtime.cli", "serve", "--model", str(tiny_llama), "--host", "127.0.0.1",
+             "--port", str(free_port()), "--admin-port", str(taken.getsockname()[1])],
+            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1
+    assert "cannot bind the admin listener" in proc.stderr and "--admin-port" in proc.stderr
 
 
 def _stream(url: str, max_tokens: int, results: list, started: threading.Event):

@@ -101,12 +101,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kubellm.runtime.config import EngineConfig
     from kubellm.runtime.server.app import ServerOptions
+    from kubellm.runtime.server.auth import api_keys_from
     from kubellm.runtime.server.main import run_server
 
     name = args.served_model_name or (args.model if "/" not in args.model else args.model.rstrip("/").split("/")[-1])
     options = ServerOptions(served_model_name=name, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
                             probe_timeout=args.probe_timeout, probe_skip_window=args.probe_skip_window,
-                            liveness_timeout=args.liveness_timeout)
+                            liveness_timeout=args.liveness_timeout, api_keys=api_keys_from(args.api_key))
     config = EngineConfig(model=args.model, **engine_kwargs(args))
     admin_port = None if args.admin_port < 0 else args.admin_port
     return asyncio.run(run_server(config, options, args.host, args.port, admin_port=admin_port))
@@ -274,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the admin listener (POST /admin/drain, GET /admin/status), always bound to "
                         "127.0.0.1 so nothing outside the pod can reach it; 0 picks a free port, -1 turns it off "
                         "(default 8001). Drain is never served on --port")
+    s.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/* (repeatable: any of the keys; default: "
+                        "$KUBELLM_API_KEY, one key or several separated by commas; none = open). Health and "
+                        "metrics stay open")
     s.add_argument("--served-model-name", help="model name clients send (default: --model's last path part)")
     s.add_argument("--max-queue", type=int, default=256,
                    help="waiting requests beyond which new ones get 429 + Retry-After (default 256)")

@@ -60,6 +60,21 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's queues and KV cache: what the server, its metrics and probes read."""
+
+    num_waiting: int
+    num_running: int
+    waiting_prompt_tokens: int  # tokens of the queued sequences (prompts, or prompt + output when preempted)
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_usage: float  # kv_blocks_used / kv_blocks_total
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of which served from it
+    num_preemptions: int
+
+
 @dataclass
 class _Request:
     seq: Sequence
@@ -218,6 +233,21 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # ---- public surface for the server ---------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole KV-cache pool holds."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def stats(self) -> EngineStats:
+        """Call on the thread that steps; other threads read the snapshot ``AsyncEngine.stats`` keeps."""
+        sched, bm = self.scheduler, self.block_manager
+        waiting = list(sched.waiting)
+        return EngineStats(num_waiting=len(waiting), num_running=len(sched.running),
+                           waiting_prompt_tokens=sum(len(s) for s in waiting), kv_blocks_total=bm.num_blocks,
+                           kv_blocks_used=bm.num_used_blocks, kv_usage=bm.usage, prefix_queries=bm.prefix_queries,
+                           prefix_hits=bm.prefix_hits, num_preemptions=sched.num_preemptions)
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,33 +1,22 @@
-"""HTTP routes of the serving port: the OpenAI API, health probes and metrics. State lives in ``ServerState``.
+"""The serving port's app: its options, its state, error handling, and the routers per concern.
 
-Nothing here changes the pod's state: drain is on the loopback admin listener (admin.py) and SIGTERM.
+Routers: ``openai_routes`` (the OpenAI API, behind optional API keys), ``health`` (probes and metrics, always
+open for the kubelet and Prometheus). Nothing on this port changes the pod's state: drain is on the loopback
+admin listener (``admin.py``) and SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.exceptions import RequestValidationError
 
-from kubellm.runtime.engine import RequestOutput
-from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
-from kubellm.runtime.scheduler import RequestTooLong
-from kubellm.runtime.server.async_engine import AsyncEngine, EngineDead
-from kubellm.runtime.server.errors import APIError, bad_request, error_response, overloaded
-from kubellm.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
-from kubellm.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo, new_id, now
-from kubellm.runtime.tokenizer import ChatTemplateError
-
-log = logging.getLogger("kubellm.server")
-
-PROBE_PROMPT = "ping"
+from kubellm.runtime.server.async_engine import AsyncEngine
+from kubellm.runtime.server.errors import APIError, error_response
+from kubellm.runtime.server.metrics import ServerMetrics
 
 
 @dataclass
@@ -41,6 +30,9 @@ class ServerOptions:
     probe_skip_window: float = 5.0  # tokens produced this recently → ready without a probe
     liveness_timeout: float = 60.0  # engine heartbeat older than this fails liveness
     default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
+    api_keys: tuple[str, ...] = ()  # when set, /v1/* needs `Authorization: Bearer <one of them>`
+    max_request_bytes: int = 8 * 2**20  # larger bodies get 413 before they are read
+    max_sequences_per_request: int = 64  # prompts x n of one request
 
 
 @dataclass
@@ -59,20 +51,37 @@ class ServerState:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
 
 def build_app(state: ServerState) -> FastAPI:
+    from kubellm.runtime.server.health import health_router
+    from kubellm.runtime.server.openai_routes import openai_router
+
     app = FastAPI(title="kubellm runtime", docs_url=None, redoc_url=None)
     app.state.kubellm = state
+    install_error_handlers(app)
+    app.include_router(health_router(state))
+    app.include_router(openai_router(state))
+    return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI-style body (``{"error": {...}}``), whatever raised it."""
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, exc: RequestValidationError):
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"] if p not in ("body", "query")) or None
+        return error_response(400, f"{param}: {err['msg']}" if param else err["msg"], param=param)
 
     @app.exception_handler(404)
     async def _not_found(request: Request, _):
@@ -82,368 +91,3 @@ def build_app(state: ServerState) -> FastAPI:
     async def _method(request: Request, _):
         return error_response(405, f"method {request.method} not allowed on {request.url.path}",
                               "invalid_request_error")
-
-    # ---- OpenAI API ----------------------------------------------------------------------------
-    @app.get("/v1/models")
-    async def models():
-        name = state.options.served_model_name
-        card = {"id": name, "object": "model", "created": now(), "owned_by": "kubellm"}
-        if state.engine is not None:
-            card["max_model_len"] = state.max_model_len
-        return {"object": "list", "data": [card]}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = await _parse(request, CompletionRequest)
-        _check_model(state, req.model)
-        _admit(state)
-        prompts = _completion_prompts(state, req.prompt)
-        jobs = []
-        for p_index, ids in enumerate(prompts):
-            max_tokens = req.max_tokens if req.max_tokens is not None else state.options.default_completion_max_tokens
-            jobs += _jobs(state, req, ids, max_tokens, first_index=p_index * req.n)
-        rid = new_id("cmpl")
-        if req.stream:
-            return _sse(request, state, _stream_completion(state, req, rid, jobs))
-        outs = await _collect(request, state, jobs, rid)
-        choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason} for i, o in enumerate(outs)]
-        return {"id": rid, "object": "text_completion", "created": now(), "model": state.options.served_model_name,
-                "choices": choices, "usage": _usage(prompts, outs).model_dump(exclude_none=True)}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        req = await _parse(request, ChatCompletionRequest)
-        _check_model(state, req.model)
-        _admit(state)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
-        try:
-            ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
-        except ChatTemplateError as e:
-            raise bad_request(str(e), "messages") from e
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, state.max_model_len - len(ids))
-        jobs = _jobs(state, req, ids, max_tokens, first_index=0)
-        rid = new_id("chatcmpl")
-        if req.stream:
-            return _sse(request, state, _stream_chat(state, req, rid, jobs, len(ids)))
-        outs = await _collect(request, state, jobs, rid)
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for i, o in enumerate(outs)]
-        return {"id": rid, "object": "chat.completion", "created": now(), "model": state.options.served_model_name,
-                "choices": choices, "usage": _usage([ids], outs).model_dump(exclude_none=True)}
-
-    # ---- health, metrics ----------------------------------------------------------------
-    @app.get("/health/live")
-    async def live():
-        if state.phase == "failed":
-            return JSONResponse({"status": "failed", "reason": state.load_error}, status_code=503)
-        if state.engine is None:  # still loading: the startup probe decides, not liveness
-            return {"status": "loading"}
-        age = time.monotonic() - state.engine.heartbeat
-        if not state.engine.alive or age > state.options.liveness_timeout:
-            return JSONResponse({"status": "wedged", "reason": f"engine loop heartbeat is {age:.1f}s old"},
-                                status_code=503)
-        return {"status": "alive", "heartbeat_age_s": round(age, 3)}
-
-    @app.get("/health/startup")
-    async def startup():
-        if state.startup_ok:
-            return {"status": "started"}
-        return JSONResponse({"status": state.phase, "reason": state.load_error}, status_code=503)
-
-    @app.get("/health/ready")
-    @app.get("/health")
-    async def ready():
-        if state.phase != "ready":
-            return JSONResponse({"status": state.phase, "reason": state.load_error}, status_code=503)
-        engine = state.engine
-        idle_for = time.monotonic() - engine.last_token_time
-        if idle_for < state.options.probe_skip_window:
-            return {"status": "ready", "probe": "skipped", "reason": f"tokens produced {idle_for:.1f}s ago"}
-        ok, detail = await probe_generation(state)
-        if not ok:
-            return JSONResponse({"status": "unready", "reason": detail}, status_code=503)
-        return {"status": "ready", "probe": "ok", **detail}
-
-    @app.get("/metrics")
-    async def metrics():
-        if state.metrics is None:
-            return Response(b"", media_type=CONTENT_TYPE)
-        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
-
-    return app
-
-
-# ---- request handling helpers --------------------------------------------------------------------
-async def _parse(request: Request, model):
-    body = await request.body()
-    try:
-        data = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise bad_request(f"request body is not valid UTF-8: {e}") from e
-    except json.JSONDecodeError as e:
-        raise bad_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise bad_request(f"{param}: {err['msg']}" if param else err["msg"], param) from e
-
-
-def _check_model(state: ServerState, name: str | None) -> None:
-    if name and name != state.options.served_model_name:
-        raise APIError(404, f"The model `{name}` does not exist; this server serves "
-                            f"`{state.options.served_model_name}`.", "not_found_error", "model", "model_not_found")
-
-
-def _admit(state: ServerState) -> None:
-    """Shed load before any work is queued: 503 while not serving, 429 when the queue is full."""
-    opts = state.options
-    if state.phase == "draining":
-        state.metrics.rejected("draining")
-        raise overloaded("the server is draining for shutdown; retry on another replica", opts.retry_after, 503,
-                         "draining")
-    if state.phase != "ready":
-        raise overloaded(f"the server is not ready ({state.phase})", opts.retry_after, 503, "not_ready")
-    engine = state.engine
-    if engine.num_waiting >= opts.max_queue:
-        state.metrics.rejected("queue_full")
-        raise overloaded(f"{engine.num_waiting} requests are already queued (max {opts.max_queue}); retry later",
-                         opts.retry_after, 429, "queue_full")
-    bm = engine.engine.block_manager
-    capacity = bm.num_blocks * bm.block_size
-    if engine.waiting_prompt_tokens > opts.kv_admit_factor * capacity:
-        state.metrics.rejected("kv_cache_full")
-        raise overloaded("the KV cache cannot take more queued work now; retry later", opts.retry_after, 429,
-                         "kv_cache_full")
-
-
-def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
-    if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
-        prompts = [prompt]
-    else:
-        prompts = prompt
-    out = []
-    for p in prompts:
-        ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
-        if not ids:
-            raise bad_request("prompt must not be empty", "prompt")
-        out.append(ids)
-    return out
-
-
-def _jobs(state: ServerState, req, ids: list[int], max_tokens: int, first_index: int) -> list[tuple]:
-    """(choice index, prompt ids, sampling params) per choice; n choices get seeds seed, seed+1, ..."""
-    try:
-        base = req.sampling_params(max_tokens, state.options.default_completion_max_tokens)
-        state.engine.engine.validate(ids, base)  # refuse before queueing, so streams never start doomed
-    except InvalidSamplingParams as e:
-        raise bad_request(str(e), e.param) from e
-    except ValueError as e:
-        raise _to_api_error(e) from e
-    seed = base.seed
-    return [(first_index + i, ids, base if i == 0 or seed is None else replace(base, seed=seed + i))
-            for i in range(req.n)]
-
-
-def _to_api_error(e: Exception) -> APIError:
-    if isinstance(e, RequestTooLong):
-        return bad_request(str(e), "messages" if "prompt" in str(e) else "max_tokens", "context_length_exceeded")
-    if isinstance(e, EngineDead):
-        return APIError(503, str(e), "service_unavailable", code="engine_failed", headers={"Retry-After": "1"})
-    if isinstance(e, ValueError):
-        return bad_request(str(e))
-    return APIError(500, f"internal error: {e}", "internal_error")
-
-
-async def _run_one(state: ServerState, rid: str, ids: list[int], params: SamplingParams) -> AsyncIterator:
-    try:
-        async for out in state.engine.generate(ids, params, rid):
-            yield out
-    except APIError:
-        raise
-    except Exception as e:
-        raise _to_api_error(e) from e
-
-
-async def _collect(request: Request, state: ServerState, jobs: list[tuple], rid: str) -> list[RequestOutput]:
-    """Run every choice to completion; abort them all if the client goes away first."""
-
-    async def one(index, ids, params):
-        last = None
-        async for out in _run_one(state, f"{rid}-{index}", ids, params):
-            last = out
-        return last
-
-    state.active_requests += 1
-    work = asyncio.gather(*(one(*job) for job in jobs))
-    disconnect = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        if work not in done:  # the client left: cancelling the generators aborts the requests
-            work.cancel()
-            raise APIError(499, "client disconnected", "client_closed_request")
-        return work.result()
-    finally:
-        disconnect.cancel()
-        state.active_requests -= 1
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _usage(prompts: list[list[int]], outs: list[RequestOutput]) -> UsageInfo:
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion = sum(len(o.token_ids) for o in outs)
-    cached = sum(o.num_cached_tokens for o in outs[: len(prompts)])
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                     total_tokens=prompt_tokens + completion,
-                     prompt_tokens_details={"cached_tokens": cached} if cached else None)
-
-
-# ---- streaming -----------------------------------------------------------------------------------
-def _sse(request: Request, state: ServerState, chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def body():
-        state.active_requests += 1
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            state.active_requests -= 1
-
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-async def _merge(state: ServerState, rid: str, jobs: list[tuple]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave the outputs of every choice as they come; cancelling this cancels (aborts) them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index, ids, params):
-        try:
-            async for out in _run_one(state, f"{rid}-{index}", ids, params):
-                await queue.put((index, out))
-        except Exception as e:
-            await queue.put((index, e))
-
-    tasks = [asyncio.ensure_future(pump(*job)) for job in jobs]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            index, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item.finished:
-                remaining -= 1
-            yield index, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _stream_completion(state, req: CompletionRequest, rid: str, jobs) -> AsyncIterator[dict]:
-    created, model = now(), state.options.served_model_name
-    merged = _merge(state, rid, jobs)
-    usage_prompts, outs = {}, {}
-    try:
-        async for index, out in _with_errors(merged):
-            if isinstance(out, dict):
-                yield out
-                return
-            usage_prompts[index // req.n] = out.prompt_token_ids
-            outs[index] = out
-            if out.new_text or out.finished:
-                yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [{"index": index, "text": out.new_text, "logprobs": None,
-                                    "finish_reason": out.finish_reason if out.finished else None,
-                                    "stop_reason": out.stop_reason if out.finished else None}]}
-        if req.include_usage:
-            yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                   "usage": _usage(list(usage_prompts.values()), list(outs.values())).model_dump(exclude_none=True)}
-    finally:
-        await merged.aclose()
-
-
-async def _stream_chat(state, req: ChatCompletionRequest, rid: str, jobs, num_prompt: int) -> AsyncIterator[dict]:
-    created, model = now(), state.options.served_model_name
-
-    def chunk(index, delta, finish=None, stop_reason=None):
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
-                             **({"stop_reason": stop_reason} if finish else {})}]}
-
-    merged = _merge(state, rid, jobs)
-    started, outs = set(), {}
-    try:
-        async for index, out in _with_errors(merged):
-            if isinstance(out, dict):
-                yield out
-                return
-            if index not in started:
-                started.add(index)
-                yield chunk(index, {"role": "assistant", "content": ""})
-            outs[index] = out
-            if out.new_text:
-                yield chunk(index, {"content": out.new_text})
-            if out.finished:
-                yield chunk(index, {}, out.finish_reason, out.stop_reason)
-        if req.include_usage:
-            yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-                   "usage": _usage([[0] * num_prompt], list(outs.values())).model_dump(exclude_none=True)}
-    finally:
-        await merged.aclose()
-
-
-async def _with_errors(merged: AsyncIterator) -> AsyncIterator[tuple]:
-    """Turn an error mid-stream into one OpenAI error event (the HTTP status is already sent)."""
-    try:
-        async for item in merged:
-            yield item
-    except APIError as e:
-        yield -1, {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
-
-
-# ---- readiness probe ---------------------------------------------------------------------------
-async def probe_generation(state: ServerState) -> tuple[bool, dict | str]:
-    """One real token through tokenizer → scheduler → model → sampler, within a deadline.
-
-    Concurrent probes share one generation (single flight), so a probe storm adds no load.
-    """
-    if state.probe_lock.locked():
-        async with state.probe_lock:
-            return state.last_probe
-    async with state.probe_lock:
-        start = time.monotonic()
-        rid = new_id("probe")
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        ids = state.tokenizer.encode(PROBE_PROMPT)
-
-        async def run():
-            async for out in state.engine.generate(ids, params, rid):
-                if out.finished:
-                    return out
-            return None
-
-        try:
-            out = await asyncio.wait_for(run(), state.options.probe_timeout)
-            if out is None or len(out.token_ids) != 1:
-                result = (False, "the probe generation produced no token")
-            else:
-                result = (True, {"latency_ms": round((time.monotonic() - start) * 1000, 1)})
-        except TimeoutError:
-            result = (False, f"the probe generation did not finish within {state.options.probe_timeout}s")
-        except Exception as e:
-            result = (False, f"the probe generation failed: {e}")
-        state.last_probe = result
-        return result

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from kubellm.runtime.engine import LLMEngine, RequestOutput
+from kubellm.runtime.engine import EngineStats, LLMEngine, RequestOutput
 from kubellm.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("kubellm.server.engine")
@@ -42,6 +42,7 @@ class AsyncEngine:
         self.num_waiting = 0
         self.num_running = 0
         self.waiting_prompt_tokens = 0
+        self.stats: EngineStats | None = None  # the latest snapshot, taken on the engine thread
         self.error: BaseException | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -91,6 +92,23 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    # ---- what handlers may read from any thread (configuration, not loop state) -----------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.engine.capacity_tokens
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never run (reads configuration only)."""
+        self.engine.validate(prompt_ids, params)
 
     # ---- API for handlers (event-loop side) ----------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -205,7 +223,6 @@ class AsyncEngine:
         self.loop.call_soon_threadsafe(lambda: [q.put_nowait(failure) for q in self._streams.values()])
 
     def _update_gauges(self) -> None:
-        sched = self.engine.scheduler
-        self.num_waiting = len(sched.waiting)
-        self.num_running = len(sched.running)
-        self.waiting_prompt_tokens = sum(len(s) for s in sched.waiting)
+        self.stats = stats = self.engine.stats()
+        self.num_waiting, self.num_running = stats.num_waiting, stats.num_running
+        self.waiting_prompt_tokens = stats.waiting_prompt_tokens

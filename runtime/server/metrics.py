@@ -113,8 +113,7 @@ class _EngineCollector:
 
     def collect(self):
         state, labels, value = self.state, ["model_name"], [self.model_name]
-        engine = state.engine
-        bm = engine.block_manager
+        stats = state.stats or state.engine.stats()
 
         def gauge(name, doc, v):
             g = GaugeMetricFamily(name, doc, labels=labels)
@@ -129,10 +128,10 @@ class _EngineCollector:
         yield gauge("kubellm:num_requests_waiting", "Requests queued for the engine (the autoscaling signal).",
                     state.num_waiting)
         yield gauge("kubellm:num_requests_running", "Requests in the running batch.", state.num_running)
-        yield gauge("kubellm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", bm.usage)
-        yield gauge("kubellm:kv_cache_blocks_total", "KV-cache blocks in the pool.", bm.num_blocks)
+        yield gauge("kubellm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_usage)
+        yield gauge("kubellm:kv_cache_blocks_total", "KV-cache blocks in the pool.", stats.kv_blocks_total)
         yield counter("kubellm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      bm.prefix_queries)
-        yield counter("kubellm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", bm.prefix_hits)
+                      stats.prefix_queries)
+        yield counter("kubellm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_hits)
         yield counter("kubellm:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
-                      engine.scheduler.num_preemptions)
+                      stats.num_preemptions)

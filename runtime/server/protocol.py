@@ -1,7 +1,10 @@
 """OpenAI request/response shapes (plus the vLLM extensions benchmark tools send).
 
 Requests are validated by pydantic; anything malformed becomes a 400 with an OpenAI-style error
-body (see errors.py). Unknown fields are ignored, as OpenAI's own API does.
+body (see errors.py). Field policy (docs/api.md): a field that would change the output and that this server
+does not implement is refused with a 400 naming it (as OpenAI refuses unrecognized arguments), so a client
+never gets free text where it asked for something else. Only fields in ``IGNORED_FIELDS`` (bookkeeping that
+cannot change the output) are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -10,11 +13,32 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kubellm.runtime.sampling_params import SamplingParams
 
 MAX_N = 16
+MAX_MESSAGES = 4096  # per chat request; more is a bug or an attack, not a conversation
+
+# Accepted and ignored: they label or route a request and cannot change what is generated.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+
+
+class UnsupportedField(ValueError):
+    """A request field this server does not implement; the 400 names it."""
+
+    def __init__(self, name: str):
+        super().__init__(f"unsupported field `{name}`: kubellm does not implement it, so it would be silently "
+                         "ignored; remove it from the request (see docs/api.md for the supported fields)")
+        self.param = name
+
+
+def _refuse_unknown(model: type[BaseModel], data: Any) -> Any:
+    if isinstance(data, dict):
+        for key in data:
+            if key not in model.model_fields and key not in IGNORED_FIELDS:
+                raise UnsupportedField(key)
+    return data
 
 
 class StreamOptions(BaseModel):
@@ -22,7 +46,12 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # unknown keys are refused before validation (_refuse)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data):
+        return _refuse_unknown(cls, data)
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -81,8 +110,6 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -107,6 +134,17 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data):
+        return _refuse_unknown(cls, data)
+
+    @model_validator(mode="after")
+    def _needs_content(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a `{self.role}` message needs `content`")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
@@ -114,11 +152,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: bool = False
 
 
 class UsageInfo(BaseModel):

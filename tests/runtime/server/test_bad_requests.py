@@ -58,6 +58,20 @@ CASES = [
     ("stop_token_ids negative", "POST", COMP, {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("wrong method", "GET", CHAT, None, 405, "not allowed"),
     ("unknown route", "POST", "/v1/engines", {}, 404, "no route"),
+    ("user message without content", "POST", CHAT, {"messages": [{"role": "user"}]}, 400, "content"),
+    ("system message with null content", "POST", CHAT, {"messages": [{"role": "system", "content": None}, *MSG]},
+     400, "content"),
+    ("image part", "POST", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                            "image_url": {"url": "x"}}]}]}, 400,
+     "content"),
+    ("unknown field", "POST", CHAT, {"messages": MSG, "frobnicate": 1}, 400, "frobnicate"),
+    ("unknown field in a message", "POST", CHAT, {"messages": [{"role": "user", "content": "hi", "audio": {}}]}, 400,
+     "messages.0.audio"),
+    ("suffix (not implemented)", "POST", COMP, {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("best_of (not implemented)", "POST", COMP, {"prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ("functions (deprecated, not implemented)", "POST", CHAT, {"messages": MSG, "functions": []}, 400, "functions"),
+    ("too many messages", "POST", CHAT, {"messages": MSG * 5000}, 400, "messages"),
+    ("prompts x n over the per-request cap", "POST", COMP, {"prompt": ["a"] * 8, "n": 16}, 400, "n"),
 ]
 
 
@@ -74,6 +88,22 @@ def test_malformed_request_gets_an_openai_error(server, name, method, path, body
     error = resp.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"}
     assert needle in error["message"] or needle == error["param"], error
+
+
+def test_unsupported_fields_are_named_and_harmless_ones_are_ignored(server):
+    refused = httpx.post(server.url + COMP, json={"prompt": "hi", "suffix": "x"}, timeout=30).json()["error"]
+    assert refused["param"] == "suffix" and refused["code"] == "unsupported_field"
+    assert "unsupported field `suffix`" in refused["message"]
+    ok = httpx.post(server.url + CHAT, json={"messages": MSG, "max_tokens": 2, "user": "u-1", "store": False,
+                                             "metadata": {"team": "a"}}, timeout=30)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_body_over_the_size_cap_is_refused_with_413(server):
+    big = {"prompt": "a" * (server.options.max_request_bytes + 10)}
+    resp = httpx.post(server.url + COMP, json=big, timeout=60)
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+    assert str(server.options.max_request_bytes) in resp.json()["error"]["message"]
 
 
 def test_streaming_request_with_bad_input_is_refused_before_streaming(server):

@@ -139,3 +139,22 @@ def test_overload_is_shed_with_429_and_admitted_requests_complete(tiny_llama, ov
         srv.wait_idle()
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("phase", ["loading", "failed", "draining"])
+def test_models_answers_503_until_ready_so_pollers_wait(phase):
+    """Tools wait for a server by polling /v1/models (as with vLLM): it must not list the model before
+    requests can be served."""
+    from fastapi.testclient import TestClient
+
+    from kubellm.runtime.server.app import ServerOptions, ServerState, build_app
+
+    state = ServerState(ServerOptions(served_model_name="tiny"), phase=phase)
+    resp = TestClient(build_app(state)).get("/v1/models")
+    assert resp.status_code == 503 and resp.headers["retry-after"]
+    assert resp.json()["error"]["code"] == "not_ready" and phase in resp.json()["error"]["message"]
+
+
+def test_models_lists_the_served_model_once_ready(server):
+    data = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in data] == ["tiny"] and data[0]["max_model_len"] == 512

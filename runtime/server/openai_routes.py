@@ -1,0 +1,352 @@
+"""The OpenAI API routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+Every route sits behind the optional API-key check (auth.py). A request is parsed and validated, refused
+before anything is queued when it can never run or the server is shedding load, then run as one engine
+request per choice; streams interleave the choices as their tokens come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from kubellm.runtime.engine import RequestOutput
+from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
+from kubellm.runtime.scheduler import RequestTooLong
+from kubellm.runtime.server.app import ServerState
+from kubellm.runtime.server.async_engine import EngineDead
+from kubellm.runtime.server.auth import require_api_key
+from kubellm.runtime.server.errors import APIError, bad_request, overloaded
+from kubellm.runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnsupportedField,
+    UsageInfo,
+    new_id,
+    now,
+)
+from kubellm.runtime.tokenizer import ChatTemplateError
+
+
+def openai_router(state: ServerState) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(require_api_key(state.options.api_keys))])
+
+    @router.get("/v1/models")
+    async def models():
+        # 503 until ready, so tools that poll /v1/models to wait for a server (as with vLLM) wait long enough.
+        if state.phase != "ready":
+            raise overloaded(f"the server is not ready ({state.phase})", state.options.retry_after, 503,
+                             "not_ready")
+        card = {"id": state.options.served_model_name, "object": "model", "created": now(), "owned_by": "kubellm",
+                "max_model_len": state.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        req = await _parse(request, state, CompletionRequest)
+        _check_model(state, req.model)
+        _admit(state)
+        prompts = _completion_prompts(state, req.prompt)
+        _check_fan_out(state, len(prompts), req.n)
+        jobs = []
+        for p_index, ids in enumerate(prompts):
+            max_tokens = req.max_tokens if req.max_tokens is not None else state.options.default_completion_max_tokens
+            jobs += _jobs(state, req, ids, max_tokens, first_index=p_index * req.n)
+        rid = new_id("cmpl")
+        if req.stream:
+            return _sse(request, state, _stream_completion(state, req, rid, jobs))
+        outs = await _collect(request, state, jobs, rid)
+        choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason} for i, o in enumerate(outs)]
+        return {"id": rid, "object": "text_completion", "created": now(), "model": state.options.served_model_name,
+                "choices": choices, "usage": _usage(prompts, outs).model_dump(exclude_none=True)}
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await _parse(request, state, ChatCompletionRequest)
+        _check_model(state, req.model)
+        _admit(state)
+        _check_fan_out(state, 1, req.n)
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        try:
+            ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from e
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, state.max_model_len - len(ids))
+        jobs = _jobs(state, req, ids, max_tokens, first_index=0)
+        rid = new_id("chatcmpl")
+        if req.stream:
+            return _sse(request, state, _stream_chat(state, req, rid, jobs, len(ids)))
+        outs = await _collect(request, state, jobs, rid)
+        choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for i, o in enumerate(outs)]
+        return {"id": rid, "object": "chat.completion", "created": now(), "model": state.options.served_model_name,
+                "choices": choices, "usage": _usage([ids], outs).model_dump(exclude_none=True)}
+
+    return router
+
+
+# ---- request handling helpers --------------------------------------------------------------------
+async def _parse(request: Request, state: ServerState, model):
+    limit = state.options.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes is over the limit of {limit} bytes",
+                       code="request_too_large")
+    body = await request.body()
+    if len(body) > limit:
+        raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise bad_request(f"request body is not valid UTF-8: {e}") from e
+    except json.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, UnsupportedField):
+            loc = ".".join(str(p) for p in (*err["loc"], cause.param))
+            raise bad_request(str(cause).replace(f"`{cause.param}`", f"`{loc}`"), loc, "unsupported_field") from e
+        param = ".".join(str(p) for p in err["loc"]) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise bad_request(f"{param}: {msg}" if param else msg, param) from e
+
+
+def _check_fan_out(state: ServerState, num_prompts: int, n: int) -> None:
+    """Bound what one request may start: prompts x n sequences (each max_tokens is bounded by the context)."""
+    cap = state.options.max_sequences_per_request
+    if num_prompts * n > cap:
+        raise bad_request(f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
+                          f"at most {cap} per request", "n")
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name and name != state.options.served_model_name:
+        raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                            f"`{state.options.served_model_name}`.", "not_found_error", "model", "model_not_found")
+
+
+def _admit(state: ServerState) -> None:
+    """Shed load before any work is queued: 503 while not serving, 429 when the queue is full."""
+    opts = state.options
+    if state.phase == "draining":
+        state.metrics.rejected("draining")
+        raise overloaded("the server is draining for shutdown; retry on another replica", opts.retry_after, 503,
+                         "draining")
+    if state.phase != "ready":
+        raise overloaded(f"the server is not ready ({state.phase})", opts.retry_after, 503, "not_ready")
+    engine = state.engine
+    if engine.num_waiting >= opts.max_queue:
+        state.metrics.rejected("queue_full")
+        raise overloaded(f"{engine.num_waiting} requests are already queued (max {opts.max_queue}); retry later",
+                         opts.retry_after, 429, "queue_full")
+    if engine.waiting_prompt_tokens > opts.kv_admit_factor * engine.capacity_tokens:
+        state.metrics.rejected("kv_cache_full")
+        raise overloaded("the KV cache cannot take more queued work now; retry later", opts.retry_after, 429,
+                         "kv_cache_full")
+
+
+def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
+    if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = prompt
+    out = []
+    for p in prompts:
+        ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise bad_request("prompt must not be empty", "prompt")
+        out.append(ids)
+    return out
+
+
+def _jobs(state: ServerState, req, ids: list[int], max_tokens: int, first_index: int) -> list[tuple]:
+    """(choice index, prompt ids, sampling params) per choice; n choices get seeds seed, seed+1, ..."""
+    try:
+        base = req.sampling_params(max_tokens, state.options.default_completion_max_tokens)
+        state.engine.validate(ids, base)  # refuse before queueing, so streams never start doomed
+    except InvalidSamplingParams as e:
+        raise bad_request(str(e), e.param) from e
+    except ValueError as e:
+        raise _to_api_error(e) from e
+    seed = base.seed
+    return [(first_index + i, ids, base if i == 0 or seed is None else replace(base, seed=seed + i))
+            for i in range(req.n)]
+
+
+def _to_api_error(e: Exception) -> APIError:
+    if isinstance(e, RequestTooLong):
+        return bad_request(str(e), "messages" if "prompt" in str(e) else "max_tokens", "context_length_exceeded")
+    if isinstance(e, EngineDead):
+        return APIError(503, str(e), "service_unavailable", code="engine_failed", headers={"Retry-After": "1"})
+    if isinstance(e, ValueError):
+        return bad_request(str(e))
+    return APIError(500, f"internal error: {e}", "internal_error")
+
+
+async def _run_one(state: ServerState, rid: str, ids: list[int], params: SamplingParams) -> AsyncIterator:
+    try:
+        async for out in state.engine.generate(ids, params, rid):
+            yield out
+    except APIError:
+        raise
+    except Exception as e:
+        raise _to_api_error(e) from e
+
+
+async def _collect(request: Request, state: ServerState, jobs: list[tuple], rid: str) -> list[RequestOutput]:
+    """Run every choice to completion; abort them all if the client goes away first."""
+
+    async def one(index, ids, params):
+        last = None
+        async for out in _run_one(state, f"{rid}-{index}", ids, params):
+            last = out
+        return last
+
+    state.active_requests += 1
+    work = asyncio.gather(*(one(*job) for job in jobs))
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:  # the client left: cancelling the generators aborts the requests
+            work.cancel()
+            raise APIError(499, "client disconnected", "client_closed_request")
+        return work.result()
+    finally:
+        disconnect.cancel()
+        state.active_requests -= 1
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _usage(prompts: list[list[int]], outs: list[RequestOutput]) -> UsageInfo:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(o.token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs[: len(prompts)])
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                     total_tokens=prompt_tokens + completion,
+                     prompt_tokens_details={"cached_tokens": cached} if cached else None)
+
+
+# ---- streaming -----------------------------------------------------------------------------------
+def _sse(request: Request, state: ServerState, chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        state.active_requests += 1
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            state.active_requests -= 1
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _merge(state: ServerState, rid: str, jobs: list[tuple]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the outputs of every choice as they come; cancelling this cancels (aborts) them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index, ids, params):
+        try:
+            async for out in _run_one(state, f"{rid}-{index}", ids, params):
+                await queue.put((index, out))
+        except Exception as e:
+            await queue.put((index, e))
+
+    tasks = [asyncio.ensure_future(pump(*job)) for job in jobs]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _stream_completion(state, req: CompletionRequest, rid: str, jobs) -> AsyncIterator[dict]:
+    created, model = now(), state.options.served_model_name
+    merged = _merge(state, rid, jobs)
+    usage_prompts, outs = {}, {}
+    try:
+        async for index, out in _with_errors(merged):
+            if isinstance(out, dict):
+                yield out
+                return
+            usage_prompts[index // req.n] = out.prompt_token_ids
+            outs[index] = out
+            if out.new_text or out.finished:
+                yield {"id": rid, "object": "text_completion", "created": created, "model": model,
+                       "choices": [{"index": index, "text": out.new_text, "logprobs": None,
+                                    "finish_reason": out.finish_reason if out.finished else None,
+                                    "stop_reason": out.stop_reason if out.finished else None}]}
+        if req.include_usage:
+            yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                   "usage": _usage(list(usage_prompts.values()), list(outs.values())).model_dump(exclude_none=True)}
+    finally:
+        await merged.aclose()
+
+
+async def _stream_chat(state, req: ChatCompletionRequest, rid: str, jobs, num_prompt: int) -> AsyncIterator[dict]:
+    created, model = now(), state.options.served_model_name
+
+    def chunk(index, delta, finish=None, stop_reason=None):
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
+                             **({"stop_reason": stop_reason} if finish else {})}]}
+
+    merged = _merge(state, rid, jobs)
+    started, outs = set(), {}
+    try:
+        async for index, out in _with_errors(merged):
+            if isinstance(out, dict):
+                yield out
+                return
+            if index not in started:
+                started.add(index)
+                yield chunk(index, {"role": "assistant", "content": ""})
+            outs[index] = out
+            if out.new_text:
+                yield chunk(index, {"content": out.new_text})
+            if out.finished:
+                yield chunk(index, {}, out.finish_reason, out.stop_reason)
+        if req.include_usage:
+            yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+                   "usage": _usage([[0] * num_prompt], list(outs.values())).model_dump(exclude_none=True)}
+    finally:
+        await merged.aclose()
+
+
+async def _with_errors(merged: AsyncIterator) -> AsyncIterator[tuple]:
+    """Turn an error mid-stream into one OpenAI error event (the HTTP status is already sent)."""
+    try:
+        async for item in merged:
+            yield item
+    except APIError as e:
+        yield -1, {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+
+

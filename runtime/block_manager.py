@@ -78,8 +78,8 @@ class BlockManager:
         The last token is never served from the cache: the model must run on at least one token to
         produce the logits for the next one.
         """
-        if not self.enable_prefix_caching:
-            return [], []
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return [], []  # prompt logprobs need the logits of every prompt position: compute them all
         ids, hashes, parent = [], [], None
         tokens = seq.token_ids
         bs = self.block_size

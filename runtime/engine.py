@@ -23,8 +23,8 @@ from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.loader import build_model, read_checkpoint
 from kubellm.runtime.parallel import Group, check_divisible
 from kubellm.runtime.quantization import quantize_model
-from kubellm.runtime.sampler import Sampler
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.sampler import Sampler, TokenLogprobs
+from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
 from kubellm.runtime.scheduler import Scheduler
 from kubellm.runtime.sequence import FinishReason, Sequence
 from kubellm.runtime.tokenizer import Tokenizer
@@ -58,6 +58,9 @@ class RequestOutput:
     stop_reason: str | int | None
     num_cached_tokens: int
     metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when the request asked for them
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (the first: None)
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,8 @@ class _Request:
     emitted_text: int = 0  # chars of text already handed out in new_text
     emitted_tokens: int = 0
     text: str = ""
-    extra: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])  # nothing predicts token 0
 
 
 def _max_model_len(ckpt, config: EngineConfig) -> int:
@@ -201,6 +205,9 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
+        if bad is not None:
+            raise InvalidSamplingParams("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab})")
         self.scheduler.check_request(len(prompt_ids), params.max_tokens)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -258,12 +265,17 @@ class LLMEngine:
         for s in batch:
             m = self.requests[s.seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        sampled = self.runner.run(batch)
-        updated = self.scheduler.postprocess(batch, sampled)
-        return [self._process_token(seq) for seq in updated]
+        tokens, logprobs, prompt_logprobs = self.runner.run(batch)
+        for seq, first, entries in prompt_logprobs:  # a recompute after preemption repeats some: skip those
+            have = self.requests[seq.request_id].prompt_logprobs
+            have += entries[len(have) - first :]
+        updated = self.scheduler.postprocess(batch, tokens)  # the sequences of the sampled rows, in order
+        return [self._process_token(seq, lp) for seq, lp in zip(updated, logprobs, strict=True)]
 
-    def _process_token(self, seq: Sequence) -> RequestOutput:
+    def _process_token(self, seq: Sequence, logprobs: TokenLogprobs | None) -> RequestOutput:
         req = self.requests[seq.request_id]
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
         params = seq.sampling_params
         now = time.monotonic()
         req.metrics.first_token_time = req.metrics.first_token_time or now
@@ -303,12 +315,15 @@ class LLMEngine:
         req.emitted_text = end
         out_ids = seq.output_token_ids
         new_ids = out_ids[req.emitted_tokens :]
+        new_logprobs = req.logprobs[req.emitted_tokens :] if seq.sampling_params.logprobs is not None else None
         req.emitted_tokens = len(out_ids)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=out_ids, text=req.text,
             new_token_ids=new_ids, new_text=new_text, finished=finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None, stop_reason=seq.stop_reason,
-            num_cached_tokens=seq.num_cached_tokens, metrics=req.metrics)
+            num_cached_tokens=seq.num_cached_tokens, metrics=req.metrics,
+            logprobs=req.logprobs if seq.sampling_params.logprobs is not None else None, new_logprobs=new_logprobs,
+            prompt_logprobs=req.prompt_logprobs if seq.sampling_params.prompt_logprobs is not None else None)
 
 
 class LLM:

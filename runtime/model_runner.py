@@ -20,12 +20,24 @@ from kubellm.runtime.layers.attention import (
 from kubellm.runtime.layers.linear import pack_linears
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM, use_native_ops
+from kubellm.runtime.sampler import token_logprobs
 from kubellm.runtime.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
-    from kubellm.runtime.sampler import Sampler
+    from kubellm.runtime.sampler import Sampler, TokenLogprobs
 
 log = logging.getLogger("kubellm.runner")
+
+
+def _chunk_starts(batch: list[ScheduledSeq]) -> list[int]:
+    """Where each batch entry's tokens start in the flat input: decodes first, then prefills (as prepare lays
+    them out)."""
+    starts, offset = [0] * len(batch), 0
+    for want_decode in (True, False):
+        for i, s in enumerate(batch):
+            if (s.num_tokens == 1) == want_decode:
+                starts[i], offset = offset, offset + s.num_tokens
+    return starts
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -126,15 +138,33 @@ class ModelRunner:
         self.model(input_ids, positions, meta)
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> list[int]:
-        """One forward pass; returns a sampled token for each batch entry that samples, in order."""
+    def run(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprobs | None], list[tuple]]:
+        """One forward pass. Returns, for each batch entry that samples, in order, its token and (when asked)
+        its logprobs; and ``(seq, first prompt index, [TokenLogprobs])`` for the prompt tokens this step
+        computed of sequences that asked for prompt logprobs."""
         input_ids, positions, meta, sample_at = self.prepare(batch)
         hidden = self._forward(input_ids, positions, meta)
         if not sample_at:
-            return []
+            return [], [], self._prompt_logprobs(batch, hidden, sample_at)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_at, device=self.device)])
         seqs = [s.seq for s in batch if s.samples]
-        return self.sampler(logits, seqs).tolist()
+        tokens, logprobs = self.sampler.sample(logits, seqs)
+        return tokens.tolist(), logprobs, self._prompt_logprobs(batch, hidden, sample_at)
+
+    def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor, sample_at: list[int]) -> list[tuple]:
+        """Raw-logit logprobs of prompt tokens 1.. as this step's chunk predicts them (position p → token p+1)."""
+        out = []
+        starts = _chunk_starts(batch)
+        for i, s in enumerate(batch):
+            seq, c = s.seq, s.seq.num_computed_tokens
+            k = seq.sampling_params.prompt_logprobs
+            n = min(s.num_tokens, seq.num_prompt_tokens - 1 - c)  # the prompt's last position predicts output
+            if k is None or n <= 0:
+                continue
+            logits = self.model.compute_logits(hidden[starts[i] : starts[i] + n])
+            targets = torch.tensor(seq.token_ids[c + 1 : c + 1 + n], device=logits.device)
+            out.append((seq, c + 1, token_logprobs(logits, targets, [k] * n)))
+        return out
 
     @torch.inference_mode()
     def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,14 @@ class Sampler:
 
     # ------------------------------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor, seqs: SequenceOf[Any]) -> torch.Tensor:
+        return self.sample(logits, seqs)[0]
+
+    def sample(self, logits: torch.Tensor, seqs: SequenceOf[Any],
+               allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """Token ids [B] and, per row, its ``TokenLogprobs`` when ``sampling_params.logprobs`` asks (else None).
+
+        ``allowed``: an optional bool mask [B, V] (a grammar's); False entries are never sampled.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs), V], got {tuple(logits.shape)} for {len(seqs)} seqs")
         B, V = logits.shape
@@ -69,7 +78,9 @@ class Sampler:
         sampled: list[int] = []  # rows that draw a token (not greedy)
         temps: list[float] = []
         penalised: list[int] = []
+        biased: list[int] = []
         banned: list[tuple[int, list[int]]] = []  # (row, token ids masked by min_tokens)
+        want_logprobs: list[int] = []
         for i, seq in enumerate(seqs):
             p = seq.sampling_params
             if not (p.temperature < _GREEDY_TEMPERATURE or p.top_k == 1):
@@ -77,44 +88,57 @@ class Sampler:
                 temps.append(float(p.temperature))
             if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
                 penalised.append(i)
+            if p.logit_bias:
+                biased.append(i)
             if p.min_tokens and seq.num_output_tokens < p.min_tokens:
                 ids = list(p.stop_token_ids)
                 if not p.ignore_eos:
                     ids.extend(self.eos_token_ids)
                 if ids:
                     banned.append((i, ids))
+            if p.logprobs is not None:
+                want_logprobs.append(i)
 
-        if not sampled and not penalised and not banned:
-            return _argmax(logits)
+        modified = bool(penalised or banned or biased) or allowed is not None
+        if not sampled and not modified:
+            tokens = _argmax(logits)
+            return tokens, _logprobs(logits, tokens, seqs, want_logprobs)
 
-        # The (possibly penalised) logits, divided by the temperature on sampled rows. Left as the input
-        # tensor when nothing needs to change, since everything below only reads it.
-        scale = any(t != 1.0 for t in temps)
-        if penalised or banned or logits.dtype != torch.float32 or not logits.is_contiguous():
+        # The processed logits: penalties, logit_bias, min_tokens bans (logprobs are read here), then the
+        # grammar mask and the temperature on sampled rows. Left as the input tensor when nothing changes it,
+        # since everything below only reads it.
+        if modified or logits.dtype != torch.float32 or not logits.is_contiguous():
             work = self._buffer("work", B * V, device).view(B, V)
             work.copy_(logits)
             if penalised:
                 self._apply_penalties(work, [seqs[i] for i in penalised], penalised)
+            if biased:
+                _apply_logit_bias(work, [(i, seqs[i].sampling_params.logit_bias) for i in biased])
             if banned:
                 self._mask_banned(work, banned)
-            if scale:
-                work.div_(self._temperature_column(B, sampled, temps, device))
-        elif scale:
-            work = self._buffer("work", B * V, device).view(B, V)
-            torch.div(logits, self._temperature_column(B, sampled, temps, device), out=work)
         else:
             work = logits
+        processed = _rows(work, want_logprobs)  # a copy: the mask and temperature below work in place
+        if allowed is not None:
+            work.masked_fill_(~allowed, float("-inf"))
+        if any(t != 1.0 for t in temps):
+            column = self._temperature_column(B, sampled, temps, device)
+            if work is logits:
+                work = torch.div(logits, column, out=self._buffer("work", B * V, device).view(B, V))
+            else:
+                work.div_(column)
 
         if len(sampled) == B:
-            return self._sample_rows(work, seqs)
-        out = _argmax(work)  # greedy rows (one pass over all rows is cheaper than gathering them first)
-        if sampled:
-            rows = torch.tensor(sampled, device=device)
-            x = torch.index_select(
-                work, 0, rows, out=self._buffer("rows", len(sampled) * V, device).view(-1, V)
-            )
-            out[rows] = self._sample_rows(x, [seqs[i] for i in sampled])
-        return out
+            tokens = self._sample_rows(work, seqs)
+        else:
+            tokens = _argmax(work)  # greedy rows (one pass over all rows is cheaper than gathering them first)
+            if sampled:
+                rows = torch.tensor(sampled, device=device)
+                x = torch.index_select(
+                    work, 0, rows, out=self._buffer("rows", len(sampled) * V, device).view(-1, V)
+                )
+                tokens[rows] = self._sample_rows(x, [seqs[i] for i in sampled])
+        return tokens, _logprobs(processed, tokens, seqs, want_logprobs, rows_only=True)
 
     # ------------------------------------------------------------------------------------------------
     def _buffer(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
@@ -206,6 +230,53 @@ class Sampler:
             e = self._buffer("probs", n * V, device).view(n, V)
             tokens[full] = _sample_full(xs, m[full], cut[full], u[full], e)
         return tokens
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The sampled token's log-probability and the ``top`` (token id, log-probability) pairs, most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    return x.index_select(0, torch.tensor(rows, device=x.device)) if rows else None
+
+
+def _logprobs(x: torch.Tensor | None, tokens: torch.Tensor, seqs: SequenceOf[Any], rows: list[int],
+              rows_only: bool = False) -> list[TokenLogprobs | None]:
+    """Per row of ``seqs``: the ``TokenLogprobs`` of its token with k = ``sampling_params.logprobs``, or None.
+
+    ``x`` is [B, V], or [len(rows), V] holding just those rows when ``rows_only``.
+    """
+    out: list[TokenLogprobs | None] = [None] * len(seqs)
+    if rows:
+        x = x if rows_only else _rows(x, rows)
+        chosen = tokens[torch.tensor(rows, device=tokens.device)]
+        ks = [seqs[i].sampling_params.logprobs for i in rows]
+        for i, entry in zip(rows, token_logprobs(x, chosen, ks), strict=True):
+            out[i] = entry
+    return out
+
+
+def token_logprobs(x: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    """log-softmax of each row of ``x`` [R, V] at ``tokens`` [R], and its ``ks[r]`` most likely tokens."""
+    x = x.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen = (x.gather(1, tokens.view(-1, 1).to(x.device)) - lse).squeeze(1).tolist()
+    k = max(ks)
+    top_v, top_i = x.topk(k, dim=-1) if k else (x[:, :0], x[:, :0].long())
+    top_v, top_i = (top_v - lse).tolist(), top_i.tolist()
+    return [TokenLogprobs(chosen[r], list(zip(top_i[r][:n], top_v[r][:n], strict=True))) for r, n in enumerate(ks)]
+
+
+def _apply_logit_bias(work: torch.Tensor, rows: list[tuple[int, dict[int, float]]]) -> None:
+    V = work.shape[1]
+    keys = [(row * V + t, b) for row, bias in rows for t, b in bias.items() if 0 <= t < V]
+    if keys:
+        idx = torch.tensor([k for k, _ in keys], device=work.device)
+        work.view(-1).index_add_(0, idx, torch.tensor([b for _, b in keys], dtype=work.dtype, device=work.device))
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

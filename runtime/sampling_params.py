@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # top log-probabilities per token a request may ask for (vLLM's default max_logprobs)
+
 
 class InvalidSamplingParams(ValueError):
     """A parameter is out of range; the message names it and the allowed range."""
@@ -37,6 +39,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Log-probabilities of the processed distribution (after penalties, logit_bias and min_tokens; before the
+    # grammar mask, temperature and top-k/top-p/min-p): None = none; k >= 0 = the chosen token's plus the top k.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix cache)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,3 +92,12 @@ class SamplingParams:
             raise bad("stop", f"at most 16 stop sequences, got {len(self.stop)}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not (isinstance(k, int) and 0 <= k <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        for t, b in (self.logit_bias or {}).items():
+            if not isinstance(t, int) or t < 0:
+                raise bad("logit_bias", f"keys must be token ids (non-negative integers), got {t!r}")
+            if not -100.0 <= b <= 100.0:
+                raise bad("logit_bias", f"values must be in [-100, 100], got {b} for token {t}")

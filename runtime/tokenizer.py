@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from datetime import datetime
 
 import jinja2
@@ -25,6 +27,23 @@ def _token_str(value) -> str | None:
 
 def _raise(message: str):
     raise ChatTemplateError(message)
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character each byte is written as, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 class Tokenizer:
@@ -71,6 +90,27 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one tokenizer per process, ids are few
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token stands for (a piece of a UTF-8 character possibly), for logprobs."""
+        piece = self.tk.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if m := _BYTE_FALLBACK.match(piece):  # SentencePiece byte fallback
+            return bytes([int(m.group(1), 16)])
+        table = _byte_level_decoder()
+        if self.tk.token_to_id(piece) is not None and self._byte_level and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return self.tk.decode([token_id], skip_special_tokens=False).encode()
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (U+FFFD where it holds part of a character), as OpenAI's logprobs show it."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return "ByteLevel" in json.dumps(json.loads(self.tk.to_str()).get("decoder") or {})
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render messages to the prompt text the model was trained on."""

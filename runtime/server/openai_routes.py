@@ -23,6 +23,7 @@ from kubellm.runtime.server.app import ServerState
 from kubellm.runtime.server.async_engine import EngineDead
 from kubellm.runtime.server.auth import require_api_key
 from kubellm.runtime.server.errors import APIError, bad_request, overloaded
+from kubellm.runtime.server.logprobs import chat_logprobs, completion_logprobs
 from kubellm.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,10 +61,17 @@ def openai_router(state: ServerState) -> APIRouter:
             jobs += _jobs(state, req, ids, max_tokens, first_index=p_index * req.n)
         rid = new_id("cmpl")
         if req.stream:
-            return _sse(request, state, _stream_completion(state, req, rid, jobs))
+            return _sse(request, state, _stream_completion(state, req, rid, jobs, prompts))
         outs = await _collect(request, state, jobs, rid)
-        choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason} for i, o in enumerate(outs)]
+        choices = []
+        for i, o in enumerate(outs):
+            echo = _echo_text(state, req.prompt, prompts, i // req.n) if req.echo else ""
+            logprobs = None
+            if req.logprobs is not None:
+                ids, entries = _completion_tokens(o, req.echo)
+                logprobs, _ = completion_logprobs(state.tokenizer, ids, entries, 0)
+            choices.append({"index": i, "text": echo + o.text, "logprobs": logprobs, "finish_reason": o.finish_reason,
+                            "stop_reason": o.stop_reason})
         return {"id": rid, "object": "text_completion", "created": now(), "model": state.options.served_model_name,
                 "choices": choices, "usage": _usage(prompts, outs).model_dump(exclude_none=True)}
 
@@ -87,7 +95,8 @@ def openai_router(state: ServerState) -> APIRouter:
         if req.stream:
             return _sse(request, state, _stream_chat(state, req, rid, jobs, len(ids)))
         outs = await _collect(request, state, jobs, rid)
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+        choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": chat_logprobs(state.tokenizer, o.token_ids, o.logprobs) if req.logprobs else None,
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for i, o in enumerate(outs)]
         return {"id": rid, "object": "chat.completion", "created": now(), "model": state.options.served_model_name,
                 "choices": choices, "usage": _usage([ids], outs).model_dump(exclude_none=True)}
@@ -288,22 +297,38 @@ async def _merge(state: ServerState, rid: str, jobs: list[tuple]) -> AsyncIterat
             t.cancel()
 
 
-async def _stream_completion(state, req: CompletionRequest, rid: str, jobs) -> AsyncIterator[dict]:
+async def _stream_completion(state, req: CompletionRequest, rid: str, jobs, prompts) -> AsyncIterator[dict]:
     created, model = now(), state.options.served_model_name
     merged = _merge(state, rid, jobs)
-    usage_prompts, outs = {}, {}
+    usage_prompts, outs, offsets = {}, {}, {}
+
+    def chunk(index, text, logprobs=None, out=None):
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                             "finish_reason": out.finish_reason if out and out.finished else None,
+                             "stop_reason": out.stop_reason if out and out.finished else None}]}
+
     try:
         async for index, out in _with_errors(merged):
             if isinstance(out, dict):
                 yield out
                 return
             usage_prompts[index // req.n] = out.prompt_token_ids
+            if index not in outs and req.echo:  # the prompt first, with its logprobs
+                echo = _echo_text(state, req.prompt, prompts, index // req.n)
+                lp = None
+                if req.logprobs is not None:
+                    ids, entries = _completion_tokens(out, echo=True, output=False)
+                    lp, offsets[index] = completion_logprobs(state.tokenizer, ids, entries, 0)
+                offsets.setdefault(index, len(echo))
+                yield chunk(index, echo, lp)
             outs[index] = out
-            if out.new_text or out.finished:
-                yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [{"index": index, "text": out.new_text, "logprobs": None,
-                                    "finish_reason": out.finish_reason if out.finished else None,
-                                    "stop_reason": out.stop_reason if out.finished else None}]}
+            lp = None
+            if req.logprobs is not None and out.new_token_ids:
+                lp, offsets[index] = completion_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs,
+                                                         offsets.get(index, 0))
+            if out.new_text or out.finished or lp:
+                yield chunk(index, out.new_text, lp, out)
         if req.include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
                    "usage": _usage(list(usage_prompts.values()), list(outs.values())).model_dump(exclude_none=True)}
@@ -311,12 +336,34 @@ async def _stream_completion(state, req: CompletionRequest, rid: str, jobs) -> A
         await merged.aclose()
 
 
+def _echo_text(state: ServerState, prompt, prompts: list[list[int]], p_index: int) -> str:
+    """The prompt as the client sent it (decoded when it was token ids)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and isinstance(prompt[p_index], str):
+        return prompt[p_index]
+    return state.tokenizer.decode(prompts[p_index])
+
+
+def _completion_tokens(out: RequestOutput, echo: bool, output: bool = True) -> tuple[list[int], list]:
+    """Token ids and their logprob entries for a completion choice: the prompt's first under ``echo``
+    (None for its first token, which nothing predicts), then the output's."""
+    ids, entries = [], []
+    if echo:
+        ids += out.prompt_token_ids
+        entries += [None, *(out.prompt_logprobs or [None] * len(out.prompt_token_ids))[1:]]
+    if output:
+        ids += out.token_ids
+        entries += out.logprobs or []
+    return ids, entries
+
+
 async def _stream_chat(state, req: ChatCompletionRequest, rid: str, jobs, num_prompt: int) -> AsyncIterator[dict]:
     created, model = now(), state.options.served_model_name
 
-    def chunk(index, delta, finish=None, stop_reason=None):
+    def chunk(index, delta, finish=None, stop_reason=None, logprobs=None):
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                              **({"stop_reason": stop_reason} if finish else {})}]}
 
     merged = _merge(state, rid, jobs)
@@ -330,8 +377,11 @@ async def _stream_chat(state, req: ChatCompletionRequest, rid: str, jobs, num_pr
                 started.add(index)
                 yield chunk(index, {"role": "assistant", "content": ""})
             outs[index] = out
-            if out.new_text:
-                yield chunk(index, {"content": out.new_text})
+            lp = None
+            if req.logprobs and out.new_token_ids:
+                lp = chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs)
+            if out.new_text or lp:
+                yield chunk(index, {"content": out.new_text}, logprobs=lp)
             if out.finished:
                 yield chunk(index, {}, out.finish_reason, out.stop_reason)
         if req.include_usage:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_MESSAGES = 4096  # per chat request; more is a bug or an attack, not a conversation
@@ -74,6 +74,22 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v):
+        for key in v or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids as strings, got {key!r}")
+        return v
+
+    def logprobs_k(self) -> int | None:
+        """Top log-probabilities per generated token (None: no logprobs)."""
+        return None
+
+    def prompt_logprobs_k(self) -> int | None:
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -100,6 +116,9 @@ class _Request(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            logprobs=self.logprobs_k(),
+            prompt_logprobs=self.prompt_logprobs_k(),
+            logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )
 
     @property
@@ -109,7 +128,14 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool = False  # the prompt is returned before the completion
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_k(self) -> int | None:
+        return self.logprobs if self.echo else None  # echo + logprobs: what eval harnesses score prompts with
 
     @field_validator("prompt")
     @classmethod
@@ -156,6 +182,17 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class UsageInfo(BaseModel):

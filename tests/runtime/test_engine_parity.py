@@ -36,10 +36,10 @@ class LogitRecorder:
         self.sampler = sampler
         self.rows: dict[str, list[torch.Tensor]] = {}
 
-    def __call__(self, logits, seqs):
+    def sample(self, logits, seqs, *args):
         for row, seq in zip(logits, seqs, strict=True):
             self.rows.setdefault(seq.request_id, []).append(row.clone())
-        return self.sampler(logits, seqs)
+        return self.sampler.sample(logits, seqs, *args)
 
 
 def _engine(model_dir, **kw) -> LLM:

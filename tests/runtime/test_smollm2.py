@@ -42,12 +42,13 @@ def test_greedy_equals_transformers_on_the_gguf_with_chunking_preemption_and_pre
     rows: dict[str, list[torch.Tensor]] = {}
     sampler = llm.engine.runner.sampler
 
-    def record(logits, seqs):
-        for row, seq in zip(logits, seqs, strict=True):
-            rows.setdefault(seq.request_id, []).append(row.clone())
-        return sampler(logits, seqs)
+    class Recorder:
+        def sample(self, logits, seqs, *args):
+            for row, seq in zip(logits, seqs, strict=True):
+                rows.setdefault(seq.request_id, []).append(row.clone())
+            return sampler.sample(logits, seqs, *args)
 
-    llm.engine.runner.sampler = record
+    llm.engine.runner.sampler = Recorder()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits > 0
     assert llm.engine.block_manager.num_used_blocks == 0

@@ -71,6 +71,16 @@ CASES = [
     ("best_of (not implemented)", "POST", COMP, {"prompt": "hi", "best_of": 2}, 400, "best_of"),
     ("functions (deprecated, not implemented)", "POST", CHAT, {"messages": MSG, "functions": []}, 400, "functions"),
     ("too many messages", "POST", CHAT, {"messages": MSG * 5000}, 400, "messages"),
+    ("logprobs over the cap", "POST", COMP, {"prompt": "hi", "logprobs": 10000}, 400, "logprobs"),
+    ("logprobs negative", "POST", COMP, {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    ("top_logprobs over the cap", "POST", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    ("top_logprobs without logprobs", "POST", CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("logprobs not a bool in chat", "POST", CHAT, {"messages": MSG, "logprobs": 5}, 400, "logprobs"),
+    ("logit_bias key not a token id", "POST", CHAT, {"messages": MSG, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("logit_bias value out of range", "POST", COMP, {"prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    ("logit_bias token outside the vocabulary", "POST", COMP, {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400,
+     "logit_bias"),
     ("prompts x n over the per-request cap", "POST", COMP, {"prompt": ["a"] * 8, "n": 16}, 400, "n"),
 ]
 

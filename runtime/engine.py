@@ -7,6 +7,7 @@ offline API (``LLM(model).generate(prompts, SamplingParams(...))``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from kubellm.runtime.sampler import Sampler, TokenLogprobs
 from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
 from kubellm.runtime.scheduler import Scheduler
 from kubellm.runtime.sequence import FinishReason, Sequence
+from kubellm.runtime.structured_output import StructuredOutputs
 from kubellm.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("kubellm.engine")
@@ -189,6 +191,8 @@ class LLMEngine:
         seq = Sequence(prompt_ids, params, request_id)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if params.guided is not None:
+            seq.grammar = self.structured_outputs.matcher(params.guided)
         self.scheduler.add(seq)
         stops = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         self.requests[seq.request_id] = _Request(
@@ -209,6 +213,8 @@ class LLMEngine:
         if bad is not None:
             raise InvalidSamplingParams("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab})")
         self.scheduler.check_request(len(prompt_ids), params.max_tokens)
+        if params.guided is not None:
+            self.structured_outputs.check(params.guided)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -240,6 +246,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @functools.cached_property
+    def structured_outputs(self) -> StructuredOutputs:
+        """The grammar engine, built at the first structured-output request (or by the server at start-up)."""
+        so = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
+        self.runner.structured = so
+        return so
 
     # ---- public surface for the server ---------------------------------------------------------
     @property
@@ -284,6 +297,9 @@ class LLMEngine:
         n_out = seq.num_output_tokens
         req.text += req.detokenizer.push([token])
         reason, stop_reason = None, None
+        if seq.grammar is not None and not seq.grammar.consume_token(token):  # the mask allowed it: a bug
+            log.error("request %s: token %d broke its grammar: %s", seq.request_id, token, seq.grammar.get_error())
+            reason = FinishReason.ABORT
         if n_out >= params.min_tokens:
             if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
                 reason = FinishReason.STOP
@@ -293,6 +309,8 @@ class LLMEngine:
                 req.text, matched = req.stops.check(req.text, len(req.text) - req.emitted_text)
                 if matched is not None:
                     reason, stop_reason = FinishReason.STOP, matched
+        if reason is None and seq.grammar is not None and seq.grammar.is_stopped():  # nothing more may follow
+            reason = FinishReason.STOP
         if reason is None and (params.max_tokens is not None and n_out >= params.max_tokens
                                or len(seq) >= self.max_model_len):
             reason = FinishReason.LENGTH

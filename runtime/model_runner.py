@@ -25,6 +25,7 @@ from kubellm.runtime.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
     from kubellm.runtime.sampler import Sampler, TokenLogprobs
+    from kubellm.runtime.structured_output import StructuredOutputs
 
 log = logging.getLogger("kubellm.runner")
 
@@ -50,6 +51,7 @@ class ModelRunner:
                  dtype: torch.dtype, device: str, sampler: Sampler, attention_backend: str = "auto"):
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
         self.sampler = sampler
+        self.structured: StructuredOutputs | None = None  # rank 0 of an engine with grammar requests sets it
         self.tp = model.tp  # tensor parallelism: rank 0 broadcasts each step's inputs to the other ranks
         num_heads, num_kv_heads = cfg.num_heads // self.tp.size, cfg.num_kv_heads // self.tp.size
         shape = (num_blocks, block_size, num_kv_heads, cfg.head_dim)
@@ -143,12 +145,13 @@ class ModelRunner:
         its logprobs; and ``(seq, first prompt index, [TokenLogprobs])`` for the prompt tokens this step
         computed of sequences that asked for prompt logprobs."""
         input_ids, positions, meta, sample_at = self.prepare(batch)
+        seqs = [s.seq for s in batch if s.samples]
+        masks = self.structured.start_masks(seqs) if self.structured is not None else None  # beside the forward
         hidden = self._forward(input_ids, positions, meta)
         if not sample_at:
             return [], [], self._prompt_logprobs(batch, hidden, sample_at)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_at, device=self.device)])
-        seqs = [s.seq for s in batch if s.samples]
-        tokens, logprobs = self.sampler.sample(logits, seqs)
+        tokens, logprobs = self.sampler.sample(logits, seqs, masks.result().to(logits.device) if masks else None)
         return tokens.tolist(), logprobs, self._prompt_logprobs(batch, hidden, sample_at)
 
     def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor, sample_at: list[int]) -> list[tuple]:

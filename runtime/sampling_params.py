@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kubellm.runtime.structured_output import GuidedDecoding
 
 MAX_LOGPROBS = 20  # top log-probabilities per token a request may ask for (vLLM's default max_logprobs)
 
@@ -44,6 +48,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix cache)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    guided: GuidedDecoding | None = None  # structured output: the text must match this schema/regex/grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -135,6 +135,9 @@ async def _load_and_serve(state: ServerState, server: uvicorn.Server, serving: a
 
 def _build_engine(config) -> LLMEngine:
     engine = LLMEngine(config, True)
+    start = time.monotonic()
+    engine.structured_outputs  # noqa: B018 - built now, not in the first structured request's latency
+    log.info("grammar engine (llguidance) ready in %.2fs", time.monotonic() - start)
     log.info("warm-up: a full %d-token step took %.2fs", engine.scheduler.max_num_batched_tokens, engine.warmup())
     return engine
 

@@ -32,6 +32,7 @@ from kubellm.runtime.server.protocol import (
     new_id,
     now,
 )
+from kubellm.runtime.structured_output import InvalidGuidedDecoding
 from kubellm.runtime.tokenizer import ChatTemplateError
 
 
@@ -188,7 +189,7 @@ def _jobs(state: ServerState, req, ids: list[int], max_tokens: int, first_index:
     try:
         base = req.sampling_params(max_tokens, state.options.default_completion_max_tokens)
         state.engine.validate(ids, base)  # refuse before queueing, so streams never start doomed
-    except InvalidSamplingParams as e:
+    except (InvalidSamplingParams, InvalidGuidedDecoding) as e:
         raise bad_request(str(e), e.param) from e
     except ValueError as e:
         raise _to_api_error(e) from e

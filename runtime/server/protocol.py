@@ -9,13 +9,15 @@ cannot change the output) are accepted and ignored.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from kubellm.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
+from kubellm.runtime.structured_output import GuidedDecoding
 
 MAX_N = 16
 MAX_MESSAGES = 4096  # per chat request; more is a bug or an attack, not a conversation
@@ -45,8 +47,44 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+def _schema(value, param: str):
+    """A JSON schema given as an object, or as JSON text (vLLM accepts both)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{param} is not valid JSON: {e.msg}") from e
+    return value
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown keys are refused before validation (_refuse)
+    _guided: GuidedDecoding | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -75,6 +113,47 @@ class _Request(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: there is one backend (llguidance)
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        self._guided = None
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(GuidedDecoding("json_object", None, "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ValueError("response_format.json_schema is required when type is json_schema")
+            found.append(GuidedDecoding("json", rf.json_schema.schema_, "response_format.json_schema.schema"))
+        so = self.structured_outputs
+        if so is not None:
+            given = {k: v for k, v in so.model_dump(by_alias=True).items() if v not in (None, False)}
+            if len(given) != 1:
+                raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar")
+            (key, value), = given.items()
+            kind = {"json": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar"}[key]
+            param = f"structured_outputs.{key}"
+            found.append(GuidedDecoding(kind, _schema(value, param) if kind == "json" else
+                                        (None if kind == "json_object" else value), param))
+        for field_name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                                 ("guided_grammar", "grammar")):
+            value = getattr(self, field_name)
+            if value is not None:
+                found.append(GuidedDecoding(kind, _schema(value, field_name) if kind == "json" else value,
+                                            field_name))
+        if len(found) > 1:
+            raise ValueError("give one output constraint: " + ", ".join(g.param for g in found) + " were all set")
+        self._guided = found[0] if found else None
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -118,6 +197,7 @@ class _Request(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logprobs=self.logprobs_k(),
             prompt_logprobs=self.prompt_logprobs_k(),
+            guided=self._guided,
             logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )
 

@@ -107,7 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if "/" not in args.model else args.model.rstrip("/").split("/")[-1])
     options = ServerOptions(served_model_name=name, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
                             probe_timeout=args.probe_timeout, probe_skip_window=args.probe_skip_window,
-                            liveness_timeout=args.liveness_timeout, api_keys=api_keys_from(args.api_key))
+                            liveness_timeout=args.liveness_timeout, api_keys=api_keys_from(args.api_key),
+                            tool_call_parser=args.tool_call_parser)
     config = EngineConfig(model=args.model, **engine_kwargs(args))
     admin_port = None if args.admin_port < 0 else args.admin_port
     return asyncio.run(run_server(config, options, args.host, args.port, admin_port=admin_port))
@@ -279,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on /v1/* (repeatable: any of the keys; default: "
                         "$KUBELLM_API_KEY, one key or several separated by commas; none = open). Health and "
                         "metrics stay open")
+    s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="the syntax the model writes tool calls in: hermes (Hermes, Qwen), llama3_json (Llama 3.x), "
+                        "mistral; auto = read it from the chat template (default)")
     s.add_argument("--served-model-name", help="model name clients send (default: --model's last path part)")
     s.add_argument("--max-queue", type=int, default=256,
                    help="waiting requests beyond which new ones get 429 + Retry-After (default 256)")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")  # lark: never read as GBNF
 # Compact JSON (no free whitespace): a model cannot wander into endless spaces, and the output is the same data.
 JSON_OPTIONS = {"whitespace_flexible": False}
 
@@ -38,7 +38,7 @@ class GuidedDecoding:
     """What the output must match. ``value``: a JSON schema (dict), None (json_object), a regex, a list of
     strings (choice), or a Lark / GBNF grammar (text). ``param`` is the request field it came from."""
 
-    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    kind: Literal["json", "json_object", "regex", "choice", "grammar", "lark"]
     value: Any = None
     param: str = "structured_outputs"
 
@@ -69,7 +69,7 @@ class GuidedDecoding:
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             text = _text(self.value, self.param)
-            if "::=" in text:  # GBNF (llama.cpp / xgrammar's notation)
+            if self.kind == "grammar" and "::=" in text:  # GBNF (llama.cpp / xgrammar's notation)
                 text = gbnf_to_lark(text)
             return m.grammar_from_lark(text)
         except (ValueError, TypeError) as e:

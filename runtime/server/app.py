@@ -33,6 +33,7 @@ class ServerOptions:
     api_keys: tuple[str, ...] = ()  # when set, /v1/* needs `Authorization: Bearer <one of them>`
     max_request_bytes: int = 8 * 2**20  # larger bodies get 413 before they are read
     max_sequences_per_request: int = 64  # prompts x n of one request
+    tool_call_parser: str = "auto"  # the model's tool-call syntax: auto (from the chat template) or a name
 
 
 @dataclass

@@ -32,6 +32,14 @@ from kubellm.runtime.server.protocol import (
     new_id,
     now,
 )
+from kubellm.runtime.server.tools import (
+    ToolCallingUnavailable,
+    ToolCallStream,
+    choose_parser,
+    parse_calls,
+    required_grammar,
+    template_messages,
+)
 from kubellm.runtime.structured_output import InvalidGuidedDecoding
 from kubellm.runtime.tokenizer import ChatTemplateError
 
@@ -82,23 +90,32 @@ def openai_router(state: ServerState) -> APIRouter:
         _check_model(state, req.model)
         _admit(state)
         _check_fan_out(state, 1, req.n)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+        parser, overrides, kwargs = _tool_setup(state, req)
         try:
-            ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+            ids = state.tokenizer.encode_chat(template_messages(req.messages), req.add_generation_prompt,
+                                              **(req.chat_template_kwargs or {}), **kwargs)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from e
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - len(ids))
-        jobs = _jobs(state, req, ids, max_tokens, first_index=0)
+        jobs = _jobs(state, req, ids, max_tokens, first_index=0, **overrides)
         rid = new_id("chatcmpl")
         if req.stream:
-            return _sse(request, state, _stream_chat(state, req, rid, jobs, len(ids)))
+            return _sse(request, state, _stream_chat(state, req, rid, jobs, len(ids), parser))
         outs = await _collect(request, state, jobs, rid)
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": chat_logprobs(state.tokenizer, o.token_ids, o.logprobs) if req.logprobs else None,
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for i, o in enumerate(outs)]
+        choices = []
+        for i, o in enumerate(outs):
+            message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+            if parser is not None:
+                content, calls, _ = parse_calls(parser, o.text)
+                if calls:
+                    calls = calls if req.parallel_tool_calls else calls[:1]
+                    message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+                    finish = "tool_calls"
+            choices.append({"index": i, "message": message,
+                            "logprobs": chat_logprobs(state.tokenizer, o.token_ids, o.logprobs) if req.logprobs
+                            else None, "finish_reason": finish, "stop_reason": o.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": now(), "model": state.options.served_model_name,
                 "choices": choices, "usage": _usage([ids], outs).model_dump(exclude_none=True)}
 
@@ -184,10 +201,30 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
     return out
 
 
-def _jobs(state: ServerState, req, ids: list[int], max_tokens: int, first_index: int) -> list[tuple]:
+def _tool_setup(state: ServerState, req: ChatCompletionRequest) -> tuple[str | None, dict, dict]:
+    """(tool-call parser or None, sampling-param overrides, chat-template kwargs) for the request's tools."""
+    mode = req.tool_mode
+    if mode == "none":
+        return None, {}, {}
+    try:
+        parser = choose_parser(state.options.tool_call_parser, state.tokenizer.chat_template)
+    except ToolCallingUnavailable as e:
+        raise bad_request(str(e), "tools", "tools_unsupported") from e
+    overrides: dict = {"skip_special_tokens": False} if parser == "mistral" else {}  # [TOOL_CALLS] is special
+    if mode in ("required", "named"):
+        if req.sampling_params(1, 1).guided is not None:
+            raise bad_request("tool_choice required or a named function already constrains the output; drop "
+                              "response_format / structured_outputs", "tool_choice")
+        overrides["guided"] = required_grammar(req.called_tools(), parser,
+                                               req.parallel_tool_calls and mode == "required")
+    return parser, overrides, {"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
+
+
+def _jobs(state: ServerState, req, ids: list[int], max_tokens: int, first_index: int, **overrides) -> list[tuple]:
     """(choice index, prompt ids, sampling params) per choice; n choices get seeds seed, seed+1, ..."""
     try:
         base = req.sampling_params(max_tokens, state.options.default_completion_max_tokens)
+        base = replace(base, **overrides) if overrides else base
         state.engine.validate(ids, base)  # refuse before queueing, so streams never start doomed
     except (InvalidSamplingParams, InvalidGuidedDecoding) as e:
         raise bad_request(str(e), e.param) from e
@@ -359,7 +396,8 @@ def _completion_tokens(out: RequestOutput, echo: bool, output: bool = True) -> t
     return ids, entries
 
 
-async def _stream_chat(state, req: ChatCompletionRequest, rid: str, jobs, num_prompt: int) -> AsyncIterator[dict]:
+async def _stream_chat(state, req: ChatCompletionRequest, rid: str, jobs, num_prompt: int,
+                       parser: str | None) -> AsyncIterator[dict]:
     created, model = now(), state.options.served_model_name
 
     def chunk(index, delta, finish=None, stop_reason=None, logprobs=None):
@@ -368,7 +406,7 @@ async def _stream_chat(state, req: ChatCompletionRequest, rid: str, jobs, num_pr
                              **({"stop_reason": stop_reason} if finish else {})}]}
 
     merged = _merge(state, rid, jobs)
-    started, outs = set(), {}
+    started, outs, calls = set(), {}, {}
     try:
         async for index, out in _with_errors(merged):
             if isinstance(out, dict):
@@ -377,14 +415,23 @@ async def _stream_chat(state, req: ChatCompletionRequest, rid: str, jobs, num_pr
             if index not in started:
                 started.add(index)
                 yield chunk(index, {"role": "assistant", "content": ""})
+                if parser is not None:
+                    calls[index] = ToolCallStream(parser)
             outs[index] = out
             lp = None
             if req.logprobs and out.new_token_ids:
                 lp = chat_logprobs(state.tokenizer, out.new_token_ids, out.new_logprobs)
-            if out.new_text or lp:
-                yield chunk(index, {"content": out.new_text}, logprobs=lp)
+            if parser is None:
+                deltas = [{"content": out.new_text}] if out.new_text else []
+            else:
+                deltas = calls[index].feed(out.new_text, final=out.finished)
+                if not req.parallel_tool_calls:
+                    deltas = [d for d in deltas if d.get("tool_calls", [{}])[0].get("index", 0) == 0]
+            for j, delta in enumerate(deltas or ([{}] if lp else [])):
+                yield chunk(index, delta, logprobs=lp if j == 0 else None)
             if out.finished:
-                yield chunk(index, {}, out.finish_reason, out.stop_reason)
+                finish = "tool_calls" if parser is not None and calls[index].called else out.finish_reason
+                yield chunk(index, {}, finish, out.stop_reason)
         if req.include_usage:
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
                    "usage": _usage([[0] * num_prompt], list(outs.values())).model_dump(exclude_none=True)}

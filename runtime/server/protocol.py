@@ -234,11 +234,53 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant turn made, sent back in the conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # arguments always follow the schema under tool_choice required/named
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: which call this answers
 
     @model_validator(mode="before")
     @classmethod
@@ -249,6 +291,10 @@ class ChatMessage(BaseModel):
     def _needs_content(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a `{self.role}` message needs `content`")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a `tool` message needs `tool_call_id`")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only `assistant` messages carry `tool_calls`")
         return self
 
     def text(self) -> str:
@@ -264,12 +310,38 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names `{self.tool_choice.function.name}`, which is not in `tools`")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice `required` needs `tools`")
         return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none | auto | required | named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def called_tools(self) -> list[dict]:
+        """The tools a constrained call may use, as the template and the grammar read them."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t["function"]["name"] == self.tool_choice.function.name]
+        return tools
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

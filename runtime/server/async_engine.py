@@ -106,6 +106,10 @@ class AsyncEngine:
     def capacity_tokens(self) -> int:
         return self.engine.capacity_tokens
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run (reads configuration only)."""
         self.engine.validate(prompt_ids, params)

@@ -27,6 +27,8 @@ from kubellm.runtime.server.logprobs import chat_logprobs, completion_logprobs
 from kubellm.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     UnsupportedField,
     UsageInfo,
     new_id,
@@ -119,7 +121,40 @@ def openai_router(state: ServerState) -> APIRouter:
         return {"id": rid, "object": "chat.completion", "created": now(), "model": state.options.served_model_name,
                 "choices": choices, "usage": _usage([ids], outs).model_dump(exclude_none=True)}
 
+    @router.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await _parse(request, state, TokenizeRequest)
+        _check_model(state, req.model)
+        _check_loaded(state)
+        tk = state.tokenizer
+        if req.messages is not None:
+            tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
+            try:
+                ids = tk.encode_chat(template_messages(req.messages), req.add_generation_prompt,
+                                     **(req.chat_template_kwargs or {}), **tools)
+            except ChatTemplateError as e:
+                raise bad_request(str(e), "messages") from e
+        else:
+            ids = tk.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                "token_strs": [tk.token_text(t) for t in ids] if req.return_token_strs else None}
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await _parse(request, state, DetokenizeRequest)
+        _check_model(state, req.model)
+        _check_loaded(state)
+        vocab = state.engine.vocab_size
+        if bad := [t for t in req.tokens if t >= vocab]:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
     return router
+
+
+def _check_loaded(state: ServerState) -> None:
+    if state.engine is None:
+        raise overloaded(f"the server is not ready ({state.phase})", state.options.retry_after, 503, "not_ready")
 
 
 # ---- request handling helpers --------------------------------------------------------------------

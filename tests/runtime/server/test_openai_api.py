@@ -122,3 +122,20 @@ def test_32_concurrent_streams_match_the_offline_engine(server, offline):
                             use_tqdm=False)
     assert texts == [r.text for r in refs]
     server.wait_idle()
+
+
+def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(server):
+    import httpx
+
+    tk = server.state.tokenizer
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Once upon a time", "return_token_strs": True}).json()
+    assert r["tokens"] == tk.encode("Once upon a time") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 512 and "".join(r["token_strs"]).endswith("time")
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == tk.encode_chat([{"role": "user", "content": "hi"}])
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back == {"prompt": tk.decode(r["tokens"], skip_special_tokens=False)}
+    for path, body in [("/tokenize", {}), ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}),
+                       ("/detokenize", {"tokens": [10**8]}), ("/detokenize", {"tokens": [-1]})]:
+        bad = httpx.post(server.url + path, json=body)
+        assert bad.status_code == 400 and "error" in bad.json(), (path, body, bad.text)

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -611,9 +612,40 @@ def summarize(system: str, wl: Workload, results: list[RequestResult], duration:
 # --------------------------------------------------------------------------------------------------------
 
 
+# The structured-output run: every request must produce JSON of this shape (long enough that max_tokens, not
+# the grammar, usually ends a request, so both runs produce similar token counts).
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "required": ["items"],
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "name", "tags"],
+                "properties": {
+                    "id": {"type": "integer"},
+                    "name": {"type": "string"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        }
+    },
+}
+STRUCTURED_SYSTEMS = ("kubellm", "vllm")  # transformers serve has no structured outputs
+
+
+def structured_spec(spec: ServerSpec) -> ServerSpec:
+    """The same server and requests, each constrained to STRUCTURED_SCHEMA (vLLM's structured_outputs field,
+    which both kubellm and vLLM take); no ignore_eos, so a finished document can end a request."""
+    return dataclasses.replace(
+        spec, name=f"{spec.name} json_schema", body=lambda r: {"structured_outputs": {"json": STRUCTURED_SCHEMA}}
+    )
+
+
 def run_system(
     name: str, args: argparse.Namespace, model_dir: Path, wl: Workload, log_dir: Path
-) -> SystemResult:
+) -> list[SystemResult]:
     port = free_port()
     spec = SPECS[name](args, model_dir, port)
     server = Server(spec, port, log_dir / f"{name}.log")
@@ -636,14 +668,39 @@ def run_system(
         result.notes[:0] = spec.notes
         if any(t < WARMUP_OUTPUT for t in warm_tokens):
             result.notes.append(f"{name}: warm-up produced {warm_tokens} tokens for {WARMUP_OUTPUT} asked")
-        return result
+        out = [result]
+        if args.structured and name in STRUCTURED_SYSTEMS:
+            # Same process, same workload, twice more: unconstrained then constrained. Both find the prompts
+            # in the prefix cache the first run filled, so they compare with each other, not with the first.
+            rerun = dataclasses.replace(spec, name=f"{name} (prompts cached)")
+            constrained = structured_spec(rerun)
+            runs = []
+            for s in (rerun, constrained):
+                _header(f"{s.name}: the same workload again")
+                asyncio.run(run_requests(s, server.base, wl.warmup, args, progress=False))
+                results, duration = asyncio.run(run_requests(s, server.base, wl.requests, args, True))
+                runs.append(summarize(s.name, wl, results, duration))
+            runs[1].notes.append(_structured_note(constrained.name, results, runs[0], runs[1]))
+            out += runs
+        return out
     except Exception as e:  # one system failing must not stop the others
         tail = server.log_tail()
         print(f"{name}: FAILED: {e}\n--- last lines of {server.log_path} ---\n{tail}", file=sys.stderr)
-        return SystemResult(name, ok=False, error=str(e), notes=list(spec.notes))
+        return [SystemResult(name, ok=False, error=str(e), notes=list(spec.notes))]
     finally:
         server.stop()
         print(f"{name}: stopped", file=sys.stderr, flush=True)
+
+
+def _structured_note(name: str, results: list[RequestResult], free: SystemResult, constrained: SystemResult) -> str:
+    finishes = {}
+    for r in results:
+        finishes[r.finish_reason] = finishes.get(r.finish_reason, 0) + 1
+    ratio = "-"
+    if free.output_throughput and constrained.output_throughput:
+        ratio = f"{constrained.output_throughput / free.output_throughput:.2f}x"
+    return (f"{name}: output tok/s {ratio} of the unconstrained rerun in the same server (both with the prompts "
+            f"prefix-cached); finish reasons {finishes}")
 
 
 def _header(text: str) -> None:
@@ -820,6 +877,12 @@ systems:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--structured",
+        action="store_true",
+        help="after each kubellm/vllm run, time the same workload again in the same server with every request "
+        "constrained to a JSON schema (structured_outputs.json); reports tok/s against the unconstrained run",
+    )
+    p.add_argument(
         "--prompt-format",
         choices=("ids", "text"),
         default="ids",
@@ -936,7 +999,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         for name in args.systems:
-            results.append(run_system(name, args, model_dir, wl, log_dir))
+            results.extend(run_system(name, args, model_dir, wl, log_dir))
     finally:
         _stop_all()
 

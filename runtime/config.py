@@ -58,6 +58,8 @@ class EngineConfig:
     quantization: str = "none"  # none | int8 (weight-only, per output channel; runtime/quantization.py)
     tensor_parallel_size: int = 1  # processes (ranks) each holding 1/N of every layer (runtime/parallel.py)
     num_threads: int | None = None  # CPU intra-op threads; default: all cores torch sees
+    speculative_ngram: int = 0  # prompt-lookup speculation: longest n-gram matched (0 = off; runtime/speculative.py)
+    num_speculative_tokens: int = 4  # draft tokens verified per step, with speculation on
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -71,6 +73,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative_ngram < 0 or self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative_ngram must be >= 0 and num_speculative_tokens >= 1, got "
+                             f"{self.speculative_ngram} and {self.num_speculative_tokens}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):

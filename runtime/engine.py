@@ -28,6 +28,7 @@ from kubellm.runtime.sampler import Sampler, TokenLogprobs
 from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
 from kubellm.runtime.scheduler import Scheduler
 from kubellm.runtime.sequence import FinishReason, Sequence
+from kubellm.runtime.speculative import NgramProposer, SpeculationStats, Speculator
 from kubellm.runtime.structured_output import StructuredOutputs
 from kubellm.runtime.tokenizer import Tokenizer
 
@@ -78,6 +79,7 @@ class EngineStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of which served from it
     num_preemptions: int
+    speculation: SpeculationStats | None = None  # None without speculative decoding
 
 
 @dataclass
@@ -145,6 +147,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill)
+        self.speculator = None
+        if config.speculative_ngram:
+            proposer = NgramProposer(config.speculative_ngram, config.num_speculative_tokens,
+                                     min_ngram=min(2, config.speculative_ngram))
+            self.speculator = Speculator(proposer, self.block_manager, self.max_model_len)
         self.requests: dict[str, _Request] = {}
         tp_note = f", tensor parallel x{self.tp.size} (per rank)" if self.tp.size > 1 else ""
         log.info("engine ready: %s, dtype=%s, max_model_len=%d, %d KV blocks of %d tokens (%.0f MiB%s)",
@@ -267,11 +274,16 @@ class LLMEngine:
         return EngineStats(num_waiting=len(waiting), num_running=len(sched.running),
                            waiting_prompt_tokens=sum(len(s) for s in waiting), kv_blocks_total=bm.num_blocks,
                            kv_blocks_used=bm.num_used_blocks, kv_usage=bm.usage, prefix_queries=bm.prefix_queries,
-                           prefix_hits=bm.prefix_hits, num_preemptions=sched.num_preemptions)
+                           prefix_hits=bm.prefix_hits, num_preemptions=sched.num_preemptions,
+                           speculation=dataclasses.replace(self.speculator.proposer.stats) if self.speculator
+                           else None)
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        drafted = self.speculator.propose(self.scheduler.running) if self.speculator else []
         batch = self.scheduler.schedule()
+        if drafted:
+            self.speculator.trim(drafted, batch)
         if not batch:
             return []
         now = time.monotonic()
@@ -282,19 +294,49 @@ class LLMEngine:
         for seq, first, entries in prompt_logprobs:  # a recompute after preemption repeats some: skip those
             have = self.requests[seq.request_id].prompt_logprobs
             have += entries[len(have) - first :]
-        updated = self.scheduler.postprocess(batch, tokens)  # the sequences of the sampled rows, in order
-        return [self._process_token(seq, lp) for seq, lp in zip(updated, logprobs, strict=True)]
+        new_tokens, new_logprobs = self._per_sequence(batch, tokens, logprobs)
+        updated = self.scheduler.postprocess(batch, [t[-1] for t in new_tokens])  # sampled entries, in order
+        return [self._process_tokens(seq, t, lp) for seq, t, lp in zip(updated, new_tokens, new_logprobs, strict=True)]
 
-    def _process_token(self, seq: Sequence, logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _per_sequence(self, batch, tokens: list[int], logprobs: list) -> tuple[list[list[int]], list[list]]:
+        """Group the sampled rows by sequence (a drafted one has a row per draft, plus one) and resolve drafts."""
+        out_tokens, out_logprobs, i = [], [], 0
+        for s in batch:
+            if not s.samples:
+                continue
+            rows = 1 + s.seq.num_draft_tokens
+            if rows == 1:
+                out_tokens.append([tokens[i]])
+                out_logprobs.append([logprobs[i]])
+            else:
+                new = self.speculator.resolve(s, tokens[i : i + rows])
+                out_tokens.append(new)
+                out_logprobs.append([None] * len(new))
+            i += rows
+        return out_tokens, out_logprobs
+
+    def _process_tokens(self, seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+        """Detokenize the step's new tokens (the last ``len(tokens)`` of the sequence) and stop at the first
+        that ends the request; tokens after it are dropped."""
         req = self.requests[seq.request_id]
-        if logprobs is not None:
-            req.logprobs.append(logprobs)
-        params = seq.sampling_params
         now = time.monotonic()
         req.metrics.first_token_time = req.metrics.first_token_time or now
         req.metrics.last_token_time = now
-        token = seq.token_ids[-1]
-        n_out = seq.num_output_tokens
+        first = len(seq) - len(tokens)
+        for j, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            if lp is not None:
+                req.logprobs.append(lp)
+            reason, stop_reason = self._check_stop(seq, req, token, length=first + j + 1)
+            if reason is not None:
+                del seq.token_ids[first + j + 1 :]
+                self.scheduler.finish(seq, reason, stop_reason)
+                break
+        return self._output(req)
+
+    def _check_stop(self, seq: Sequence, req: _Request, token: int, length: int):
+        """(finish reason, stop reason) after ``token``, the sequence's ``length``-th token, or (None, None)."""
+        params = seq.sampling_params
+        n_out = length - seq.num_prompt_tokens
         req.text += req.detokenizer.push([token])
         reason, stop_reason = None, None
         if seq.grammar is not None and not seq.grammar.consume_token(token):  # the mask allowed it: a bug
@@ -312,11 +354,9 @@ class LLMEngine:
         if reason is None and seq.grammar is not None and seq.grammar.is_stopped():  # nothing more may follow
             reason = FinishReason.STOP
         if reason is None and (params.max_tokens is not None and n_out >= params.max_tokens
-                               or len(seq) >= self.max_model_len):
+                               or length >= self.max_model_len):
             reason = FinishReason.LENGTH
-        if reason is not None:
-            self.scheduler.finish(seq, reason, stop_reason)
-        return self._output(req)
+        return reason, stop_reason
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
@@ -326,6 +366,8 @@ class LLMEngine:
                 req.text += req.detokenizer.flush()
             self.requests.pop(seq.request_id, None)
             req.metrics.finished_time = time.monotonic()
+            if self.speculator is not None:
+                self.speculator.proposer.forget(seq)
         # Hold back text that could still turn out to start a stop string.
         end = len(req.text) if finished or req.stops is None else req.stops.safe_text_end(req.text)
         end = max(end, req.emitted_text)

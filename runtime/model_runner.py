@@ -125,7 +125,9 @@ class ModelRunner:
         meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        sample_at = [last_index[i] for i, s in enumerate(batch) if s.samples]
+        # A sampling entry samples at its last token; one with drafts at each draft's position too.
+        sample_at = [j for i, s in enumerate(batch) if s.samples
+                     for j in range(last_index[i] - s.seq.num_draft_tokens, last_index[i] + 1)]
         return input_ids, pos_t, meta, sample_at
 
     # ---- run -----------------------------------------------------------------------------------
@@ -145,7 +147,7 @@ class ModelRunner:
         its logprobs; and ``(seq, first prompt index, [TokenLogprobs])`` for the prompt tokens this step
         computed of sequences that asked for prompt logprobs."""
         input_ids, positions, meta, sample_at = self.prepare(batch)
-        seqs = [s.seq for s in batch if s.samples]
+        seqs = [s.seq for s in batch if s.samples for _ in range(1 + s.seq.num_draft_tokens)]  # a row each
         masks = self.structured.start_masks(seqs) if self.structured is not None else None  # beside the forward
         hidden = self._forward(input_ids, positions, meta)
         if not sample_at:

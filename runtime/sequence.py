@@ -47,6 +47,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at last admission
         self.block_table: list[int] = []
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculative tokens at the end of token_ids, unverified (within one step)
         self.grammar = None  # an llguidance LLMatcher when sampling_params.guided is set (the engine makes it)
         self.generator: torch.Generator | None = None
         if params.seed is not None:

@@ -135,3 +135,9 @@ class _EngineCollector:
         yield counter("kubellm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_hits)
         yield counter("kubellm:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
                       stats.num_preemptions)
+        if stats.speculation is not None:  # vLLM's spec_decode counters
+            spec = stats.speculation
+            yield counter("kubellm:spec_decode_num_drafts", "Draft proposals verified.", spec.num_drafts)
+            yield counter("kubellm:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens)
+            yield counter("kubellm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          spec.num_accepted_tokens)

@@ -29,9 +29,20 @@ from decimal import Decimal, InvalidOperation
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    create_model,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
+
+from kubellm.runtime import engine_settings
+from kubellm.runtime.engine_settings import ENGINE_SETTINGS, EngineSetting, setting
 
 # --------------------------------------------------------------------------------------------------
 # Identity of the API
@@ -60,13 +71,8 @@ QUEUE_DEPTH_METRIC = "kubellm:num_requests_waiting"  # per-pod gauge the autosca
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # node label spec.resources.gpu.product selects on
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATIONS = ("none", "int8", "int4", "fp8", "awq", "gptq", "gguf")
+QUANTIZATIONS = engine_settings.QUANTIZATIONS  # spec.quantization's choices
 GPU_ONLY_QUANTIZATIONS = ("int4", "fp8", "awq", "gptq")
-KV_CACHE_BLOCK_SIZES = (8, 16, 32)
-
-Dtype = Literal["auto", "bfloat16", "float16", "float32"]
-Quantization = Literal["none", "int8", "int4", "fp8", "awq", "gptq", "gguf"]
 
 
 class ConditionType(StrEnum):
@@ -294,6 +300,18 @@ def default_served_model_name(uri: str) -> str:
     return uri
 
 
+def _setting_field(s: EngineSetting) -> tuple[Any, Any]:
+    """The annotation and pydantic Field of the spec field an engine setting declares (its CRD schema)."""
+    annotation: Any = Literal[s.api_choices] if s.api_choices else s.type
+    if s.default is None:
+        annotation = annotation | None
+    return annotation, Field(default=s.default, ge=s.ge, gt=s.gt, le=s.le, description=s.doc)
+
+
+Dtype = _setting_field(setting("dtype"))[0]
+Quantization = _setting_field(setting("quantization"))[0]
+
+
 class ModelSpec(KubeModel):
     """The model to serve."""
 
@@ -333,8 +351,7 @@ class ModelSpec(KubeModel):
 class ParallelismSpec(KubeModel):
     """How the model is sharded across GPUs."""
 
-    tensor: int = Field(default=1, ge=1)
-    """Tensor-parallel degree: each replica shards every layer across this many GPUs (in one pod)."""
+    tensor: int = _setting_field(setting("tensor_parallel_size"))[1]
 
     nodes: int = Field(default=1, ge=1)
     """Nodes one replica spans. Only 1 is supported for now (multi-node serving is not implemented yet)."""
@@ -350,26 +367,18 @@ class ParallelismSpec(KubeModel):
     )
 
 
-class EngineSpec(KubeModel):
-    """Runtime engine settings (the flags of `kubellm serve`)."""
-
-    max_model_len: int | None = Field(default=None, ge=1)
-    """Longest sequence (prompt + generated tokens) served. Default: the model's context length."""
-
-    max_num_seqs: int = Field(default=256, ge=1)
-    """Most sequences batched together in one engine step."""
-
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    """Token budget of one engine step; longer prompts are prefilled in chunks of this size."""
-
-    kv_cache_block_size: Literal[8, 16, 32] = 16
-    """Tokens per paged KV-cache block."""
-
-    kv_cache_memory_fraction: float = Field(default=0.9, gt=0, le=1)
-    """Fraction of the accelerator memory left after loading the weights that the KV cache may take (0 < x <= 1)."""
-
-    prefix_caching: bool = True
-    """Reuse KV-cache blocks of identical prompt prefixes across requests."""
+# spec.engine: one field per engine setting whose crd_field is engine.<name>, in the table's order.
+EngineSpec = create_model(
+    "EngineSpec",
+    __base__=KubeModel,
+    __doc__="Runtime engine settings (the flags of `kubellm serve`).",
+    __module__=__name__,
+    **{
+        s.crd_field.removeprefix("engine."): _setting_field(s)
+        for s in ENGINE_SETTINGS
+        if s.crd_field and s.crd_field.startswith("engine.")
+    },
+)
 
 
 class GPUSpec(KubeModel):
@@ -593,14 +602,9 @@ class LLMDeploymentSpec(KubeModel):
     model: ModelSpec
     """The model to serve (required)."""
 
-    dtype: Dtype = "auto"
-    """Activation and (unquantized) weight dtype. auto: bfloat16 on GPUs and on CPUs with fast bfloat16,
-    else float32."""
+    dtype: Dtype = _setting_field(setting("dtype"))[1]
 
-    quantization: Quantization = "none"
-    """Weight quantization. none: weights in dtype (GGUF files are dequantized); int8: weight-only int8;
-    gguf: keep a GGUF file's quantized blocks; int4, fp8, awq and gptq need a GPU (awq and gptq load
-    checkpoints already quantized that way)."""
+    quantization: Quantization = _setting_field(setting("quantization"))[1]
 
     parallelism: ParallelismSpec = _sub(ParallelismSpec)
     """Model sharding."""
@@ -687,7 +691,7 @@ class LLMDeploymentSpec(KubeModel):
             field_path=".parallelism.tensor",
         ),
         Rule(
-            rule="!(self.quantization in ['int4', 'fp8', 'awq', 'gptq']) "
+            rule=f"!(self.quantization in {list(GPU_ONLY_QUANTIZATIONS)!r}) "
             "|| !has(self.resources.gpu.count) || self.resources.gpu.count > 0",
             message="quantization int4, fp8, awq and gptq need a GPU; set resources.gpu.count or quantization=none",
             message_expression="'quantization ' + self.quantization "

@@ -59,6 +59,7 @@ import yaml
 from pydantic import ValidationError
 
 from kubellm.operator import api, crd
+from kubellm.runtime import engine_settings
 
 
 class InvalidSpec(ValueError):
@@ -117,10 +118,6 @@ REVISION_HISTORY_LIMIT = 3
 # progressDeadlineSeconds = startupTimeoutSeconds + this (scheduling, image pull), so a slow model load is not
 # reported as a stalled rollout.
 PROGRESS_DEADLINE_MARGIN_SECONDS = 600
-
-# The runtime's defaults for flags that do not exist yet: render passes those flags only when the spec
-# departs from these, so default specs run on runtimes without them.
-RUNTIME_DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.9
 
 # Autoscaling. The runtime exports the per-pod gauge api.QUEUE_DEPTH_METRIC (kubellm:num_requests_waiting).
 # HPA: prometheus-adapter serves it on the custom-metrics API under HPA_METRIC_NAME (colon → underscore, the
@@ -381,32 +378,29 @@ def termination_grace_period_seconds(spec: api.LLMDeploymentSpec) -> int:
     return PRESTOP_SLEEP_SECONDS + spec.rollout.drain_timeout_seconds + TERMINATION_MARGIN_SECONDS
 
 
+def _setting_args(spec: api.LLMDeploymentSpec) -> list[str]:
+    """The flags of the engine settings the API offers, in the table's order (see EngineSetting.render)."""
+    args: list[str] = []
+    for s in engine_settings.ENGINE_SETTINGS:
+        if s.crd_field is None:
+            continue
+        value = functools.reduce(getattr, s.crd_field.split("."), spec)
+        if value is None or (s.render == "changed" and value == s.default):
+            continue
+        args += s.cli_value(value)
+    return args
+
+
 def runtime_args(spec: api.LLMDeploymentSpec) -> list[str]:
     """The arguments of ``kubellm serve`` for this spec."""
     model_arg, _, _, _ = _model_plan(spec)
-    engine = spec.engine
     args = [
         "--model", model_arg,
         "--served-model-name", spec.served_model_name,
         "--port", str(api.RUNTIME_PORT),
         "--device", "cuda" if spec.gpu_count > 0 else "cpu",
-        "--dtype", spec.dtype,
+        *_setting_args(spec),
     ]  # fmt: skip
-    if engine.max_model_len is not None:
-        args += ["--max-model-len", str(engine.max_model_len)]
-    args += [
-        "--max-num-seqs", str(engine.max_num_seqs),
-        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-        "--block-size", str(engine.kv_cache_block_size),
-    ]  # fmt: skip
-    if engine.kv_cache_memory_fraction != RUNTIME_DEFAULT_KV_CACHE_MEMORY_FRACTION:
-        args += ["--kv-cache-memory-fraction", repr(engine.kv_cache_memory_fraction)]
-    if not engine.prefix_caching:
-        args.append("--no-prefix-caching")
-    if spec.quantization != "none":
-        args += ["--quantization", spec.quantization]
-    if spec.parallelism.tensor > 1:
-        args += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
     if (threads := _cpu_threads(spec)) is not None:
         args += ["--num-threads", str(threads)]
     args += [

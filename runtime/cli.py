@@ -9,9 +9,10 @@ import os
 import sys
 import time
 
+from kubellm.runtime import engine_settings
+
 DEMO_QUESTION = "What is the capital of France?"
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-QUANTIZATIONS = ("none", "int8", "int4", "fp8", "awq", "gptq", "gguf")  # as the LLMDeployment API names them
+ATTENTION_BACKENDS = engine_settings.ATTENTION_BACKENDS
 
 
 class _JsonFormatter(logging.Formatter):
@@ -31,54 +32,25 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """``--model`` and one flag per setting of :data:`engine_settings.ENGINE_SETTINGS` (dest: its name)."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="smollm2",
                    help="a known model name (see `kubellm models list`), a Hugging Face folder or a .gguf file "
                         "(default: smollm2, the SmolLM2-135M-Instruct demo model)")
-    g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (bf16 where the hardware "
-                                                   "has fast bf16, else float32)")
-    g.add_argument("--device", default="auto", help="cpu | cuda | auto")
-    g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one engine step; long prompts are prefilled in chunks of this size")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
-    g.add_argument("--kv-cache-memory", help="KV-cache size, e.g. 2GiB (default: 90%% of free memory; 4GiB max on CPU)")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
-                   help="without --kv-cache-memory: this fraction of the memory free after loading (default 0.9)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
-    g.add_argument("--num-threads", type=int, help="CPU threads for torch (default: all)")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
-                   default=os.environ.get("KUBELLM_ATTENTION_BACKEND") or "auto",  # an LLMDeployment's spec.env
-                   help="attention kernels: cpu = native CPU kernels compiled at first use, triton = Triton "
-                        "kernels (CUDA), torch = the PyTorch reference; auto = triton on CUDA, cpu on CPU, each "
-                        "when it builds and passes its check here, else torch (default: $KUBELLM_ATTENTION_BACKEND "
-                        "or auto)")
-    g.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                   help="weight quantization: int8 = weight-only int8 per output channel (about half bf16's "
-                        "weight memory); int4 = 4-bit weights in groups of 128 inputs (about a quarter; fast only "
-                        "on CUDA); fp8, awq, gptq and gguf are refused: not implemented yet")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="processes (one per GPU on CUDA) that each hold 1/N of every layer; must divide the "
-                        "model's attention heads, kv heads and MLP size (default 1)")
-    g.add_argument("--speculative-ngram", type=int, default=0, metavar="N",
-                   help="prompt-lookup speculative decoding: draft tokens by matching the last N..2 tokens against "
-                        "the prompt and output so far, verified in one forward pass (0 = off, the default; 3-4 suits "
-                        "editing, extraction, RAG and code). Output is unchanged; drafts back off when rejected")
-    g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="draft tokens verified per step with --speculative-ngram (default 4)")
-    g.add_argument("--seed", type=int, default=0)
+    for s in engine_settings.ENGINE_SETTINGS:
+        if s.flag is None:
+            continue
+        if s.type is bool:  # the flag turns the setting off
+            g.add_argument(s.flag, dest=s.name, action="store_false", help=s.help)
+            continue
+        default = (os.environ.get(s.env) if s.env else None) or s.default
+        g.add_argument(s.flag, dest=s.name, type=s.type, default=default, choices=s.choices, metavar=s.metavar,
+                       help=s.help)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads, seed=args.seed,
-                attention_backend=args.attention_backend, quantization=args.quantization,
-                tensor_parallel_size=args.tensor_parallel_size, speculative_ngram=args.speculative_ngram,
-                num_speculative_tokens=args.num_speculative_tokens)
+    """The EngineConfig keyword arguments from the parsed engine flags (everything but the model)."""
+    return {s.name: getattr(args, s.name) for s in engine_settings.ENGINE_SETTINGS if s.flag is not None}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kubellm.runtime.engine_settings import ATTENTION_BACKENDS, default
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -43,24 +45,24 @@ class EngineConfig:
     """
 
     model: str
-    dtype: str | torch.dtype = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX/avx512-bf16, else float32
-    device: str = "auto"
-    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
+    dtype: str | torch.dtype = default("dtype")  # auto: bfloat16 on CUDA and on CPUs with AMX/avx512-bf16, else float32
+    device: str = default("device")
+    max_model_len: int | None = default("max_model_len")  # default: the checkpoint's max_position_embeddings
+    max_num_seqs: int = default("max_num_seqs")
+    max_num_batched_tokens: int = default("max_num_batched_tokens")
+    block_size: int = default("block_size")
     num_kv_blocks: int | None = None
-    kv_cache_memory: int | str | None = None
-    kv_cache_memory_fraction: float = 0.9
-    enable_prefix_caching: bool = True
+    kv_cache_memory: int | str | None = default("kv_cache_memory")
+    kv_cache_memory_fraction: float = default("kv_cache_memory_fraction")
+    enable_prefix_caching: bool = default("enable_prefix_caching")
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"  # auto | torch | cpu (native CPU kernel) | triton
-    quantization: str = "none"  # none | int8 (weight-only, per output channel; runtime/quantization.py)
-    tensor_parallel_size: int = 1  # processes (ranks) each holding 1/N of every layer (runtime/parallel.py)
-    num_threads: int | None = None  # CPU intra-op threads; default: all cores torch sees
-    speculative_ngram: int = 0  # prompt-lookup speculation: longest n-gram matched (0 = off; runtime/speculative.py)
-    num_speculative_tokens: int = 4  # draft tokens verified per step, with speculation on
-    seed: int = 0
+    attention_backend: str = default("attention_backend")  # auto | torch | cpu (native CPU kernel) | triton
+    quantization: str = default("quantization")  # none | int8 (weight-only, per output channel; runtime/quantization.py)
+    tensor_parallel_size: int = default("tensor_parallel_size")  # processes (ranks) each holding 1/N of every layer (runtime/parallel.py)
+    num_threads: int | None = default("num_threads")  # CPU intra-op threads; default: all cores torch sees
+    speculative_ngram: int = default("speculative_ngram")  # prompt-lookup speculation: longest n-gram matched (0 = off; runtime/speculative.py)
+    num_speculative_tokens: int = default("num_speculative_tokens")  # draft tokens verified per step, with speculation on
+    seed: int = default("seed")
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
@@ -78,8 +80,8 @@ class EngineConfig:
                              f"{self.speculative_ngram} and {self.num_speculative_tokens}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
-            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}; use auto, torch, cpu or triton")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}; use {', '.join(ATTENTION_BACKENDS)}")
         from kubellm.runtime.quantization import check_method
 
         check_method(self.quantization)

@@ -27,9 +27,6 @@ K8S_VERSIONS = ("1.31", "1.37")
 UID = "6f1c2a8e-3b5d-4c7e-9f10-2a3b4c5d6e7f"
 BUILT_IN = {("v1", "Service"), ("apps/v1", "Deployment"), ("policy/v1", "PodDisruptionBudget"),
             ("autoscaling/v2", "HorizontalPodAutoscaler")}  # fmt: skip
-# Flags and commands the manifests use before the runtime has them (reported to the lead).
-PENDING_SERVE_FLAGS = {"--kv-cache-memory-fraction", "--quantization", "--tensor-parallel-size"}
-PENDING_MODELS_ACTIONS = {"download"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -632,9 +629,9 @@ def test_runtime_args_full():
     ]  # fmt: skip
 
 
-def test_runtime_args_defaults_only_use_flags_the_runtime_has():
+def test_runtime_args_leave_unchanged_defaults_out():
     c = runtime(make(merged(CPU, {"model": {"uri": "smollm2"}})))
-    assert not PENDING_SERVE_FLAGS & set(c["args"])
+    assert not {"--kv-cache-memory-fraction", "--quantization", "--tensor-parallel-size"} & set(c["args"])
     assert arg(c, "--served-model-name") == "smollm2"
     assert arg(c, "--dtype") == "auto"
     assert "--max-model-len" not in c["args"] and "--no-prefix-caching" not in c["args"]
@@ -646,34 +643,22 @@ def test_quantization_flag(quant):
     assert arg(c, "--quantization") == (None if quant == "none" else quant)
 
 
-def _serve_parser():
+def test_rendered_commands_parse_with_the_runtime_cli():
+    """Every flag and command the manifests use exists in `kubellm`, with the value render gives it."""
     from kubellm.runtime.cli import build_parser
 
     parser = build_parser()
-    (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
-    return parser, sub.choices
-
-
-def test_rendered_commands_parse_with_the_runtime_cli():
-    """Every flag and command the manifests use exists in `kubellm` (except the pending ones, which the
-    runtime has not grown yet: they must be the only unknowns)."""
-    parser, commands = _serve_parser()
-    known = set(commands["serve"]._option_string_actions)
-    (models_sub,) = [a for a in commands["models"]._actions if a.__class__.__name__ == "_SubParsersAction"]
-    for spec, _ in [(c[1], c[2]) for c in CASES]:
+    for spec in [c[1] for c in CASES]:
         ps = pod_spec(make(spec))
-        args = list(ps["containers"][0]["args"])
-        for flag in PENDING_SERVE_FLAGS - known:
-            if flag in args:
-                i = args.index(flag)
-                del args[i : i + 2]
         assert ps["containers"][0]["command"] == ["kubellm", "serve"]
-        parser.parse_args(["serve", *args])
+        args = parser.parse_args(["serve", *ps["containers"][0]["args"]])
+        ld_spec = make(spec).spec
+        assert args.quantization == ld_spec.quantization
+        assert args.tensor_parallel_size == ld_spec.parallelism.tensor
+        assert args.kv_cache_memory_fraction == ld_spec.engine.kv_cache_memory_fraction
         for init in ps.get("initContainers", []):
             command = init["command"]
             assert command[:4] == ["kubellm", "--log-format", "json", "models"]
-            if command[4] in PENDING_MODELS_ACTIONS and command[4] not in models_sub.choices:
-                continue
             parser.parse_args(command[1:])
 
 

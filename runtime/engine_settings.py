@@ -1,0 +1,161 @@
+"""Every engine setting, declared once: the ``kubellm`` CLI flags, :class:`~kubellm.runtime.config.EngineConfig`'s
+defaults, the LLMDeployment API's fields and the operator's ``kubellm serve`` arguments all derive from
+:data:`ENGINE_SETTINGS` (tests/operator/test_engine_settings.py proves they agree).
+
+Adding a setting is one :class:`EngineSetting` line here plus the engine code that reads it; give it a
+``crd_field`` under ``engine.`` and it is in the CRD and rendered into the pods too.
+
+This module imports nothing beyond the standard library: the operator (no torch) reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Render = Literal["always", "changed"]
+
+
+@dataclass(frozen=True)
+class EngineSetting:
+    """One engine setting.
+
+    ``name`` is the :class:`EngineConfig` field and the CLI's ``dest``. ``flag`` is the ``kubellm serve``
+    option (None: not on the command line); a bool setting's flag turns it off (``--no-prefix-caching``).
+    ``help`` is the CLI's (argparse ``%(default)s`` expands); ``doc`` is what ``kubectl explain`` prints.
+    ``choices`` bind everywhere; ``crd_choices`` narrow what the LLMDeployment API offers where the runtime
+    takes more (dtype aliases such as bf16, any KV block size). ``crd_field`` is the snake_case path of the
+    spec field (``engine.max_num_seqs``, ``dtype``), None when the operator derives the flag itself (device,
+    threads) or offers none. ``render``: ``always`` pins the value in every pod template; ``changed`` passes
+    the flag only when the spec departs from the default. ``ge``/``gt``/``le`` bound numbers in the CRD.
+    ``env``: an environment variable that supplies the CLI default (an LLMDeployment's spec.env reaches it).
+    """
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    flag: str | None = None
+    choices: tuple[Any, ...] | None = None
+    crd_choices: tuple[Any, ...] | None = None
+    crd_field: str | None = None
+    doc: str | None = None
+    render: Render = "changed"
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    env: str | None = None
+    metavar: str | None = None
+
+    @property
+    def api_choices(self) -> tuple[Any, ...] | None:
+        """The values the LLMDeployment API accepts (None: any value of the type within the bounds)."""
+        return self.crd_choices or self.choices
+
+    def cli_value(self, value: Any) -> list[str]:
+        """The ``kubellm serve`` arguments that set ``value`` (a bool setting's flag stands alone)."""
+        if self.flag is None:
+            raise ValueError(f"{self.name} has no command-line flag")
+        if self.type is bool:
+            return [] if value == self.default else [self.flag]
+        return [self.flag, str(value)]
+
+
+ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
+    EngineSetting(
+        "dtype", str, "auto", flag="--dtype",
+        help="float32 | bfloat16 | float16 | auto (bf16 where the hardware has fast bf16, else float32)",
+        crd_choices=("auto", "bfloat16", "float16", "float32"), crd_field="dtype", render="always",
+        doc="Activation and (unquantized) weight dtype. auto: bfloat16 on GPUs and on CPUs with fast bfloat16, "
+        "else float32.",
+    ),
+    EngineSetting("device", str, "auto", flag="--device", help="cpu | cuda | auto"),
+    EngineSetting(
+        "max_model_len", int, None, flag="--max-model-len", help="context length (default: the model's)",
+        crd_field="engine.max_model_len", ge=1,
+        doc="Longest sequence (prompt + generated tokens) served. Default: the model's context length.",
+    ),
+    EngineSetting(
+        "max_num_seqs", int, 256, flag="--max-num-seqs", help="most sequences in one batch (default %(default)s)",
+        crd_field="engine.max_num_seqs", render="always", ge=1,
+        doc="Most sequences batched together in one engine step.",
+    ),
+    EngineSetting(
+        "max_num_batched_tokens", int, 2048, flag="--max-num-batched-tokens",
+        help="token budget of one engine step; long prompts are prefilled in chunks of this size",
+        crd_field="engine.max_num_batched_tokens", render="always", ge=1,
+        doc="Token budget of one engine step; longer prompts are prefilled in chunks of this size.",
+    ),
+    # The API offers the usual paged-attention block sizes; the runtime takes any (its tests use 4).
+    EngineSetting(
+        "block_size", int, 16, flag="--block-size", help="tokens per KV-cache block (default %(default)s)",
+        crd_choices=(8, 16, 32), crd_field="engine.kv_cache_block_size", render="always",
+        doc="Tokens per paged KV-cache block.",
+    ),
+    EngineSetting(
+        "kv_cache_memory", str, None, flag="--kv-cache-memory",
+        help="KV-cache size, e.g. 2GiB (default: 90%% of free memory; 4GiB max on CPU)",
+    ),
+    EngineSetting(
+        "kv_cache_memory_fraction", float, 0.9, flag="--kv-cache-memory-fraction",
+        help="without --kv-cache-memory: this fraction of the memory free after loading (default %(default)s)",
+        crd_field="engine.kv_cache_memory_fraction", gt=0, le=1,
+        doc="Fraction of the accelerator memory left after loading the weights that the KV cache may take "
+        "(0 < x <= 1).",
+    ),
+    EngineSetting(
+        "enable_prefix_caching", bool, True, flag="--no-prefix-caching", help="disable automatic prefix caching",
+        crd_field="engine.prefix_caching", doc="Reuse KV-cache blocks of identical prompt prefixes across requests.",
+    ),
+    EngineSetting("num_threads", int, None, flag="--num-threads", help="CPU threads for torch (default: all)"),
+    EngineSetting(
+        "attention_backend", str, "auto", flag="--attention-backend", choices=("auto", "torch", "cpu", "triton"),
+        env="KUBELLM_ATTENTION_BACKEND",
+        help="attention kernels: cpu = native CPU kernels compiled at first use, triton = Triton kernels (CUDA), "
+        "torch = the PyTorch reference; auto = triton on CUDA, cpu on CPU, each when it builds and passes its "
+        "check here, else torch (default: $KUBELLM_ATTENTION_BACKEND or auto)",
+    ),
+    EngineSetting(
+        "quantization", str, "none", flag="--quantization",
+        choices=("none", "int8", "int4", "fp8", "awq", "gptq", "gguf"), crd_field="quantization",
+        help="weight quantization: int8 = weight-only int8 per output channel (about half bf16's weight memory); "
+        "int4 = 4-bit weights in groups of 128 inputs (about a quarter; fast only on CUDA); fp8, awq, gptq and "
+        "gguf are refused: not implemented yet",
+        doc="Weight quantization. none: weights in dtype (GGUF files are dequantized); int8: weight-only int8; "
+        "gguf: keep a GGUF file's quantized blocks; int4, fp8, awq and gptq need a GPU (awq and gptq load "
+        "checkpoints already quantized that way).",
+    ),
+    EngineSetting(
+        "tensor_parallel_size", int, 1, flag="--tensor-parallel-size", crd_field="parallelism.tensor", ge=1,
+        help="processes (one per GPU on CUDA) that each hold 1/N of every layer; must divide the model's "
+        "attention heads, kv heads and MLP size (default %(default)s)",
+        doc="Tensor-parallel degree: each replica shards every layer across this many GPUs (in one pod).",
+    ),
+    EngineSetting(
+        "speculative_ngram", int, 0, flag="--speculative-ngram", metavar="N",
+        help="prompt-lookup speculative decoding: draft tokens by matching the last N..2 tokens against the "
+        "prompt and output so far, verified in one forward pass (0 = off, the default; 3-4 suits editing, "
+        "extraction, RAG and code). Output is unchanged; drafts back off when rejected",
+    ),
+    EngineSetting(
+        "num_speculative_tokens", int, 4, flag="--num-speculative-tokens", metavar="K",
+        help="draft tokens verified per step with --speculative-ngram (default %(default)s)",
+    ),
+    EngineSetting("seed", int, 0, flag="--seed", help="seed of the engine's random generator (default %(default)s)"),
+)  # fmt: skip
+
+SETTINGS_BY_NAME: dict[str, EngineSetting] = {s.name: s for s in ENGINE_SETTINGS}
+SETTINGS_BY_CRD_FIELD: dict[str, EngineSetting] = {s.crd_field: s for s in ENGINE_SETTINGS if s.crd_field}
+
+
+def setting(name: str) -> EngineSetting:
+    return SETTINGS_BY_NAME[name]
+
+
+def default(name: str) -> Any:
+    """The default of a setting (what EngineConfig, the CLI and the API start from)."""
+    return SETTINGS_BY_NAME[name].default
+
+
+ATTENTION_BACKENDS: tuple[str, ...] = setting("attention_backend").choices or ()
+QUANTIZATIONS: tuple[str, ...] = setting("quantization").choices or ()

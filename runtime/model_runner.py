@@ -30,13 +30,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("kubellm.runner")
 
 
+def _is_decode(s: ScheduledSeq) -> bool:
+    return s.num_tokens == 1 or s.seq.num_draft_tokens > 0
+
+
 def _chunk_starts(batch: list[ScheduledSeq]) -> list[int]:
     """Where each batch entry's tokens start in the flat input: decodes first, then prefills (as prepare lays
     them out)."""
     starts, offset = [0] * len(batch), 0
     for want_decode in (True, False):
         for i, s in enumerate(batch):
-            if (s.num_tokens == 1) == want_decode:
+            if _is_decode(s) == want_decode:
                 starts[i], offset = offset, offset + s.num_tokens
     return starts
 
@@ -73,32 +77,34 @@ class ModelRunner:
 
     # ---- batch → tensors -----------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]):
-        """Decodes (one new token) first, then prefill chunks. Returns model inputs and the flat
-        indices of the tokens whose logits are sampled, in batch order."""
+        """Decodes (one new token, or a token and its drafts: a decode row each, so a drafted position is
+        computed exactly as plain decoding would compute it) first, then prefill chunks. Returns model inputs
+        and the flat indices of the tokens whose logits are sampled, in batch order."""
         bs = self.block_size
-        decodes = [i for i, s in enumerate(batch) if s.num_tokens == 1]
-        prefills = [i for i, s in enumerate(batch) if s.num_tokens > 1]
+        decodes = [i for i, s in enumerate(batch) if _is_decode(s)]
+        prefills = [i for i, s in enumerate(batch) if not _is_decode(s)]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        tables: list[list[int]] = []
         last_index = [0] * len(batch)
 
-        for j, i in enumerate(decodes):
+        for i in decodes:
             seq = batch[i].seq
-            p = seq.num_computed_tokens
-            ids.append(seq.token_ids[p])
-            positions.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            last_index[i] = j
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + batch[i].num_tokens):
+                ids.append(seq.token_ids[p])
+                positions.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+                tables.append(seq.block_table)
+            last_index[i] = len(ids) - 1
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
         if decodes:
-            tables = [batch[i].seq.block_table for i in decodes]
             ctx = torch.tensor([p + 1 for p in positions], device=self.device)
             width = -(-int(ctx.max()) // bs)
-            meta.num_decodes = len(decodes)
+            meta.num_decodes = len(tables)
             meta.decode_block_ids = torch.tensor(
                 [b for t in tables for b in (t[:width] + [0] * (width - len(t)))], device=self.device)
-            meta.decode_block_tables = meta.decode_block_ids.view(len(decodes), width).to(torch.int32)
+            meta.decode_block_tables = meta.decode_block_ids.view(len(tables), width).to(torch.int32)
             meta.decode_context_lens = ctx.to(torch.int32)
             pad = torch.arange(width * bs, device=self.device)[None, :] >= ctx[:, None]
             meta.decode_bias = torch.zeros(pad.shape, dtype=torch.float32, device=self.device).masked_fill_(

@@ -159,7 +159,7 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0) -> tokenizers.Tokenize
 # Checkpoints
 # --------------------------------------------------------------------------------------------------------
 
-ARCHS = ("llama", "llama3", "qwen2", "mistral")
+ARCHS = ("llama", "llama3", "qwen2", "mistral", "qwen3")
 
 _COMMON = {
     "hidden_size": 64,
@@ -215,6 +215,16 @@ _ARCH_CONFIGS: dict[str, dict] = {
         "use_sliding_window": False,
         "max_window_layers": 3,
         "tie_word_embeddings": True,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "rope_scaling": None,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "max_window_layers": 3,
+        "tie_word_embeddings": False,
     },
     "mistral": {
         "architectures": ["MistralForCausalLM"],

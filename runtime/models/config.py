@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.models.registry import MODEL_CLASSES
 
-# Architectures this runtime implements; all share the Llama block (RMSNorm, RoPE, GQA, SwiGLU).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)  # what this runtime implements
 
 
 @dataclass(frozen=True)

@@ -63,12 +63,16 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] → q [T, heads, D], k and v [T, kv heads, D] (before rotary; families add norms here)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x)
         if self.native:
             ops.rotary_embedding_(positions, q, k, self.rotary.cos, self.rotary.sin)
         else:
@@ -96,10 +100,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group, attention_cls=LlamaAttention):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary, tp)
+        self.self_attn = attention_cls(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
 
@@ -115,12 +119,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, tp: Group):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, tp: Group,
+                 attention_cls=LlamaAttention):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # One table shared by every layer (registered once here, referenced by each attention).
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, tp, attention_cls)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -156,12 +162,14 @@ def tp_shard(name: str, tensor: torch.Tensor, tp: Group) -> torch.Tensor:
 
 
 class LlamaForCausalLM(nn.Module):
+    attention_cls = LlamaAttention  # families that change only the attention block (Qwen3) swap this
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None,
                  tp: Group | None = None):
         super().__init__()
         self.config = cfg
         self.tp = tp or Group()
-        self.model = LlamaModel(cfg, dtype, max_positions or cfg.max_position_embeddings, self.tp)
+        self.model = LlamaModel(cfg, dtype, max_positions or cfg.max_position_embeddings, self.tp, self.attention_cls)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 

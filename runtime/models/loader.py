@@ -12,6 +12,7 @@ from tqdm import tqdm
 from kubellm.runtime.models.checkpoint import Checkpoint, CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM
+from kubellm.runtime.models.registry import model_class
 from kubellm.runtime.parallel import Group
 
 log = logging.getLogger("kubellm.loader")
@@ -37,7 +38,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len
     cfg = ModelConfig.from_hf(ckpt.config, ckpt.source)
     start = time.perf_counter()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, dtype, max_positions=max_model_len, tp=tp)
+        model = model_class(cfg.architecture)(cfg, dtype, max_positions=max_model_len, tp=tp)
     # Materialise directly in the target dtype/device; weights are copied in by load_weights.
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty() materialises shared parameters separately

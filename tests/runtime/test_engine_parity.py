@@ -63,8 +63,14 @@ def _run_and_compare(llm: LLM, model_dir, prompts):
     return outs
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3(tiny_checkpoint_factory):
+    """Qwen3: per-head RMSNorm on q and k before rotary, no q/k/v bias."""
+    return tiny_checkpoint_factory("qwen3")
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama3", "tiny_qwen2", "tiny_mistral",
-                                     "tiny_llama_sharded"])
+                                     "tiny_llama_sharded", "tiny_qwen3"])
 def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     llm = _engine(model_dir)
@@ -75,7 +81,7 @@ def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fix
     assert bm.num_used_blocks == 0, "every block must be free once all requests finished"
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_torch_reference_attention_backend_also_equals_transformers(fixture, request):
     """`auto` uses the native CPU kernel where it builds; the plain-PyTorch backend must agree too."""
     model_dir = request.getfixturevalue(fixture)
@@ -130,3 +136,12 @@ def test_prefix_cache_hit_across_requests_gives_same_tokens(tiny_qwen2):
     second = llm.generate([prompt], params, use_tqdm=False)[0]
     assert second.num_cached_tokens >= 4 * ((len(prompt) - 1) // 4) - 4 > 0
     assert first.token_ids == second.token_ids
+
+
+def test_qwen3_with_two_tensor_parallel_ranks_equals_transformers(tiny_qwen3):
+    """The q/k norms are per head and replicated: each rank normalises its own heads."""
+    llm = _engine(tiny_qwen3, tensor_parallel_size=2)
+    try:
+        _run_and_compare(llm, tiny_qwen3, _prompts()[:5])
+    finally:
+        llm.close()

@@ -1,0 +1,29 @@
+"""Qwen3 (dense): the Llama block with an RMSNorm over each head of q and of k, before rotary; no q/k/v bias.
+
+The norms hold ``head_dim`` weights shared by every head, so tensor parallelism replicates them and each rank
+normalises its own heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kubellm.runtime.models.llama import LlamaAttention, LlamaForCausalLM, RMSNorm
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, cfg, rotary, tp):
+        super().__init__(cfg, rotary, tp)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().qkv(x)
+        t = x.shape[0]
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention

@@ -1,0 +1,18 @@
+"""Architecture (config.json ``architectures``) → model class. A new family is a file under runtime/models/
+and a line here; everything else (loading, tensor parallelism, kernels, quantization) comes with its layers."""
+
+from __future__ import annotations
+
+import importlib
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": "kubellm.runtime.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "kubellm.runtime.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "kubellm.runtime.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "kubellm.runtime.models.qwen3:Qwen3ForCausalLM",
+}
+
+
+def model_class(architecture: str):
+    module, name = MODEL_CLASSES[architecture].split(":")
+    return getattr(importlib.import_module(module), name)

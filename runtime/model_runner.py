@@ -165,6 +165,8 @@ class ModelRunner:
     def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor, sample_at: list[int]) -> list[tuple]:
         """Raw-logit logprobs of prompt tokens 1.. as this step's chunk predicts them (position p → token p+1)."""
         out = []
+        if all(s.seq.sampling_params.prompt_logprobs is None for s in batch):
+            return out  # the usual step: nothing to compute
         starts = _chunk_starts(batch)
         for i, s in enumerate(batch):
             seq, c = s.seq, s.seq.num_computed_tokens

@@ -578,6 +578,28 @@ class EnvVar(KubeModel):
     )
 
 
+class SecretKeyRef(KubeModel):
+    """A key of a Secret in the LLMDeployment's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """Secret name."""
+
+    key: str = Field(default="api-key", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    """Key within the Secret. Its value is one API key, or several separated by commas (to rotate: add the
+    new key, restart the pods, move clients, drop the old key, restart again)."""
+
+
+class AuthSpec(KubeModel):
+    """Who may call the OpenAI API (/v1/*). Health probes and /metrics stay open for the kubelet and
+    Prometheus."""
+
+    api_key_secret_ref: SecretKeyRef | None = None
+    """Require `Authorization: Bearer <key>` with a key from this Secret (rendered into the runtime's
+    KUBELLM_API_KEY). Unset: no key is required. The pods do not start (CreateContainerConfigError) until the
+    Secret and key exist. Pods read the key at start-up: after changing the Secret, restart them
+    (`kubectl rollout restart deployment/<name>`)."""
+
+
 class ServiceSpec(KubeModel):
     """The Service in front of the pods (OpenAI-compatible HTTP API)."""
 
@@ -664,6 +686,9 @@ class LLMDeploymentSpec(KubeModel):
     service: ServiceSpec = _sub(ServiceSpec)
     """The Service in front of the pods."""
 
+    auth: AuthSpec = _sub(AuthSpec)
+    """API keys for the OpenAI API."""
+
     monitoring: MonitoringSpec = _sub(MonitoringSpec)
     """Prometheus integration."""
 
@@ -705,6 +730,15 @@ class LLMDeploymentSpec(KubeModel):
                 f"quantization {s.quantization} needs a GPU; set resources.gpu.count or quantization=none"
             ),
             field_path=".quantization",
+        ),
+        Rule(
+            rule="!has(self.auth.apiKeySecretRef) || !has(self.env) "
+            "|| !self.env.exists(e, e.name == 'KUBELLM_API_KEY')",
+            message="env: KUBELLM_API_KEY is set from auth.apiKeySecretRef; remove one of them",
+            check=lambda s: (
+                s.auth.api_key_secret_ref is None or all(e.name != "KUBELLM_API_KEY" for e in s.env or ())
+            ),
+            field_path=".env",
         ),
         # Transition rule (updates only): the autoscaler's own writes always land in range and an unchanged
         # replicas is always accepted, so editing min/maxReplicas never gets a GitOps sync stuck; a manual

@@ -97,6 +97,7 @@ CONTAINER_NAME = "runtime"
 PORT_NAME = "http"  # the runtime serves the API, the probes and /metrics on this one port
 RUN_AS_USER = 10001  # the image's kubellm user (Dockerfile: useradd --uid 10001)
 CACHE_DIR = "/cache"  # KUBELLM_CACHE: known models are pulled here
+API_KEY_ENV = "KUBELLM_API_KEY"  # read by the runtime (kubellm.runtime.server.auth), from spec.auth
 MODELS_DIR = "/models"  # hf:// downloads and pvc:// mounts
 TMP_DIR = "/tmp"  # also HOME: pip, Hugging Face and Triton caches write under $HOME
 SHM_DIR = "/dev/shm"
@@ -193,7 +194,11 @@ def child_name(ld: api.LLMDeployment) -> str:
 
 def label_value(ld: api.LLMDeployment) -> str:
     """The LLMDeployment's name as a label value: itself when at most 63 characters, else cut and hashed."""
-    name = _name(ld)
+    return name_label_value(_name(ld))
+
+
+def name_label_value(name: str) -> str:
+    """:func:`label_value` of the LLMDeployment named ``name`` (a valid name, as the API server holds it)."""
     return name if len(name) <= MAX_NAME_LENGTH else _shorten(name, name)
 
 
@@ -412,10 +417,22 @@ def runtime_args(spec: api.LLMDeploymentSpec) -> list[str]:
 
 
 def _env(spec: api.LLMDeploymentSpec) -> list[dict[str, Any]]:
+    """The environment of every container: the operator's variables (unless the user's env overrides them)
+    and the user's env."""
     user = [e.to_k8s() for e in spec.env or ()]
     names = {e["name"] for e in user}
     builtin = [{"name": "KUBELLM_CACHE", "value": CACHE_DIR}, {"name": "HOME", "value": TMP_DIR}]
     return [e for e in builtin if e["name"] not in names] + user
+
+
+def _api_key_env(spec: api.LLMDeploymentSpec) -> list[dict[str, Any]]:
+    """KUBELLM_API_KEY from spec.auth.apiKeySecretRef, for the runtime container only (the model download
+    needs no key). Not optional: without the Secret the pod waits (CreateContainerConfigError) rather than
+    serving without a key."""
+    ref = spec.auth.api_key_secret_ref
+    if ref is None:
+        return []
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
 
 def _container_security_context() -> dict[str, Any]:
@@ -431,13 +448,10 @@ def _http_probe(path: str, **fields: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": PORT_NAME, "scheme": "HTTP"}, **fields}
 
 
-def _pod_template(ld: api.LLMDeployment) -> dict[str, Any]:
-    spec = ld.spec
-    model_arg, models_volume, init_command, models_read_only = _model_plan(spec)
-    resources = spec.resource_requirements()
-    env = _env(spec)
+def _volumes(spec: api.LLMDeploymentSpec, models_volume: dict[str, Any] | None) -> tuple[list, list]:
+    """The pod's volumes and the runtime container's mounts: shared memory, the cache, /tmp (the root
+    filesystem is read-only) and the models volume when the model URI needs one."""
     shm_size = f"{SHM_SIZE_PER_GPU_GI * spec.gpu_count}Gi" if spec.gpu_count > 0 else SHM_SIZE_CPU
-
     mounts = [
         {"name": "dshm", "mountPath": SHM_DIR},
         {"name": "cache", "mountPath": CACHE_DIR},
@@ -451,17 +465,12 @@ def _pod_template(ld: api.LLMDeployment) -> dict[str, Any]:
     if models_volume is not None:
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append(models_volume)
+    return volumes, mounts
 
-    container: dict[str, Any] = {
-        "name": CONTAINER_NAME,
-        "image": spec.image,
-        "imagePullPolicy": spec.image_pull_policy,
-        "command": ["kubellm", "serve"],
-        "args": runtime_args(spec),
-        "ports": [{"name": PORT_NAME, "containerPort": api.RUNTIME_PORT, "protocol": "TCP"}],
-        "env": env,
-        "resources": resources,
-        "volumeMounts": mounts,
+
+def _probes(spec: api.LLMDeploymentSpec) -> dict[str, Any]:
+    """Startup (model load), readiness (a real short inference) and liveness (the process answers)."""
+    return {
         "startupProbe": _http_probe(
             "/health/startup",
             periodSeconds=STARTUP_PERIOD_SECONDS,
@@ -481,44 +490,95 @@ def _pod_template(ld: api.LLMDeployment) -> dict[str, Any]:
             timeoutSeconds=LIVENESS_TIMEOUT_SECONDS,
             failureThreshold=LIVENESS_FAILURE_THRESHOLD,
         ),
+    }
+
+
+def _runtime_container(
+    spec: api.LLMDeploymentSpec, resources: dict[str, Any], mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "name": CONTAINER_NAME,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kubellm", "serve"],
+        "args": runtime_args(spec),
+        "ports": [{"name": PORT_NAME, "containerPort": api.RUNTIME_PORT, "protocol": "TCP"}],
+        "env": _env(spec) + _api_key_env(spec),
+        "resources": resources,
+        "volumeMounts": mounts,
+        **_probes(spec),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         "securityContext": _container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
-    init_containers = []
-    if init_command is not None:
-        # hf:// writes the models volume, a known name the cache; both need /tmp (pip, Hugging Face).
-        init_mounts = [
-            {"name": "cache", "mountPath": CACHE_DIR},
-            {"name": "tmp", "mountPath": TMP_DIR},
-        ]
-        if models_volume is not None and not models_read_only:
-            init_mounts.append({"name": "models", "mountPath": MODELS_DIR})
-        # Same CPU and memory as the runtime (no GPUs): keeps Guaranteed QoS without raising the pod's request.
-        init_resources = {
-            kind: {k: v for k, v in values.items() if k in ("cpu", "memory")}
-            for kind, values in resources.items()
-        }
-        init_resources = {k: v for k, v in init_resources.items() if v}
-        init_containers.append(
-            {
-                "name": "download-model" if spec.model.uri.startswith("hf://") else "pull-model",
-                "image": spec.image,
-                "imagePullPolicy": spec.image_pull_policy,
-                "command": init_command,
-                "env": copy.deepcopy(env),
-                "resources": init_resources,
-                "volumeMounts": init_mounts,
-                "securityContext": _container_security_context(),
-                "terminationMessagePolicy": "FallbackToLogsOnError",
-            }
-        )
 
+def _init_container(
+    spec: api.LLMDeploymentSpec,
+    init_command: list[str],
+    resources: dict[str, Any],
+    models_volume: dict[str, Any] | None,
+    models_read_only: bool,
+) -> dict[str, Any]:
+    """The container that fetches the model before the runtime starts."""
+    # hf:// writes the models volume, a known name the cache; both need /tmp (pip, Hugging Face).
+    mounts = [
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "tmp", "mountPath": TMP_DIR},
+    ]
+    if models_volume is not None and not models_read_only:
+        mounts.append({"name": "models", "mountPath": MODELS_DIR})
+    # Same CPU and memory as the runtime (no GPUs): keeps Guaranteed QoS without raising the pod's request.
+    init_resources = {
+        kind: {k: v for k, v in values.items() if k in ("cpu", "memory")}
+        for kind, values in resources.items()
+    }
+    return {
+        "name": "download-model" if spec.model.uri.startswith("hf://") else "pull-model",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": init_command,
+        "env": _env(spec),
+        "resources": {k: v for k, v in init_resources.items() if v},
+        "volumeMounts": mounts,
+        "securityContext": _container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
+def _scheduling(ld: api.LLMDeployment) -> dict[str, Any]:
+    """Where the pods may run: node selector (with the GPU product), tolerations, affinity, priority, and a
+    soft preference for spreading replicas over nodes that never blocks scheduling."""
+    spec = ld.spec
+    out: dict[str, Any] = {}
     node_selector = dict(spec.node_selector or {})
     if spec.resources.gpu.product is not None and spec.gpu_count > 0:
         node_selector[api.GPU_PRODUCT_LABEL] = spec.resources.gpu.product
+    if node_selector:
+        out["nodeSelector"] = node_selector
+    if spec.tolerations:
+        out["tolerations"] = [t.to_k8s() for t in spec.tolerations]
+    if spec.affinity:
+        out["affinity"] = copy.deepcopy(spec.affinity)
+    if spec.priority_class_name:
+        out["priorityClassName"] = spec.priority_class_name
+    out["topologySpreadConstraints"] = [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": selector_labels(ld)},
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+    ]
+    return out
 
+
+def _pod_template(ld: api.LLMDeployment) -> dict[str, Any]:
+    spec = ld.spec
+    _, models_volume, init_command, models_read_only = _model_plan(spec)
+    resources = spec.resource_requirements()
+    volumes, mounts = _volumes(spec, models_volume)
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the runtime never talks to the API server
         "enableServiceLinks": False,  # no <SERVICE>_PORT variables (a Service named kubellm would add KUBELLM_*)
@@ -532,29 +592,13 @@ def _pod_template(ld: api.LLMDeployment) -> dict[str, Any]:
         },
         "terminationGracePeriodSeconds": termination_grace_period_seconds(spec),
     }
-    if init_containers:
-        pod_spec["initContainers"] = init_containers
-    pod_spec["containers"] = [container]
+    if init_command is not None:
+        pod_spec["initContainers"] = [
+            _init_container(spec, init_command, resources, models_volume, models_read_only)
+        ]
+    pod_spec["containers"] = [_runtime_container(spec, resources, mounts)]
     pod_spec["volumes"] = volumes
-    if node_selector:
-        pod_spec["nodeSelector"] = node_selector
-    if spec.tolerations:
-        pod_spec["tolerations"] = [t.to_k8s() for t in spec.tolerations]
-    if spec.affinity:
-        pod_spec["affinity"] = copy.deepcopy(spec.affinity)
-    if spec.priority_class_name:
-        pod_spec["priorityClassName"] = spec.priority_class_name
-    # A soft preference for spreading replicas over nodes; never blocks scheduling.
-    pod_spec["topologySpreadConstraints"] = [
-        {
-            "maxSkew": 1,
-            "topologyKey": "kubernetes.io/hostname",
-            "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": selector_labels(ld)},
-            "matchLabelKeys": ["pod-template-hash"],
-        }
-    ]
-
+    pod_spec.update(_scheduling(ld))
     template: dict[str, Any] = {
         "metadata": {
             "labels": {**(spec.pod_labels or {}), **labels(ld)},

@@ -23,7 +23,7 @@ from kubellm.operator import api, crd
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / f"{api.CRD_NAME}.yaml"
 EXAMPLES = ROOT / "examples"
-MY_EXAMPLES = ("cpu", "7b-bf16", "int4", "tp2", "autoscaled")
+MY_EXAMPLES = ("cpu", "7b-bf16", "int4", "tp2", "autoscaled", "api-keys")
 
 
 @functools.cache
@@ -401,6 +401,9 @@ INVALID = [
      "resources.gpu.product selects GPU nodes, so it needs resources.gpu.count > 0"),
     ("env value and valueFrom", {"env": [{"name": "A", "value": "x", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]},
      "env: set value or valueFrom, not both"),
+    ("api key both from auth and env",
+     {"auth": {"apiKeySecretRef": {"name": "keys"}}, "env": [{"name": "KUBELLM_API_KEY", "value": "k"}]},
+     "env: KUBELLM_API_KEY is set from auth.apiKeySecretRef; remove one of them"),
     ("toleration Exists with value", {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]},
      "a toleration with operator Exists must not set value"),
     ("toleration without key", {"tolerations": [{"operator": "Equal", "value": "v"}]},
@@ -459,6 +462,8 @@ SCHEMA_INVALID = [
     ("unknown pull policy", {"imagePullPolicy": "Sometimes"}),
     ("typo in a field name", {"replica": 2}),
     ("typo in a nested field name", {"engine": {"maxNumSeq": 2}}),
+    ("secret name not a DNS name", {"auth": {"apiKeySecretRef": {"name": "Keys_1"}}}),
+    ("secret ref without a name", {"auth": {"apiKeySecretRef": {"key": "k"}}}),
     ("toleration with unknown effect", {"tolerations": [{"key": "k", "effect": "NoRun"}]}),
 ]
 

@@ -260,6 +260,7 @@ FULL = merged(
         "podLabels": {"team": "search", "example.com/cost-center": "42"},
         "podAnnotations": {"example.com/owner": "search-team", "note": "anything: goes here"},
         "service": {"type": "LoadBalancer", "port": 8080},
+        "auth": {"apiKeySecretRef": {"name": "llama-keys", "key": "keys"}},
     },
 )  # fmt: skip
 
@@ -313,7 +314,7 @@ def test_names_fit_everywhere(name, namespace):
 
 def test_matrix_covers_what_it_claims():
     ids = [c[0] for c in CASES]
-    assert len([i for i in ids if i.startswith("example-")]) == 2 * len(EXAMPLES) == 10
+    assert len([i for i in ids if i.startswith("example-")]) == 2 * len(EXAMPLES) == 12
     kinds = set()
     for _, spec, available in CASES:
         kinds |= {m["kind"] for m in render.render(make(spec), service_monitor_available=available)}
@@ -580,6 +581,55 @@ def test_env_merges_user_variables_without_duplicates():
     assert names.index("KUBELLM_CACHE") < names.index(
         "HF_TOKEN"
     )  # built-ins first: user values may use $(...)
+
+
+def _resolve_env(env: list[dict[str, Any]], secrets: dict[tuple[str, str], str]) -> dict[str, str]:
+    """What the kubelet hands the container: values, and secretKeyRefs looked up in ``secrets``."""
+    out = {}
+    for e in env:
+        if "value" in e:
+            out[e["name"]] = e["value"]
+        elif ref := e.get("valueFrom", {}).get("secretKeyRef"):
+            assert not ref.get("optional"), (
+                "a missing key Secret must stop the pod, not start it without keys"
+            )
+            out[e["name"]] = secrets[(ref["name"], ref["key"])]
+    return out
+
+
+@pytest.mark.parametrize("key", [None, "token"])
+def test_api_key_secret_reaches_the_runtime_and_only_the_runtime(key):
+    from kubellm.runtime.cli import build_parser
+    from kubellm.runtime.server import auth
+
+    ref = {"name": "llm-keys"} if key is None else {"name": "llm-keys", "key": key}
+    ld = make({"model": {"uri": "hf://org/model"}, "auth": {"apiKeySecretRef": ref}})
+    ps = pod_spec(ld)
+    secrets = {("llm-keys", key or "api-key"): "k-old, k-new"}
+    container = ps["containers"][0]
+    env = _resolve_env(container["env"], secrets)
+    args = build_parser().parse_args(["serve", *container["args"]])
+    assert auth.api_keys_from(args.api_key, env) == ("k-old", "k-new")
+    assert render.API_KEY_ENV == auth.API_KEY_ENV
+    for init in ps["initContainers"]:  # the model download never sees the key
+        assert auth.API_KEY_ENV not in {e["name"] for e in init["env"]}
+    # Without auth nothing is rendered, so the runtime asks for no key.
+    plain = pod_spec(make({"model": {"uri": "hf://org/model"}}))["containers"][0]
+    assert auth.api_keys_from(None, _resolve_env(plain["env"], {})) == ()
+
+
+def test_api_key_secret_changes_the_pods():
+    """Turning keys on or pointing at another Secret rolls the pods (the env is part of the template)."""
+    base = {"model": {"uri": "smollm2"}}
+    hashes = {
+        render.spec_hash(render.render_deployment(make(merged(base, extra)))["spec"]["template"])
+        for extra in (
+            {},
+            {"auth": {"apiKeySecretRef": {"name": "a"}}},
+            {"auth": {"apiKeySecretRef": {"name": "b"}}},
+        )
+    }
+    assert len(hashes) == 3
 
 
 def test_pod_spec_passthrough_fields():

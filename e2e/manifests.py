@@ -78,3 +78,18 @@ def autoscaled_deployment(
     spec["autoscaling"]["maxReplicas"] = max_replicas
     _use_image(doc, image, pull_policy)
     return doc
+
+
+def api_keys_deployment(image: str, namespace: str, *, pull_policy: str = "IfNotPresent") -> dict[str, Any]:
+    """examples/llmdeployment-api-keys.yaml with the baked demo model (no download) and one CPU."""
+    doc = load_example("llmdeployment-api-keys.yaml")
+    doc["metadata"]["namespace"] = namespace
+    doc["spec"]["model"] = {"uri": f"file://{BAKED_DEMO_MODEL}", "servedModelName": SERVED_MODEL_NAME}
+    doc["spec"]["resources"]["cpu"] = "1"
+    _use_image(doc, image, pull_policy)
+    return doc
+
+
+def secret(name: str, namespace: str, data: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace},
+            "type": "Opaque", "stringData": data}  # fmt: skip

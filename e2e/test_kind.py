@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import manifests
 import pytest
 from kube import Kubectl, KubectlError, api_proxy, port_forward, service_proxy_url, wait_until
@@ -170,3 +171,31 @@ def test_autoscaled_example_scales_up_on_queue_depth(
     assert scaled[0].startswith("from 1 to "), scaled  # "from 1 to 2, queue depth 9 (target 4)"
     describe = namespace.run("describe", KIND, name)
     assert "ScaledUp" in describe, describe
+
+
+def test_api_keys_example_waits_for_its_secret_then_refuses_calls_without_a_key(
+    namespace: Kubectl, runtime_image: str, pull_policy: str, ready_timeout: float
+):
+    doc = manifests.api_keys_deployment(runtime_image, namespace.namespace, pull_policy=pull_policy)
+    name, secret_name = doc["metadata"]["name"], doc["spec"]["auth"]["apiKeySecretRef"]["name"]
+    namespace.apply(doc)
+
+    def degraded_for_the_secret() -> bool:
+        conditions = namespace.json("get", KIND, name).get("status", {}).get("conditions", [])
+        return any(c["type"] == "Degraded" and c["status"] == "True" and c["reason"] == "CreateContainerConfigError"
+                   for c in conditions)
+
+    # No Secret yet: the pod must not start without keys, and the SRE sees why.
+    wait_until(degraded_for_the_secret, timeout=300, what="Degraded=CreateContainerConfigError without the Secret",
+               diagnostics=lambda: namespace.diagnostics(KIND, name))
+    namespace.apply(manifests.secret(secret_name, namespace.namespace, {"api-key": "e2e-old,e2e-new"}))
+    _wait_ready(namespace, name, ready_timeout)
+    port, _ = _service_port(namespace, name)
+    with port_forward(namespace, f"service/{name}", port) as local:
+        base = f"http://127.0.0.1:{local}"
+        refused = httpx.get(f"{base}/v1/models", timeout=30)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", refused.text
+        assert httpx.get(f"{base}/health/ready", timeout=60).status_code == 200  # probes need no key
+        for key in ("e2e-old", "e2e-new"):
+            client = OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
+            assert manifests.SERVED_MODEL_NAME in [m.id for m in client.models.list().data]

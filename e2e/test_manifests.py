@@ -74,3 +74,12 @@ def test_rendered_pods_run_as_the_image_user():
     security = children["Deployment"]["spec"]["template"]["spec"]["securityContext"]
     assert security["runAsUser"] == render.RUN_AS_USER == 10001
     assert api.KIND == "LLMDeployment"
+
+
+def test_api_keys_deployment_renders_the_secret_into_the_runtime():
+    doc = manifests.api_keys_deployment(IMAGE, NAMESPACE)
+    container = _runtime_container(_children(doc)["Deployment"])
+    env = {e["name"]: e for e in container["env"]}
+    ref = doc["spec"]["auth"]["apiKeySecretRef"]
+    assert env["KUBELLM_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": ref["name"], "key": "api-key"}}
+    assert container["image"] == IMAGE

@@ -330,12 +330,22 @@ def _usage(prompts: list[list[int]], outs: list[RequestOutput]) -> UsageInfo:
 
 
 # ---- streaming -----------------------------------------------------------------------------------
+# JSON leaves U+0085, U+2028 and U+2029 raw, and clients that split the stream with str.splitlines (httpx's
+# iter_lines, many hand-written ones) cut an event there; escaped, every event stays on its one line.
+_UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_event(chunk: dict) -> str:
+    """One server-sent event carrying ``chunk`` as JSON (UTF-8, no raw line breaks of any kind)."""
+    return f"data: {json.dumps(chunk, ensure_ascii=False).translate(_UNICODE_LINE_BREAKS)}\n\n"
+
+
 def _sse(request: Request, state: ServerState, chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
         state.active_requests += 1
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                yield sse_event(chunk)
             yield "data: [DONE]\n\n"
         finally:
             state.active_requests -= 1

@@ -159,7 +159,7 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0) -> tokenizers.Tokenize
 # Checkpoints
 # --------------------------------------------------------------------------------------------------------
 
-ARCHS = ("llama", "llama3", "qwen2", "mistral", "qwen3")
+ARCHS = ("llama", "llama3", "qwen2", "mistral", "qwen3", "phi3", "phi3_long")
 
 _COMMON = {
     "hidden_size": 64,
@@ -224,6 +224,27 @@ _ARCH_CONFIGS: dict[str, dict] = {
         "sliding_window": None,
         "use_sliding_window": False,
         "max_window_layers": 3,
+        "tie_word_embeddings": False,
+    },
+    # Phi-3: fused qkv_proj and gate_up_proj in the checkpoint. LongRoPE with a tiny original length, so a test
+    # context passes it; factors differ per pair and between the sets, so using the wrong set fails parity.
+    "phi3": {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "rope_scaling": None,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+    "phi3_long": {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "original_max_position_embeddings": 48,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(8)],
+            "long_factor": [1.5 + 0.4 * i for i in range(8)],
+        },
+        "sliding_window": None,
         "tie_word_embeddings": False,
     },
     "mistral": {

@@ -49,13 +49,15 @@ class ModelConfig:
                 f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads}){where}")
         if head_dim % 2:
             raise CheckpointError(f"head_dim must be even for rotary embeddings, got {head_dim}{where}")
-        rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        if rope_scaling is not None:
-            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if rope_type not in ("default", "llama3", "linear"):
-                raise CheckpointError(f"rope_scaling type {rope_type!r}{where} is not supported (default, linear, llama3)")
-            if rope_type == "default":
-                rope_scaling = None
+        rope_scaling = _rope_scaling(cfg, where)
+        if rope_scaling and rope_scaling["rope_type"] == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(rope_scaling[key]) != head_dim // 2:
+                    raise CheckpointError(f"rope_scaling {key} has {len(rope_scaling[key])} entries, head_dim "
+                                          f"{head_dim} needs {head_dim // 2}{where}")
+        if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise CheckpointError(f"partial_rotary_factor={cfg['partial_rotary_factor']}{where} is not supported yet "
+                                  "(rotary over the whole head only)")
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
         max_pos = cfg.get("max_position_embeddings") or 2048
         if sliding is not None and sliding < max_pos:
@@ -81,3 +83,31 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             sliding_window=sliding,
         )
+
+
+def _rope_scaling(cfg: dict, where: str) -> dict | None:
+    """The rope scaling dict, normalised: None for plain RoPE; Phi-3's "su" is longrope, and longrope carries
+    its original length and factor (transformers reads both from the top level when there)."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if scaling is None:
+        return None
+    scaling = dict(scaling)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "su" or (rope_type == "yarn" and cfg.get("model_type") == "phi3"):
+        rope_type = "longrope"  # what transformers' Phi3Config does with the old names
+    if rope_type not in ("default", "llama3", "linear", "longrope"):
+        raise CheckpointError(
+            f"rope_scaling type {rope_type!r}{where} is not supported (default, linear, llama3, longrope)")
+    if rope_type == "default":
+        return None
+    scaling["rope_type"] = rope_type
+    if rope_type == "longrope":
+        max_pos = cfg.get("max_position_embeddings") or 2048
+        original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original = original or max_pos
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_pos / original
+        for key in ("short_factor", "long_factor"):
+            if not isinstance(scaling.get(key), list):
+                raise CheckpointError(f"rope_scaling {key} must be a list of numbers{where}")
+    return scaling

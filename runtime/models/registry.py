@@ -10,6 +10,7 @@ MODEL_CLASSES = {
     "MistralForCausalLM": "kubellm.runtime.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "kubellm.runtime.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "kubellm.runtime.models.qwen3:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "kubellm.runtime.models.phi3:Phi3ForCausalLM",
 }
 
 

@@ -69,8 +69,14 @@ def tiny_qwen3(tiny_checkpoint_factory):
     return tiny_checkpoint_factory("qwen3")
 
 
+@pytest.fixture(scope="module")
+def tiny_phi3(tiny_checkpoint_factory):
+    """Phi-3: q/k/v and gate/up fused in the checkpoint."""
+    return tiny_checkpoint_factory("phi3")
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama3", "tiny_qwen2", "tiny_mistral",
-                                     "tiny_llama_sharded", "tiny_qwen3"])
+                                     "tiny_llama_sharded", "tiny_qwen3", "tiny_phi3"])
 def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     llm = _engine(model_dir)
@@ -81,7 +87,7 @@ def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fix
     assert bm.num_used_blocks == 0, "every block must be free once all requests finished"
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_phi3"])
 def test_torch_reference_attention_backend_also_equals_transformers(fixture, request):
     """`auto` uses the native CPU kernel where it builds; the plain-PyTorch backend must agree too."""
     model_dir = request.getfixturevalue(fixture)
@@ -143,5 +149,25 @@ def test_qwen3_with_two_tensor_parallel_ranks_equals_transformers(tiny_qwen3):
     llm = _engine(tiny_qwen3, tensor_parallel_size=2)
     try:
         _run_and_compare(llm, tiny_qwen3, _prompts()[:5])
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("served_len", [48, 256])
+def test_phi3_longrope_uses_the_short_or_long_factors_by_the_served_context(served_len, tiny_checkpoint_factory):
+    """The tiny model was pre-trained on 48 positions: serving 48 uses the short factors, serving more the long
+    ones for every position; transformers agrees for sequences that stay on one side of 48."""
+    model_dir = tiny_checkpoint_factory("phi3_long")
+    rng = random.Random(1)
+    lengths = (1, 7, 20) if served_len == 48 else (49, 60, 90)  # with MAX_NEW, all short ones stay within 48
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+    _run_and_compare(_engine(model_dir, max_model_len=served_len, num_kv_blocks=96), model_dir, prompts)
+
+
+def test_phi3_with_two_tensor_parallel_ranks_equals_transformers(tiny_phi3):
+    """The fused checkpoint tensors are cut per projection before sharding, so each rank gets whole heads."""
+    llm = _engine(tiny_phi3, tensor_parallel_size=2)
+    try:
+        _run_and_compare(llm, tiny_phi3, _prompts()[:5])
     finally:
         llm.close()

@@ -49,6 +49,30 @@ def test_config_reads_transformers5_rope_parameters():
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
 
 
+_PHI3 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 10, "hidden_size": 8,
+         "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 4096,
+         "original_max_position_embeddings": 1024}
+
+
+def test_phi3_su_scaling_is_longrope_with_the_top_level_original_length():
+    cfg = ModelConfig.from_hf({**_PHI3, "rope_scaling": {"type": "su", "short_factor": [1.0, 1.0],
+                                                         "long_factor": [2.0, 3.0]}})
+    assert cfg.rope_scaling["rope_type"] == "longrope"
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 1024 and cfg.rope_scaling["factor"] == 4.0
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 2.0]}},
+     "short_factor has 1 entries, head_dim 4 needs 2"),
+    ({"rope_scaling": {"type": "longrope", "long_factor": [1.0, 2.0]}}, "short_factor must be a list"),
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75 .* not supported"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}, "model_type": "qwen2"}, "'yarn' .* not supported"),
+])  # fmt: skip
+def test_unsupported_or_malformed_rope_is_a_clear_error(change, message):
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_hf({**_PHI3, **change})
+
+
 def test_unknown_architecture_is_named_in_the_error(broken):
     cfg = json.loads((broken / "config.json").read_text())
     cfg["architectures"] = ["GPTNeoXForCausalLM"]

@@ -159,7 +159,7 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0) -> tokenizers.Tokenize
 # Checkpoints
 # --------------------------------------------------------------------------------------------------------
 
-ARCHS = ("llama", "llama3", "qwen2", "mistral", "qwen3", "phi3", "phi3_long")
+ARCHS = ("llama", "llama3", "qwen2", "mistral", "qwen3", "phi3", "phi3_long", "qwen3_moe", "mixtral")
 
 _COMMON = {
     "hidden_size": 64,
@@ -244,6 +244,33 @@ _ARCH_CONFIGS: dict[str, dict] = {
             "short_factor": [1.0 + 0.05 * i for i in range(8)],
             "long_factor": [1.5 + 0.4 * i for i in range(8)],
         },
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+    # Mixtures of experts, written by transformers' own save_pretrained (per-expert tensors, as on the Hub).
+    # Eight experts, two per token: a short prompt already routes to most of them. Layer 1 of qwen3_moe is dense.
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "attention_bias": False,
+        "rope_scaling": None,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "tie_word_embeddings": False,
+    },
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 48,
+        "router_jitter_noise": 0.0,
         "sliding_window": None,
         "tie_word_embeddings": False,
     },
@@ -359,7 +386,11 @@ def build_checkpoint(
     for old in [*out_dir.glob("model*.safetensors"), out_dir / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
     meta = {"format": "pt"}
-    if num_shards <= 1:
+    if arch in _SAVED_BY_TRANSFORMERS:
+        if num_shards > 1:
+            raise ValueError(f"{arch} checkpoints are written by save_pretrained in one file")
+        _save_with_transformers(cfg, tensors, out_dir)
+    elif num_shards <= 1:
         save_file(tensors, str(out_dir / "model.safetensors"), metadata=meta)
     else:
         sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
@@ -430,6 +461,26 @@ def build_checkpoint(
         {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
     )
     return out_dir
+
+
+# transformers 5 keeps experts stacked in memory and splits them per expert on save: its own save_pretrained
+# writes the layout real checkpoints have.
+_SAVED_BY_TRANSFORMERS = ("qwen3_moe", "mixtral")
+
+
+def _save_with_transformers(cfg: dict, tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")})
+    model = AutoModelForCausalLM.from_config(hf_cfg)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight" or not cfg.get("tie_word_embeddings")]:
+        raise AssertionError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        (Path(tmp) / "model.safetensors").replace(out_dir / "model.safetensors")
 
 
 def _write_json(path: Path, obj) -> None:

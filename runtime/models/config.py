@@ -11,6 +11,37 @@ SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)  # what this runtime implements
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLPs: which layers have them, how many experts, how tokens are routed."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    renormalize: bool  # rescale the top-k router weights to sum to 1
+    sparse_layers: tuple[int, ...]  # the others keep a dense MLP of ModelConfig.intermediate_size
+
+    @classmethod
+    def from_hf(cls, cfg: dict, num_layers: int, where: str) -> MoEConfig | None:
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+        if not experts:
+            return None
+        top_k = cfg.get("num_experts_per_tok")
+        if not isinstance(top_k, int) or not 0 < top_k <= experts:
+            raise CheckpointError(f"num_experts_per_tok={top_k!r} must be within 1..{experts}{where}")
+        if cfg.get("shared_expert_intermediate_size") or cfg.get("n_shared_experts"):
+            raise CheckpointError(f"shared experts{where} are not supported yet")
+        step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+        mixtral = "num_local_experts" in cfg
+        return cls(
+            num_experts=experts,
+            top_k=top_k,
+            intermediate_size=cfg["intermediate_size"] if mixtral else cfg.get("moe_intermediate_size") or 0,
+            renormalize=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+            sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -27,6 +58,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections (Qwen2)
     sliding_window: int | None
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "") -> ModelConfig:
@@ -82,6 +114,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             sliding_window=sliding,
+            moe=MoEConfig.from_hf(cfg, cfg["num_hidden_layers"], where),
         )
 
 

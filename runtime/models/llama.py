@@ -99,13 +99,18 @@ class LlamaMLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
 
 
+def dense_mlp(cfg: ModelConfig, tp: Group, layer: int) -> nn.Module:
+    return LlamaMLP(cfg, tp)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group, attention_cls=LlamaAttention):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group, attention_cls=LlamaAttention,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = attention_cls(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, tp)
 
     def forward(self, positions, hidden, residual, meta):
         """Returns this layer's MLP output and the residual stream before it is added (the next norm adds it)."""
@@ -120,13 +125,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, tp: Group,
-                 attention_cls=LlamaAttention):
+                 attention_cls=LlamaAttention, mlp_factory=dense_mlp):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # One table shared by every layer (registered once here, referenced by each attention).
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, tp, attention_cls)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, tp, attention_cls, mlp_factory(cfg, tp, i))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -162,14 +167,17 @@ def tp_shard(name: str, tensor: torch.Tensor, tp: Group) -> torch.Tensor:
 
 
 class LlamaForCausalLM(nn.Module):
-    attention_cls = LlamaAttention  # families that change only the attention block (Qwen3) swap this
+    # Families that change only the attention block (Qwen3) or the MLP (mixtures of experts) swap these.
+    attention_cls = LlamaAttention
+    mlp_factory = staticmethod(dense_mlp)  # (cfg, tp, layer index) -> the layer's MLP module
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None,
                  tp: Group | None = None):
         super().__init__()
         self.config = cfg
         self.tp = tp or Group()
-        self.model = LlamaModel(cfg, dtype, max_positions or cfg.max_position_embeddings, self.tp, self.attention_cls)
+        self.model = LlamaModel(cfg, dtype, max_positions or cfg.max_position_embeddings, self.tp, self.attention_cls,
+                                self.mlp_factory)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -186,11 +194,12 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] → float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
 
-    def shard_sizes(self, fused: str) -> list[int]:
-        attn = self.model.layers[0].self_attn
-        if fused == "qkv_proj":
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [self.model.layers[0].mlp.intermediate] * 2
+    def shard_sizes(self, target: str) -> list[int]:
+        """Rows of each part of the fused parameter ``target`` (q/k/v, or gate/up), on this rank."""
+        module = self.get_submodule(target.rsplit(".", 2)[0])
+        if isinstance(module, LlamaAttention):
+            return [module.q_size, module.kv_size, module.kv_size]
+        return [module.intermediate] * 2
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
@@ -202,6 +211,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding provides it
+            if (key := self.load_special(name, tensor)) is not None:
+                loaded.add(key)
+                continue
             target, shard = name, None
             for part, (fused, idx) in _FUSED.items():
                 if f".{part}." in name:
@@ -213,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
             tensor = tp_shard(name, tensor, self.tp)
             dst = param.data
             if shard is not None:
-                sizes = self.shard_sizes(target.split(".")[-2])
+                sizes = self.shard_sizes(target)
                 offset = sum(sizes[:shard])
                 dst = dst.narrow(0, offset, sizes[shard])
             if tuple(dst.shape) != tuple(tensor.shape):
@@ -222,9 +234,9 @@ class LlamaForCausalLM(nn.Module):
                     f" ({source or 'checkpoint'})")
             dst.copy_(tensor)
             loaded.add(f"{target}#{shard}")
-        expected = set()
+        expected = self.special_keys()
         for pname in params:
-            if pname == "lm_head.weight" and self.config.tie_word_embeddings:
+            if pname == "lm_head.weight" and self.config.tie_word_embeddings or self.loads_specially(pname):
                 continue
             fused = pname.split(".")[-2]
             if fused in ("qkv_proj", "gate_up_proj") and pname.endswith("weight") or (
@@ -238,8 +250,22 @@ class LlamaForCausalLM(nn.Module):
             raise CheckpointError(f"{source or 'checkpoint'} is missing {len(missing)} tensors, e.g. {shown}")
 
 
+    def load_special(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Load a tensor the generic mapping does not cover (experts); return its key, or None if not ours."""
+        return None
+
+    def special_keys(self) -> set[str]:
+        """Keys :meth:`load_special` must have returned by the end of loading."""
+        return set()
+
+    def loads_specially(self, param_name: str) -> bool:
+        """Whether :meth:`load_special` fills this parameter (so the generic check skips it)."""
+        return False
+
+
 def use_native_ops(model: nn.Module, enabled: bool) -> None:
-    """Route RMSNorm, rotary and SiLU-and-mul through the fused CPU kernels (or back to the references)."""
+    """Route RMSNorm, rotary and SiLU-and-mul through the fused CPU kernels (or back to the references): every
+    module whose class declares a ``native`` switch."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+        if isinstance(getattr(type(module), "native", None), bool):
             module.native = enabled

@@ -11,6 +11,8 @@ MODEL_CLASSES = {
     "Qwen2ForCausalLM": "kubellm.runtime.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "kubellm.runtime.models.qwen3:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "kubellm.runtime.models.phi3:Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM": "kubellm.runtime.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "kubellm.runtime.models.mixtral:MixtralForCausalLM",
 }
 
 

@@ -70,13 +70,26 @@ def tiny_qwen3(tiny_checkpoint_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_qwen3_moe(tiny_checkpoint_factory):
+    """Qwen3-MoE: 8 experts, top-2 renormalised, layer 1 dense (mlp_only_layers); saved by transformers."""
+    return tiny_checkpoint_factory("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tiny_checkpoint_factory):
+    """Mixtral: block_sparse_moe with w1/w2/w3 experts in every layer; saved by transformers."""
+    return tiny_checkpoint_factory("mixtral")
+
+
+@pytest.fixture(scope="module")
 def tiny_phi3(tiny_checkpoint_factory):
     """Phi-3: q/k/v and gate/up fused in the checkpoint."""
     return tiny_checkpoint_factory("phi3")
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama3", "tiny_qwen2", "tiny_mistral",
-                                     "tiny_llama_sharded", "tiny_qwen3", "tiny_phi3"])
+                                     "tiny_llama_sharded", "tiny_qwen3", "tiny_phi3", "tiny_qwen3_moe",
+                                     "tiny_mixtral"])
 def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     llm = _engine(model_dir)
@@ -87,7 +100,7 @@ def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fix
     assert bm.num_used_blocks == 0, "every block must be free once all requests finished"
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_phi3"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_mixtral"])
 def test_torch_reference_attention_backend_also_equals_transformers(fixture, request):
     """`auto` uses the native CPU kernel where it builds; the plain-PyTorch backend must agree too."""
     model_dir = request.getfixturevalue(fixture)
@@ -169,5 +182,16 @@ def test_phi3_with_two_tensor_parallel_ranks_equals_transformers(tiny_phi3):
     llm = _engine(tiny_phi3, tensor_parallel_size=2)
     try:
         _run_and_compare(llm, tiny_phi3, _prompts()[:5])
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe", "tiny_mixtral"])
+def test_mixture_of_experts_with_two_tensor_parallel_ranks_equals_transformers(fixture, request):
+    """Each rank holds every expert's half of the intermediate dimension; the router is replicated."""
+    model_dir = request.getfixturevalue(fixture)
+    llm = _engine(model_dir, tensor_parallel_size=2)
+    try:
+        _run_and_compare(llm, model_dir, _prompts()[:5])
     finally:
         llm.close()

@@ -73,6 +73,30 @@ def test_unsupported_or_malformed_rope_is_a_clear_error(change, message):
         ModelConfig.from_hf({**_PHI3, **change})
 
 
+_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 4, "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 6}
+
+
+def test_moe_config_reads_sparse_layers_and_routing():
+    cfg = ModelConfig.from_hf({**_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": True})
+    assert cfg.moe.sparse_layers == (1,) and cfg.moe.renormalize and cfg.moe.intermediate_size == 6
+    mixtral = ModelConfig.from_hf({**_MOE, "architectures": ["MixtralForCausalLM"], "num_experts": None,
+                                   "num_local_experts": 4})
+    assert mixtral.moe.sparse_layers == (0, 1, 2, 3) and mixtral.moe.renormalize
+    assert mixtral.moe.intermediate_size == 16  # Mixtral's experts use intermediate_size
+    assert ModelConfig.from_hf({k: v for k, v in _MOE.items() if "expert" not in k}).moe is None
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 must be within 1..4"),
+    ({"shared_expert_intermediate_size": 8}, "shared experts .* not supported"),
+])  # fmt: skip
+def test_malformed_or_unsupported_moe_is_a_clear_error(change, message):
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_hf({**_MOE, **change})
+
+
 def test_unknown_architecture_is_named_in_the_error(broken):
     cfg = json.loads((broken / "config.json").read_text())
     cfg["architectures"] = ["GPTNeoXForCausalLM"]

@@ -258,10 +258,21 @@ IntOrPercent = Annotated[
         }
     ),
 ]
+def _sorted_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sorted_keys(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_keys(v) for v in value]
+    return value
+
+
 # A core/v1 object kept verbatim (affinity, env valueFrom): the API server keeps its fields unpruned
-# and the pod's own validation checks them.
+# and the pod's own validation checks them. Keys are sorted, so rendered manifests do not depend on the key
+# order of the input (GitOps diffs of `kubellm render` stay stable).
 FreeForm = Annotated[
-    dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+    dict[str, Any],
+    AfterValidator(_sorted_keys),
+    WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
 ]
 
 

@@ -43,6 +43,7 @@ FULL_DEFAULTS = {
     "imagePullPolicy": "IfNotPresent",
     "service": {"type": "ClusterIP", "port": 80},
     "monitoring": {"serviceMonitor": "Auto"},
+    "auth": {},
 }
 
 
@@ -102,6 +103,7 @@ def test_round_trip_camel_case():
         "podAnnotations": {"a": "b"},
         "service": {"type": "LoadBalancer", "port": 8080},
         "monitoring": {"serviceMonitor": "Disabled"},
+        "auth": {"apiKeySecretRef": {"name": "keys", "key": "api-key"}},
     }
     spec = api.LLMDeploymentSpec.model_validate(full)
     assert spec.to_k8s() == full

@@ -1054,3 +1054,36 @@ def test_main_reports_bad_input(tmp_path, capsys):
     (tmp_path / "typo.yaml").write_text(yaml.safe_dump(manifest({"model": {"uri": "smollm2"}, "replica": 2})))
     assert render.main(["-f", str(tmp_path / "typo.yaml")]) == 2
     assert "spec.replica" in capsys.readouterr().err
+
+
+def _reordered(node: Any) -> Any:
+    """The same YAML value with every mapping's keys in reverse order."""
+    if isinstance(node, dict):
+        return {k: _reordered(node[k]) for k in reversed(list(node))}
+    if isinstance(node, list):
+        return [_reordered(v) for v in node]
+    return node
+
+
+def test_kubellm_render_is_byte_stable_across_processes_and_input_key_order(tmp_path):
+    """GitOps review diffs `kubellm render` output: the same objects give the same bytes, whatever the hash seed
+    of the process or the key order of the input file."""
+    import os
+    import subprocess
+    import sys
+
+    docs = [yaml.safe_load(p.read_text()) for p in EXAMPLES]
+    straight, shuffled = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    straight.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    shuffled.write_text(yaml.safe_dump_all([_reordered(d) for d in reversed(docs)], sort_keys=False))
+    outputs = []
+    for seed, path in (("1", straight), ("2", straight), ("3", shuffled)):
+        code = "import sys; from kubellm.operator.render import main; sys.exit(main(sys.argv[1:]))"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        result = subprocess.run([sys.executable, "-c", code, "-f", str(path), "-n", "ml"], env=env,
+                                capture_output=True, check=True, timeout=120)  # fmt: skip
+        outputs.append(result.stdout)
+    assert outputs[0] == outputs[1]
+    # The shuffled file lists the objects in reverse: compare per object, byte for byte.
+    split = [sorted(d for d in re.split(rb"(?m)^---\n", o) if d) for o in outputs]
+    assert split[2] == split[0] and len(split[0]) > len(EXAMPLES)

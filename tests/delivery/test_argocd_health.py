@@ -1,0 +1,129 @@
+"""The Argo CD health check shipped in the chart (charts/kubellm/files/argocd-health.lua), run by a real Lua
+interpreter (lupa) against statuses the operator's own status code writes for each situation."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import lupa
+
+from kubellm.operator import status as status_mod
+from kubellm.operator.api import LLMDeployment
+
+ROOT = Path(__file__).resolve().parents[2]
+LUA = ROOT / "charts" / "kubellm" / "files" / "argocd-health.lua"
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+
+def argo_health(obj: dict[str, Any]) -> tuple[str, str]:
+    """(status, message) as Argo CD computes them: the script's chunk run with the resource as ``obj``."""
+    lua = lupa.LuaRuntime(unpack_returned_tuples=True)
+    lua.globals().obj = lua.table_from(obj, recursive=True)
+    result = lua.execute(LUA.read_text())
+    return result["status"], result["message"]
+
+
+def ld(generation: int = 1, **spec: Any) -> LLMDeployment:
+    return LLMDeployment.model_validate({
+        "metadata": {"name": "llm", "namespace": "ml", "uid": "u", "generation": generation},
+        "spec": {"model": {"uri": "hf://org/llm"}, **spec},
+    })  # fmt: skip
+
+
+def deployment(desired: int, ready: int, updated: int | None = None) -> dict[str, Any]:
+    updated = desired if updated is None else updated
+    return {"metadata": {"name": "llm", "namespace": "ml", "generation": 1},
+            "spec": {"replicas": desired},
+            "status": {"observedGeneration": 1, "replicas": max(desired, updated), "readyReplicas": ready,
+                       "updatedReplicas": updated, "availableReplicas": ready}}  # fmt: skip
+
+
+def pod(name: str, *, ready: bool = True, waiting: str | None = None) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": "runtime", "ready": ready, "started": ready and not waiting,
+                                 "restartCount": 0, "state": {"running": {}}}  # fmt: skip
+    if waiting:
+        container["state"] = {"waiting": {"reason": waiting, "message": "back-off restarting"}}
+    return {"metadata": {"name": name, "namespace": "ml", "labels": {"kubellm.io/llmdeployment": "llm"}},
+            "status": {"conditions": [], "containerStatuses": [container]}}  # fmt: skip
+
+
+def resource(target: LLMDeployment, status: Any) -> dict[str, Any]:
+    obj = {"apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
+           "metadata": target.metadata.model_dump() if hasattr(target.metadata, "model_dump") else dict(target.metadata),
+           "spec": {}}  # fmt: skip
+    if status is not None:
+        obj["status"] = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return obj
+
+
+def observed(target: LLMDeployment, dep, pods, previous=None, **kw):
+    return status_mod.observe(target, dep, None, pods, previous, now=NOW, **kw)[0]
+
+
+def settled(target: LLMDeployment, dep, pods):
+    """The status once the operator has seen this generation's rollout through (a second observation)."""
+    return observed(target, dep, pods, observed(target, dep, pods))
+
+
+def test_serving_is_healthy():
+    target = ld(replicas=2)
+    st = settled(target, deployment(2, 2), [pod("llm-a"), pod("llm-b")])
+    assert argo_health(resource(target, st)) == ("Healthy", "2/2 replicas ready")
+
+
+def test_a_rollout_is_progressing_until_complete():
+    before = settled(ld(replicas=2), deployment(2, 2), [pod("llm-a"), pod("llm-b")])
+    target = ld(generation=2, replicas=2)
+    st = observed(target, deployment(2, 2, updated=1), [pod("llm-a"), pod("llm-b"), pod("llm-c", ready=False)],
+                  before, template_changed=True)
+    status, message = argo_health(resource(target, st))
+    assert status == "Progressing" and "updated" in message
+
+
+def test_loading_pods_are_progressing():
+    target = ld(replicas=1)
+    st = observed(target, deployment(1, 0), [pod("llm-a", ready=False)])
+    assert argo_health(resource(target, st))[0] == "Progressing"
+
+
+def test_a_crash_loop_is_degraded():
+    target = ld(replicas=1)
+    st = observed(target, deployment(1, 0), [pod("llm-a", ready=False, waiting="CrashLoopBackOff")])
+    status, message = argo_health(resource(target, st))
+    assert status == "Degraded" and message.startswith("CrashLoopBackOff: ")
+
+
+def test_an_invalid_spec_is_degraded():
+    target = ld(generation=3)
+    st, _ = status_mod.invalid_spec_status(target, "spec.model.uri: bad", None, now=NOW)
+    status, message = argo_health(resource(target, st))
+    assert status == "Degraded" and "spec.model.uri: bad" in message
+
+
+def test_scaled_to_zero_is_suspended():
+    target = ld(replicas=0)
+    st = settled(target, deployment(0, 0), [])
+    assert argo_health(resource(target, st))[0] == "Suspended"
+
+
+def test_a_status_older_than_the_spec_is_progressing_whatever_it_says():
+    st = settled(ld(replicas=1), deployment(1, 1), [pod("llm-a")])
+    newer = ld(generation=2, replicas=1)
+    assert argo_health(resource(newer, st)) == ("Progressing", "waiting for the operator to observe generation 2")
+    assert argo_health(resource(newer, None))[0] == "Progressing"
+
+
+def test_docs_show_the_script_the_chart_ships():
+    docs = (ROOT / "docs" / "gitops.md").read_text()
+    block = re.search(r"resource\.customizations\.health\.kubellm\.io_LLMDeployment: \|\n((?:    .*\n|\n)+)", docs)
+    assert block, "docs/gitops.md lacks the argocd-cm snippet"
+    shown = "\n".join(line[4:] for line in block[1].splitlines()).strip()
+    assert shown == LUA.read_text().strip()
+
+
+def test_the_script_needs_nothing_outside_argo_cds_sandbox():
+    """Argo CD runs health scripts without os, io or require."""
+    assert not re.search(r"\b(os|io|require)\b\s*[.(]", LUA.read_text())

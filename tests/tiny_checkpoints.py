@@ -159,7 +159,7 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0) -> tokenizers.Tokenize
 # Checkpoints
 # --------------------------------------------------------------------------------------------------------
 
-ARCHS = ("llama", "llama3", "qwen2", "mistral", "qwen3", "phi3", "phi3_long", "qwen3_moe", "mixtral")
+ARCHS = ("llama", "llama3", "qwen2", "mistral", "qwen3", "phi3", "phi3_long", "qwen3_moe", "mixtral", "gemma2", "gemma3")
 
 _COMMON = {
     "hidden_size": 64,
@@ -273,6 +273,34 @@ _ARCH_CONFIGS: dict[str, dict] = {
         "router_jitter_noise": 0.0,
         "sliding_window": None,
         "tie_word_embeddings": False,
+    },
+    # Gemma: a 12-token window (three 4-token KV blocks in the tests) so prompts cross it; caps small enough
+    # to bite at these logit sizes; query_pre_attn_scalar unlike head_dim (Gemma 2 27B), so a runtime that
+    # scales by head_dim fails parity.
+    "gemma2": {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 12,
+        "attn_logit_softcapping": 4.0,
+        "final_logit_softcapping": 6.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+    },
+    "gemma3": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 12,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "tie_word_embeddings": True,
     },
     "mistral": {
         "architectures": ["MistralForCausalLM"],

@@ -43,6 +43,22 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32
 
 
+@dataclass(frozen=True)
+class LayerOptions:
+    """What one layer's attention adds to plain causal attention (Gemma): a sliding window (a query at position p
+    sees keys p - window < j <= p, as transformers masks it) and soft-capped logits (cap * tanh(s / cap))."""
+
+    window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.softcap is None
+
+
+PLAIN = LayerOptions()
+
+
 class TorchAttentionBackend:
     """Reference paged attention in plain PyTorch; runs anywhere, used on CPU."""
 
@@ -52,25 +68,33 @@ class TorchAttentionBackend:
         self.scale = head_dim**-0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, opts: LayerOptions = PLAIN) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] (new tokens) → output [T, H, D]; writes k/v into the cache first."""
         kvh, d = self.num_kv_heads, self.head_dim
         k_flat = k_cache.view(-1, kvh, d)
         v_flat = v_cache.view(-1, kvh, d)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
+        # Kernels implement plain attention; a windowed or soft-capped layer runs the reference here.
+        decode, prefill = (self._decode, self._prefill) if opts.plain else (self._decode_ref, self._prefill_ref)
         nd = meta.num_decodes
         if nd == q.shape[0]:  # a pure decode step: no output buffer to assemble
-            return self._decode(q, k_cache, v_cache, meta)
+            return decode(q, k_cache, v_cache, meta, opts)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+            out[:nd] = decode(q[:nd], k_cache, v_cache, meta, opts)
         for p in meta.prefills:
             s, e = p.start, p.start + p.num_tokens
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_flat, v_flat, p)
+            out[s:e] = prefill(q[s:e], k[s:e], v[s:e], k_flat, v_flat, p, opts)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta):
+    def _decode(self, q, k_cache, v_cache, meta, opts=PLAIN):
+        return self._decode_ref(q, k_cache, v_cache, meta, opts)
+
+    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts=PLAIN):
+        return self._prefill_ref(q, k, v, k_flat, v_flat, span, opts)
+
+    def _decode_ref(self, q, k_cache, v_cache, meta, opts: LayerOptions):
         # Gather whole blocks (index_select on rows is several times faster than slot-wise indexing),
         # then per KV head two batched matmuls that read the gathered K/V in place through strides.
         b = q.shape[0]
@@ -81,16 +105,25 @@ class TorchAttentionBackend:
             b, length, kvh, d)
         qv = q.view(b, kvh, g, d)
         out = torch.empty_like(qv)
+        bias = meta.decode_bias
+        if opts.window is not None:  # keys at or before context_len - 1 - window fell out of the window
+            ctx = meta.decode_context_lens.to(torch.int64)
+            old = torch.arange(length, device=q.device)[None, :] <= (ctx - 1 - opts.window)[:, None]
+            bias = bias.masked_fill(old.unsqueeze(-1), float("-inf"))
         for h in range(kvh):
-            scores = torch.bmm(keys[:, :, h], qv[:, h].transpose(1, 2))  # [B, L, G]
-            probs = torch.softmax(scores.float().mul_(self.scale).add_(meta.decode_bias), dim=1).to(q.dtype)
+            scores = torch.bmm(keys[:, :, h], qv[:, h].transpose(1, 2)).float().mul_(self.scale)  # [B, L, G]
+            if opts.softcap is not None:
+                scores = torch.tanh(scores / opts.softcap) * opts.softcap
+            probs = torch.softmax(scores.add_(bias), dim=1).to(q.dtype)
             out[:, h] = torch.bmm(probs.transpose(1, 2), values[:, :, h])  # [B, G, D]
         return out.view(b, self.num_heads, d)
 
-    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan):
+    def _prefill_ref(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts: LayerOptions):
         if span.context_slots is not None:
             k = torch.index_select(k_flat, 0, span.context_slots)
             v = torch.index_select(v_flat, 0, span.context_slots)
+        if not opts.plain:
+            return self._masked_prefill(q, k, v, span, opts)
         # [1, heads, tokens, D] views with enable_gqa: the 4-D form reaches PyTorch's flash CPU kernel
         # (2-3x faster here than 3-D inputs, which fall back to the math path) and needs no K/V copies.
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
@@ -101,6 +134,27 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=span.mask, scale=self.scale, enable_gqa=gqa)
         return o[0].transpose(0, 1)
 
+    def _masked_prefill(self, q, k, v, span: PrefillSpan, opts: LayerOptions):
+        """Attention with the window and/or soft cap spelled out: q [n, H, D] at positions context_len - n ..,
+        k/v [context_len, KVH, D]."""
+        n, ctx = q.shape[0], k.shape[0]
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if opts.window is not None:
+            allowed &= k_pos > q_pos - opts.window
+        qt, kt, vt = (x.transpose(0, 1) for x in (q, k, v))  # [heads, tokens, D]
+        if self.group > 1:
+            kt, vt = kt.repeat_interleave(self.group, dim=0), vt.repeat_interleave(self.group, dim=0)
+        if opts.softcap is None:
+            o = F.scaled_dot_product_attention(qt.unsqueeze(0), kt.unsqueeze(0), vt.unsqueeze(0),
+                                               attn_mask=allowed, scale=self.scale)[0]
+            return o.transpose(0, 1)
+        scores = torch.matmul(qt, kt.transpose(1, 2)).float() * self.scale
+        scores = torch.tanh(scores / opts.softcap) * opts.softcap
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
+        return torch.matmul(probs, vt).transpose(0, 1)
+
 
 class KernelAttentionBackend(TorchAttentionBackend):
     """Kernels with the CPU/Triton contract: decode reads K/V blocks in place from the pool; prefill is a
@@ -110,11 +164,11 @@ class KernelAttentionBackend(TorchAttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim)
         self._decode_kernel, self._prefill_kernel = decode_kernel, prefill_kernel
 
-    def _decode(self, q, k_cache, v_cache, meta):
+    def _decode(self, q, k_cache, v_cache, meta, opts=PLAIN):
         return self._decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                    self.scale)
 
-    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan):
+    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts=PLAIN):
         if span.context_slots is not None:  # the kernel's causal offset is the mask the reference builds
             k = torch.index_select(k_flat, 0, span.context_slots)
             v = torch.index_select(v_flat, 0, span.context_slots)
@@ -192,11 +246,12 @@ def make_backend(kind: str, device: str, num_heads: int, num_kv_heads: int, head
 class Attention(torch.nn.Module):
     """Binds one layer's cache tensors and backend; the runner sets ``k_cache``/``v_cache``/``backend``."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, opts: LayerOptions = PLAIN):
         super().__init__()
         self.backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.opts = opts
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.opts)

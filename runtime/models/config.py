@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.registry import MODEL_CLASSES
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)  # what this runtime implements
+WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # sliding-window layers implemented
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class ModelConfig:
     attention_bias: bool  # bias on q/k/v projections (Qwen2)
     sliding_window: int | None
     moe: MoEConfig | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)  # config.json, for family-specific fields
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "") -> ModelConfig:
@@ -92,7 +94,7 @@ class ModelConfig:
                                   "(rotary over the whole head only)")
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
         max_pos = cfg.get("max_position_embeddings") or 2048
-        if sliding is not None and sliding < max_pos:
+        if sliding is not None and sliding < max_pos and arch not in WINDOWED_ARCHITECTURES:
             raise CheckpointError(
                 f"sliding_window={sliding} shorter than the context ({max_pos}){where} is not supported yet")
         rope_theta = cfg.get("rope_theta")
@@ -111,10 +113,11 @@ class ModelConfig:
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in WINDOWED_ARCHITECTURES)),  # Gemma ties
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             sliding_window=sliding,
             moe=MoEConfig.from_hf(cfg, cfg["num_hidden_layers"], where),
+            raw=dict(cfg),
         )
 
 

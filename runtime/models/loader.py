@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.models.checkpoint import Checkpoint, CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM
@@ -42,7 +43,9 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len
     # Materialise directly in the target dtype/device; weights are copied in by load_weights.
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty() materialises shared parameters separately
-    model.model.rotary.build_tables(device)
+    for module in model.modules():  # every rotary table (Gemma 3 has one per layer type)
+        if isinstance(module, RotaryEmbedding):
+            module.build_tables(device)
     total = 9 * cfg.num_layers + 3
     with tqdm(total=total, desc=f"loading {Path(ckpt.source).name}", unit="tensor", disable=not progress,
               leave=False) as bar:

@@ -13,6 +13,8 @@ MODEL_CLASSES = {
     "Phi3ForCausalLM": "kubellm.runtime.models.phi3:Phi3ForCausalLM",
     "Qwen3MoeForCausalLM": "kubellm.runtime.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "kubellm.runtime.models.mixtral:MixtralForCausalLM",
+    "Gemma2ForCausalLM": "kubellm.runtime.models.gemma:GemmaForCausalLM",
+    "Gemma3ForCausalLM": "kubellm.runtime.models.gemma:GemmaForCausalLM",
 }
 
 

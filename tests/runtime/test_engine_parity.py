@@ -82,6 +82,18 @@ def tiny_mixtral(tiny_checkpoint_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_gemma2(tiny_checkpoint_factory):
+    """Gemma 2: a 12-token window on layers 0 and 2, soft-capped attention and final logits."""
+    return tiny_checkpoint_factory("gemma2")
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tiny_checkpoint_factory):
+    """Gemma 3: q/k norms, a 12-token window on layers 0 and 2, local and global rotary tables."""
+    return tiny_checkpoint_factory("gemma3")
+
+
+@pytest.fixture(scope="module")
 def tiny_phi3(tiny_checkpoint_factory):
     """Phi-3: q/k/v and gate/up fused in the checkpoint."""
     return tiny_checkpoint_factory("phi3")
@@ -89,7 +101,7 @@ def tiny_phi3(tiny_checkpoint_factory):
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama3", "tiny_qwen2", "tiny_mistral",
                                      "tiny_llama_sharded", "tiny_qwen3", "tiny_phi3", "tiny_qwen3_moe",
-                                     "tiny_mixtral"])
+                                     "tiny_mixtral", "tiny_gemma2", "tiny_gemma3"])
 def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     llm = _engine(model_dir)
@@ -100,7 +112,8 @@ def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fix
     assert bm.num_used_blocks == 0, "every block must be free once all requests finished"
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_mixtral"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_mixtral",
+                                     "tiny_gemma2", "tiny_gemma3"])
 def test_torch_reference_attention_backend_also_equals_transformers(fixture, request):
     """`auto` uses the native CPU kernel where it builds; the plain-PyTorch backend must agree too."""
     model_dir = request.getfixturevalue(fixture)
@@ -109,11 +122,12 @@ def test_torch_reference_attention_backend_also_equals_transformers(fixture, req
     _run_and_compare(llm, model_dir, _prompts())
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_mistral"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_mistral", "tiny_gemma3"])
 def test_triton_attention_backend_equals_transformers(fixture, request):
     """The CUDA path's kernels, run by Triton's interpreter on CPU here (compiled on a GPU): the same greedy
     tokens through chunked prefill over cached context, preemption and prefix hits. Mistral is MQA with
-    head_dim 32, llama GQA with head_dim 16; decode tiles span several 4-token KV blocks."""
+    head_dim 32, llama GQA with head_dim 16; decode tiles span several 4-token KV blocks. Gemma 3 mixes
+    windowed layers (the reference) with a global layer (the kernels) in one model."""
     model_dir = request.getfixturevalue(fixture)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = _engine(model_dir, attention_backend="triton", device=device)
@@ -193,5 +207,22 @@ def test_mixture_of_experts_with_two_tensor_parallel_ranks_equals_transformers(f
     llm = _engine(model_dir, tensor_parallel_size=2)
     try:
         _run_and_compare(llm, model_dir, _prompts()[:5])
+    finally:
+        llm.close()
+
+
+def test_gemma_windows_hold_for_prompts_far_longer_than_the_window(tiny_gemma2, tiny_gemma3):
+    """Long prompts (5-8 windows) beside short ones in one batch, chunked across many steps: a position outside
+    its layer's window must never be attended, whichever step or block it sits in."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (90, 3, 61, 14)]
+    for model_dir in (tiny_gemma2, tiny_gemma3):
+        _run_and_compare(_engine(model_dir, num_kv_blocks=96), model_dir, prompts)
+
+
+def test_gemma3_with_two_tensor_parallel_ranks_equals_transformers(tiny_gemma3):
+    llm = _engine(tiny_gemma3, tensor_parallel_size=2)
+    try:
+        _run_and_compare(llm, tiny_gemma3, _prompts()[:5])
     finally:
         llm.close()

@@ -97,6 +97,42 @@ def test_malformed_or_unsupported_moe_is_a_clear_error(change, message):
         ModelConfig.from_hf({**_MOE, **change})
 
 
+_GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+           "num_hidden_layers": 7, "num_attention_heads": 2, "head_dim": 4, "sliding_window": 512,
+           "max_position_embeddings": 32768}
+
+
+def test_gemma3_layer_types_and_rotary_from_hub_and_transformers5_configs():
+    from kubellm.runtime.models.gemma import FULL, SLIDING, GemmaSettings
+
+    hub = GemmaSettings.from_config(ModelConfig.from_hf({
+        **_GEMMA3, "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}}))  # fmt: skip
+    assert hub.layer_types == (SLIDING,) * 5 + (FULL, SLIDING) and hub.window == 512
+    assert hub.rope == {FULL: (1e6, {"rope_type": "linear", "factor": 8.0}), SLIDING: (1e4, None)}
+    v5 = GemmaSettings.from_config(ModelConfig.from_hf({**_GEMMA3, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}))  # fmt: skip
+    assert v5.rope == hub.rope
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"layer_types": ["sliding_attention"] * 3}, "layer_types must list .* each of the 7 layers"),
+    ({"sliding_window": None}, "sliding layers need a positive sliding_window"),
+])  # fmt: skip
+def test_malformed_gemma_layout_is_a_clear_error(change, message):
+    from kubellm.runtime.models.gemma import GemmaSettings
+
+    with pytest.raises(CheckpointError, match=message):
+        GemmaSettings.from_config(ModelConfig.from_hf({**_GEMMA3, **change}))
+
+
+def test_llama_family_sliding_windows_are_still_refused():
+    cfg = {**_GEMMA3, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
+    with pytest.raises(CheckpointError, match="sliding_window=4096 shorter than the context"):
+        ModelConfig.from_hf(cfg)
+
+
 def test_unknown_architecture_is_named_in_the_error(broken):
     cfg = json.loads((broken / "config.json").read_text())
     cfg["architectures"] = ["GPTNeoXForCausalLM"]

@@ -20,7 +20,7 @@ from kubellm.runtime.block_manager import BlockManager
 from kubellm.runtime.config import EngineConfig, available_memory_bytes
 from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kubellm.runtime.model_runner import ModelRunner, kv_block_bytes
-from kubellm.runtime.models.config import ModelConfig
+from kubellm.runtime.models.config import ModelConfig, text_tower_config
 from kubellm.runtime.models.loader import build_model, read_checkpoint
 from kubellm.runtime.parallel import Group, check_divisible
 from kubellm.runtime.quantization import quantize_model
@@ -96,7 +96,7 @@ class _Request:
 
 
 def _max_model_len(ckpt, config: EngineConfig) -> int:
-    max_pos = ckpt.config.get("max_position_embeddings") or 2048
+    max_pos = text_tower_config(ckpt.config).get("max_position_embeddings") or 2048
     return min(config.max_model_len or max_pos, max_pos)
 
 

@@ -511,6 +511,33 @@ def _save_with_transformers(cfg: dict, tensors: dict[str, torch.Tensor], out_dir
         (Path(tmp) / "model.safetensors").replace(out_dir / "model.safetensors")
 
 
+def wrap_in_gemma3_multimodal(text_dir: Path, out_dir: Path) -> Path:
+    """A Gemma3ForConditionalGeneration checkpoint (tiny random vision tower and projector) whose text model has
+    the weights of the Gemma 3 text checkpoint ``text_dir``, written by transformers' save_pretrained; the
+    tokenizer and generation files are copied."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text_cfg = json.loads((text_dir / "config.json").read_text())
+    text_cfg = {k: v for k, v in text_cfg.items() if k not in ("architectures", "torch_dtype", "model_type")}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = Gemma3Config(text_config=text_cfg, vision_config=vision, mm_tokens_per_image=4)
+    model = Gemma3ForConditionalGeneration(config)
+    text = load_file(str(text_dir / "model.safetensors"))
+    state = {f"model.language_model.{k.removeprefix('model.')}": v for k, v in text.items() if k != "lm_head.weight"}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if "language_model" in m]:
+        raise AssertionError(f"text weights did not fit: missing {missing}, unexpected {unexpected}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        shutil.copy(text_dir / name, out_dir / name)
+    return out_dir
+
+
 def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 

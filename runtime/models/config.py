@@ -10,6 +10,29 @@ from kubellm.runtime.models.registry import MODEL_CLASSES
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)  # what this runtime implements
 WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # sliding-window layers implemented
 
+# Multimodal checkpoints whose text tower we serve: (architecture, text architecture, text config defaults).
+# Hub configs of Gemma 3 list only what differs from transformers' Gemma3TextConfig defaults, copied here.
+TEXT_TOWERS = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", {
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "sliding_window_pattern": 6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+        "hidden_activation": "gelu_pytorch_tanh"}),
+}  # fmt: skip
+
+
+def text_tower_config(cfg: dict) -> dict:
+    """The config of the text model inside a multimodal checkpoint (as a text-only config.json would be), or
+    ``cfg`` itself."""
+    arch = next((a for a in cfg.get("architectures") or [] if a in TEXT_TOWERS), None)
+    if arch is None:
+        return cfg
+    text_arch, defaults = TEXT_TOWERS[arch]
+    text = {**defaults, **(cfg.get("text_config") or {}), "architectures": [text_arch]}
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+    return text
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -65,6 +88,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "") -> ModelConfig:
         where = f" in {source}" if source else ""
+        cfg = text_tower_config(cfg)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

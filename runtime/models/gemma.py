@@ -15,6 +15,7 @@ The projections keep Llama's names and fusions, so loading and tensor parallelis
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -170,8 +171,29 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
+        super().load_weights(text_tower(weights), source)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
         if (cap := self.settings.final_softcap) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+# Multimodal checkpoints (Gemma3ForConditionalGeneration): the text model's tensors under these prefixes
+# (the Hub's layout, then transformers 5's in-memory one); the vision tower and projector are not loaded.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_tower(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name.removeprefix(old)
+                break
+        yield name, tensor

@@ -15,6 +15,7 @@ MODEL_CLASSES = {
     "MixtralForCausalLM": "kubellm.runtime.models.mixtral:MixtralForCausalLM",
     "Gemma2ForCausalLM": "kubellm.runtime.models.gemma:GemmaForCausalLM",
     "Gemma3ForCausalLM": "kubellm.runtime.models.gemma:GemmaForCausalLM",
+    "Gemma3ForConditionalGeneration": "kubellm.runtime.models.gemma:GemmaForCausalLM",  # the text tower
 }
 
 

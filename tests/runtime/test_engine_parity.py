@@ -226,3 +226,23 @@ def test_gemma3_with_two_tensor_parallel_ranks_equals_transformers(tiny_gemma3):
         _run_and_compare(llm, tiny_gemma3, _prompts()[:5])
     finally:
         llm.close()
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_tower(tiny_gemma3, tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (as google/gemma-3-4b-it ships): the text model's tensors
+    under language_model.*, a vision tower that is skipped; generates what the text model generates."""
+    from tiny_checkpoints import wrap_in_gemma3_multimodal
+
+    wrapped = wrap_in_gemma3_multimodal(tiny_gemma3, tmp_path / "gemma3-mm")
+    assert _engine(wrapped, max_model_len=None).engine.max_model_len == 512  # the text config's context
+    llm = _engine(wrapped)
+    assert llm.engine.model_config.architecture == "Gemma3ForCausalLM"
+    recorder = LogitRecorder(llm.engine.runner.sampler)
+    llm.engine.runner.sampler = recorder
+    prompts = _prompts()[:4]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
+                        use_tqdm=False)
+    ref_tokens, ref_logits = hf_greedy(tiny_gemma3, prompts, MAX_NEW)
+    for out, tokens, logits in zip(outs, ref_tokens, ref_logits, strict=True):
+        assert out.token_ids == tokens
+        torch.testing.assert_close(torch.stack(recorder.rows[out.request_id]), logits, atol=LOGIT_ATOL, rtol=0)

@@ -99,9 +99,12 @@ class GemmaRMSNorm(nn.Module):
 
 
 class GemmaAttention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group, settings: GemmaSettings, kind: str):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group, settings: GemmaSettings, kind: str,
+                 max_positions: int):
         super().__init__(cfg, rotary, tp)
-        opts = LayerOptions(window=settings.window if kind == SLIDING else None, softcap=settings.attn_softcap)
+        # A window no shorter than the served context never hides a key: plain attention, so the kernels run it.
+        window = settings.window if kind == SLIDING and settings.window < max_positions else None
+        opts = LayerOptions(window=window, softcap=settings.attn_softcap)
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, opts)
         if settings.qk_norm:
             self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -125,11 +128,12 @@ class GemmaMLP(LlamaMLP):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group, settings: GemmaSettings, kind: str):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group, settings: GemmaSettings, kind: str,
+                 max_positions: int):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.self_attn = GemmaAttention(cfg, rotary, tp, settings, kind)
+        self.self_attn = GemmaAttention(cfg, rotary, tp, settings, kind, max_positions)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.mlp = GemmaMLP(cfg, tp)
@@ -149,7 +153,7 @@ class GemmaModel(nn.Module):
         tables = {kind: RotaryEmbedding(cfg.head_dim, max_positions, theta, scaling, dtype)
                   for kind, (theta, scaling) in settings.rope.items()}
         self.rotary, self.rotary_local = tables[FULL], tables[SLIDING]
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, tables[kind], tp, settings, kind)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, tables[kind], tp, settings, kind, max_positions)
                                     for kind in settings.layer_types)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

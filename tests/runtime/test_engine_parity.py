@@ -49,12 +49,13 @@ def _engine(model_dir, **kw) -> LLM:
     return LLM(str(model_dir), progress=False, **args)
 
 
-def _run_and_compare(llm: LLM, model_dir, prompts):
+def _run_and_compare(llm: LLM, model_dir, prompts, max_new: int = MAX_NEW):
+    """Greedy tokens equal to transformers' on ``model_dir`` and logits within LOGIT_ATOL, per prompt."""
     recorder = LogitRecorder(llm.engine.runner.sampler)
     llm.engine.runner.sampler = recorder
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    ref_tokens, ref_logits = hf_greedy(model_dir, prompts, MAX_NEW)
+    ref_tokens, ref_logits = hf_greedy(model_dir, prompts, max_new)
     for out, tokens, logits in zip(outs, ref_tokens, ref_logits, strict=True):
         assert out.token_ids == tokens, f"prompt of {len(out.prompt_token_ids)} tokens diverged"
         ours = torch.stack(recorder.rows[out.request_id])
@@ -237,12 +238,14 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_tower(tiny_gemma3, tmp_pat
     assert _engine(wrapped, max_model_len=None).engine.max_model_len == 512  # the text config's context
     llm = _engine(wrapped)
     assert llm.engine.model_config.architecture == "Gemma3ForCausalLM"
-    recorder = LogitRecorder(llm.engine.runner.sampler)
-    llm.engine.runner.sampler = recorder
-    prompts = _prompts()[:4]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
-                        use_tqdm=False)
-    ref_tokens, ref_logits = hf_greedy(tiny_gemma3, prompts, MAX_NEW)
-    for out, tokens, logits in zip(outs, ref_tokens, ref_logits, strict=True):
-        assert out.token_ids == tokens
-        torch.testing.assert_close(torch.stack(recorder.rows[out.request_id]), logits, atol=LOGIT_ATOL, rtol=0)
+    _run_and_compare(llm, tiny_gemma3, _prompts()[:4])  # the reference is the text model itself
+
+
+def test_a_gemma_window_as_long_as_the_served_context_is_plain_attention(tiny_checkpoint_factory):
+    """Serving no more than the window, no key can fall out of it: those layers run as plain attention (the
+    kernels), and still equal transformers."""
+    model_dir = tiny_checkpoint_factory("gemma3")
+    llm = _engine(model_dir, max_model_len=12)
+    assert all(layer.self_attn.attn.opts.window is None for layer in llm.engine.runner.model.model.layers)
+    rng = random.Random(3)
+    _run_and_compare(llm, model_dir, [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 4, 7)], max_new=4)

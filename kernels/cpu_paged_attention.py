@@ -38,8 +38,13 @@ def paged_decode_attention(
     *,
     chunk: int | None = None,
     partition: int = 0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention with the native kernel (see the module docstring for shapes). Raises if unavailable.
+
+    ``window``: attend only each sequence's last ``window`` tokens (sliding-window layers); ``softcap``: scores
+    become ``softcap * tanh(score / softcap)`` before the softmax (scores include ``scale``).
 
     ``chunk`` (tokens per online-softmax chunk, 1..512) and ``partition`` (split each sequence into pieces of
     this many tokens, merged at the end; 0 = only when there are fewer (sequence, kv head) pairs than twice
@@ -57,7 +62,8 @@ def paged_decode_attention(
     if context_lens.dtype != torch.int32 or not context_lens.is_contiguous():
         context_lens = context_lens.to(torch.int32).contiguous()
     return torch.ops.kubellm_cpu.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, float(scale), chunk or _CHUNK_TOKENS, partition
+        q, k_cache, v_cache, block_tables, context_lens, float(scale), chunk or _CHUNK_TOKENS, partition,
+        window or 0, float(softcap or 0.0),
     )
 
 
@@ -68,6 +74,8 @@ def reference_paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch decode attention, same contract: per sequence, gather its blocks, attend in fp32."""
     batch, num_heads, head_dim = q.shape
@@ -84,6 +92,10 @@ def reference_paged_decode_attention(
         k = k.repeat_interleave(group, dim=1)  # [L, H, D]: query head h reads kv head h // group
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        if window:
+            scores[:, : max(0, length - window)] = float("-inf")
         probs = torch.softmax(scores, dim=-1)
         out[b] = torch.einsum("hl,lhd->hd", probs, v).to(q.dtype)
     return out

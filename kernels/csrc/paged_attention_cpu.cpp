@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -260,6 +261,8 @@ struct Params {
   int nv;     // head_dim / 16
   int chunk;  // tokens per chunk
   float scale;
+  int64_t window;  // > 0: a sequence attends only its last `window` tokens (sliding-window layers)
+  float softcap;   // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
 };
 
 // One unit of work: query heads [h0, h0 + gt) of the group of kv head `kvh` of sequence `b`, over context
@@ -355,6 +358,11 @@ void attend(const Params<scalar_t>& p, const Item& item, const Partials& partial
       }
       for (int g = 0; g < GT; ++g) s[g][t] = vsum(kTwoAcc ? a0[g] + a1[g] : a0[g]);
     }
+    if (p.softcap > 0.0f) {
+      const float cap = p.softcap, inv_cap = 1.0f / p.softcap;
+      for (int g = 0; g < GT; ++g)
+        for (int t = 0; t < n; ++t) s[g][t] = cap * std::tanh(s[g][t] * inv_cap);
+    }
 
     // Online softmax update; s becomes the unnormalised probabilities exp(s - m).
     const int npad = (n + kLanes - 1) / kLanes * kLanes;
@@ -428,6 +436,14 @@ void attend_dispatch_gt(const Params<scalar_t>& p, const Item& item, const Parti
   }
 }
 
+// (first token, number of tokens) sequence b attends: its whole context, or the last `window` tokens of it.
+template <typename scalar_t>
+std::pair<int64_t, int64_t> span_of(const Params<scalar_t>& p, int64_t b) {
+  const int64_t L = std::max<int32_t>(0, p.context_lens[b]);
+  const int64_t start = p.window > 0 ? std::max<int64_t>(0, L - p.window) : 0;
+  return {start, L - start};
+}
+
 template <typename scalar_t>
 void run(const Params<scalar_t>& p, int64_t batch, int64_t partition) {
   if (batch == 0) return;
@@ -450,7 +466,7 @@ void run(const Params<scalar_t>& p, int64_t batch, int64_t partition) {
     part_len = std::numeric_limits<int64_t>::max();
     if (batch * per_part < 2 * nthreads && nthreads > 1) {
       int64_t total = 0;
-      for (int64_t b = 0; b < batch; ++b) total += std::max<int32_t>(0, p.context_lens[b]);
+      for (int64_t b = 0; b < batch; ++b) total += span_of(p, b).second;
       const int64_t want = (total * per_part + 4 * nthreads - 1) / (4 * nthreads);
       part_len = std::max<int64_t>(kMinPartition, want);
     }
@@ -461,7 +477,7 @@ void run(const Params<scalar_t>& p, int64_t batch, int64_t partition) {
   int64_t n_slots = 0;  // partial-result slots (one per partition of a split sequence)
   std::vector<int64_t> first_slot(batch, -1), n_parts(batch, 1);
   for (int64_t b : order) {
-    const int64_t L = std::max<int32_t>(0, p.context_lens[b]);
+    const auto [start, L] = span_of(p, b);  // the tokens attended: [start, start + L)
     const int64_t parts = L > part_len ? (L + part_len - 1) / part_len : 1;
     n_parts[b] = parts;
     if (parts > 1) {
@@ -469,7 +485,7 @@ void run(const Params<scalar_t>& p, int64_t batch, int64_t partition) {
       n_slots += parts;
     }
     for (int64_t part = 0; part < parts; ++part) {
-      const int64_t t0 = part * (L / parts) + std::min(part, L % parts);
+      const int64_t t0 = start + part * (L / parts) + std::min(part, L % parts);
       const int64_t t1 = t0 + L / parts + (part < L % parts ? 1 : 0);
       for (int64_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
         for (int64_t pass = 0; pass < npass; ++pass) {
@@ -532,7 +548,8 @@ void run(const Params<scalar_t>& p, int64_t batch, int64_t partition) {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                  double scale, int64_t chunk, int64_t partition) {
+                                  double scale, int64_t chunk, int64_t partition, int64_t window,
+                                  double softcap) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_decode_attention: CPU tensors expected");
   TORCH_CHECK(q.dim() == 3, "q must be [B, num_heads, head_dim], got ", q.sizes());
@@ -550,6 +567,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "the head_dim axis of q, k_cache and v_cache must be contiguous");
   TORCH_CHECK(chunk >= 1 && chunk <= kMaxChunk, "chunk must be in [1, ", kMaxChunk, "]");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: off)");
 
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
@@ -606,6 +624,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     p.nv = static_cast<int>(D / kLanes);
     p.chunk = static_cast<int>(chunk);
     p.scale = static_cast<float>(scale);
+    p.window = window;
+    p.softcap = static_cast<float>(softcap);
     run<scalar_t>(p, B, partition);
   };
   switch (q.scalar_type()) {
@@ -623,7 +643,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(kubellm_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, int chunk=128, int partition=0) -> Tensor");
+      "Tensor context_lens, float scale, int chunk=128, int partition=0, int window=0, float softcap=0.0) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) {

@@ -272,3 +272,33 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):
         assert cpa.available() is False
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
     assert "no C++ compiler" in cpa.build_info()["error"]
+
+
+# ---------------------------------------------------------------------------------- windows and soft caps
+
+
+def test_reference_window_is_dense_attention_over_the_last_tokens():
+    lens = [1, 40, 100]
+    q, kc, vc, bt, cl, dk, dv = make_case(lens, 4, 2, 32, 16, torch.float32)
+    window = 24
+    ref = cpa.reference_paged_decode_attention(q, kc, vc, bt, cl, 0.2, window=window)
+    dense = dense_attention(q, [k[-window:] for k in dk], [v[-window:] for v in dv], 0.2)
+    torch.testing.assert_close(ref, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(1, None), (16, None), (37, None), (1000, None), (None, 5.0),
+                                                 (37, 2.0)])  # fmt: skip
+@pytest.mark.parametrize("partition", [0, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_window_and_softcap_match_the_reference(kernel, window, softcap, partition, dtype):
+    """Windows shorter than, across and longer than the contexts (and split into partitions); soft caps small
+    enough to change the scores (q is scaled up so they bite)."""
+    lens = [300, 1, 17, 129, 48]
+    q, kc, vc, bt, cl, _, _ = make_case(lens, 9, 3, 64, 16, dtype, seed=3)
+    q = (q.float() * 3).to(dtype)
+    ref = cpa.reference_paged_decode_attention(q, kc, vc, bt, cl, 0.125, window=window, softcap=softcap)
+    out = kernel(q, kc, vc, bt, cl, 0.125, partition=partition, window=window, softcap=softcap)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    if window is not None and window < 300:  # the window really changes the answer
+        plain = cpa.reference_paged_decode_attention(q, kc, vc, bt, cl, 0.125, softcap=softcap)
+        assert not torch.allclose(plain[0].float(), ref[0].float(), atol=1e-3)

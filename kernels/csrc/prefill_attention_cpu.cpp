@@ -48,19 +48,20 @@ inline float load_f(float x) { return x; }
 inline float load_f(c10::BFloat16 x) { return math::to_f(x); }
 inline float load_f(c10::Half x) { return math::to_f(x); }
 
-// One online-softmax step for a score row over a key block: turns sc[0, valid) into probabilities (0 past
-// valid), folds the block into the running max m and normaliser l, and returns the factor (<= 1) that rescales
-// the row's earlier accumulation.
-inline float online_softmax(float* sc, int64_t valid, float& m, float& l) {
+// One online-softmax step for a score row over a key block: turns sc[lo, valid) into probabilities (0
+// elsewhere), folds the block into the running max m and normaliser l, and returns the factor (<= 1) that
+// rescales the row's earlier accumulation. lo > 0 only for a sliding window that starts inside the block.
+inline float online_softmax(float* sc, int64_t lo, int64_t valid, float& m, float& l) {
   float mb = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mb)
-  for (int j = 0; j < kKeys; ++j) mb = std::max(mb, j < valid ? sc[j] : -std::numeric_limits<float>::infinity());
+  for (int j = 0; j < kKeys; ++j)
+    mb = std::max(mb, j >= lo && j < valid ? sc[j] : -std::numeric_limits<float>::infinity());
   const float m_new = std::max(m, mb);
   const float corr = exp_nonpos(m - m_new);  // 0 on the first block (m = -inf)
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int j = 0; j < kKeys; ++j) {
-    const float p = j < valid ? exp_nonpos(sc[j] - m_new) : 0.0f;
+    const float p = j >= lo && j < valid ? exp_nonpos(sc[j] - m_new) : 0.0f;
     sc[j] = p;
     sum += p;
   }
@@ -69,24 +70,48 @@ inline float online_softmax(float* sc, int64_t valid, float& m, float& l) {
   return corr;
 }
 
-// How many of the block's keys [kb, kb + nk) each of the kRows rows from r0 may see (0 for padding rows past
-// `rows`); returns the largest count. Row r is query token first_token + r / G, which sees keys up to itself.
-inline int64_t visible_keys(int64_t r0, int64_t rows, int64_t G, int64_t first_token, int64_t kb, int64_t nk,
-                            int64_t valid[kRows]) {
+struct Shape {
+  int64_t T, S, H, KVH, G, D;
+  int64_t q_st, q_sh, k_st, k_sh, v_st, v_sh;  // token and head strides (elements)
+  float scale;
+  int64_t window;  // > 0: query p sees keys (p - window, p] only
+  float softcap;   // > 0: scores become softcap * tanh(score / softcap)
+};
+
+// The keys [lo, valid) of the block [kb, kb + nk) that query token `token` sees: up to itself, and within
+// its window. valid = 0 when it sees none of them.
+inline void row_keys(const Shape& s, int64_t token, int64_t kb, int64_t nk, int64_t& lo, int64_t& valid) {
+  valid = std::max<int64_t>(0, std::min<int64_t>(nk, token - kb + 1));
+  lo = s.window > 0 ? std::max<int64_t>(0, token - s.window + 1 - kb) : 0;
+  if (lo >= valid) valid = lo = 0;
+}
+
+// row_keys for each of the kRows rows from r0 (padding rows past `rows` see nothing); returns the largest
+// valid. Row r is query token first_token + r / G.
+inline int64_t visible_keys(const Shape& s, int64_t r0, int64_t rows, int64_t first_token, int64_t kb, int64_t nk,
+                            int64_t lo[kRows], int64_t valid[kRows]) {
   int64_t most = 0;
   for (int i = 0; i < kRows; ++i) {
-    const int64_t limit = r0 + i < rows ? first_token + (r0 + i) / G : -1;
-    valid[i] = std::max<int64_t>(0, std::min<int64_t>(nk, limit - kb + 1));
+    if (r0 + i < rows) {
+      row_keys(s, first_token + (r0 + i) / s.G, kb, nk, lo[i], valid[i]);
+    } else {
+      lo[i] = valid[i] = 0;
+    }
     most = std::max(most, valid[i]);
   }
   return most;
 }
 
-struct Shape {
-  int64_t T, S, H, KVH, G, D;
-  int64_t q_st, q_sh, k_st, k_sh, v_st, v_sh;  // token and head strides (elements)
-  float scale;
-};
+// The first key block (a multiple of kKeys) any query from `first_token` on may see.
+inline int64_t first_block(const Shape& s, int64_t first_token) {
+  return s.window > 0 ? std::max<int64_t>(0, first_token - s.window + 1) / kKeys * kKeys : 0;
+}
+
+inline void soft_cap(const Shape& s, float* sc, int64_t lo, int64_t valid) {
+  if (s.softcap <= 0.0f) return;
+  const float cap = s.softcap, inv = 1.0f / s.softcap;
+  for (int64_t j = lo; j < valid; ++j) sc[j] = cap * std::tanh(sc[j] * inv);
+}
 
 // kD > 0: head_dim known at compile time (score and accumulator rows stay in registers); 0: runtime s.D.
 template <typename T, int kD>
@@ -108,7 +133,7 @@ void run_item(const Shape& s, const T* q, const T* k, const T* v, T* out, int64_
     l[r] = 0.0f;
   }
   const int64_t last_key = offset + t1 - 1;
-  for (int64_t kb = 0; kb <= last_key; kb += kKeys) {
+  for (int64_t kb = first_block(s, offset + t0); kb <= last_key; kb += kKeys) {
     const int64_t nk = std::min<int64_t>(kKeys, last_key + 1 - kb);
     // K block transposed to [D][kKeys] (zero past nk), V block to [nk][D], both float32.
     for (int64_t j = 0; j < kKeys; ++j) {
@@ -126,8 +151,8 @@ void run_item(const Shape& s, const T* q, const T* k, const T* v, T* out, int64_
       // kRows rows at a time: each K^T / V vector loaded feeds kRows FMAs (the loop is FMA-bound, not
       // load-bound). Rows past `rows` read zero-padded qf rows and are never stored.
       for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-        int64_t valid[kRows];
-        const int64_t most = visible_keys(r0, rows, G, offset + t0, kb, nk, valid);
+        int64_t lo[kRows], valid[kRows];
+        const int64_t most = visible_keys(s, r0, rows, offset + t0, kb, nk, lo, valid);
         if (most == 0) continue;
         float sc[kRows][kKeys];
         for (int i = 0; i < kRows; ++i)
@@ -150,7 +175,8 @@ void run_item(const Shape& s, const T* q, const T* k, const T* v, T* out, int64_
             for (int j = 0; j < kKeys; ++j) sc[i][j] = 0.0f;
             continue;
           }
-          corr[i] = online_softmax(sc[i], valid[i], m[r], l[r]);
+          soft_cap(s, sc[i], lo[i], valid[i]);
+          corr[i] = online_softmax(sc[i], lo[i], valid[i], m[r], l[r]);
         }
         float a[kRows][kD];
         for (int i = 0; i < kRows; ++i)
@@ -171,9 +197,9 @@ void run_item(const Shape& s, const T* q, const T* k, const T* v, T* out, int64_
       continue;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t limit = offset + t0 + r / G;  // last key this query may see
-      if (kb > limit) continue;
-      const int64_t valid = std::min<int64_t>(nk, limit - kb + 1);
+      int64_t lo, valid;
+      row_keys(s, offset + t0 + r / G, kb, nk, lo, valid);
+      if (valid == 0) continue;
       const float* qr = qf + r * D;
       float sc[kKeys];
 #pragma omp simd
@@ -184,11 +210,12 @@ void run_item(const Shape& s, const T* q, const T* k, const T* v, T* out, int64_
 #pragma omp simd
         for (int j = 0; j < kKeys; ++j) sc[j] += qd * kd[j];
       }
-      const float corr = online_softmax(sc, valid, m[r], l[r]);
+      soft_cap(s, sc, lo, valid);
+      const float corr = online_softmax(sc, lo, valid, m[r], l[r]);
       float* ar = acc + r * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-      for (int64_t j = 0; j < valid; ++j) {
+      for (int64_t j = lo; j < valid; ++j) {
         const float p = sc[j];
         const float* vj = vf + j * D;
 #pragma omp simd
@@ -235,7 +262,7 @@ void run_item_bf16_d64(const Shape& s, const c10::BFloat16* q, const c10::BFloat
     std::fill(acc + r * kD, acc + (r + 1) * kD, 0.0f);
   }
   const int64_t last_key = offset + t1 - 1;
-  for (int64_t kb = 0; kb <= last_key; kb += kKeys) {
+  for (int64_t kb = first_block(s, offset + t0); kb <= last_key; kb += kKeys) {
     const int64_t nk = std::min<int64_t>(kKeys, last_key + 1 - kb);
     for (int64_t j = 0; j < kKeys; ++j) {
       if (j < nk) {
@@ -254,8 +281,8 @@ void run_item_bf16_d64(const Shape& s, const c10::BFloat16* q, const c10::BFloat
         dst[d] = static_cast<uint32_t>(v0 ? v0[d] : 0) | static_cast<uint32_t>(v1 ? v1[d] : 0) << 16;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-      int64_t valid[kRows];
-      const int64_t most = visible_keys(r0, rows, G, offset + t0, kb, nk, valid);
+      int64_t lo[kRows], valid[kRows];
+      const int64_t most = visible_keys(s, r0, rows, offset + t0, kb, nk, lo, valid);
       if (most == 0) continue;
       __m512 sacc[kRows][kBlockVec];
       for (int i = 0; i < kRows; ++i)
@@ -281,7 +308,8 @@ void run_item_bf16_d64(const Shape& s, const c10::BFloat16* q, const c10::BFloat
           for (int j = 0; j < kKeys; ++j) sc[i][j] = 0.0f;
           continue;
         }
-        corr[i] = online_softmax(sc[i], valid[i], m[r], l[r]);
+        soft_cap(s, sc[i], lo[i], valid[i]);
+        corr[i] = online_softmax(sc[i], lo[i], valid[i], m[r], l[r]);
       }
       __m512 oacc[kRows][kVec];
       for (int i = 0; i < kRows; ++i)
@@ -311,7 +339,8 @@ void run_item_bf16_d64(const Shape& s, const c10::BFloat16* q, const c10::BFloat
 }
 #endif
 
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                             int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
   TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape");
   Shape s;
@@ -335,6 +364,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   s.v_st = v.stride(0);
   s.v_sh = v.stride(1);
   s.scale = static_cast<float>(scale);
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: off)");
+  s.window = window;
+  s.softcap = static_cast<float>(softcap);
   at::Tensor out = at::empty({s.T, s.H, s.D}, q.options());
   if (s.T == 0) return out;
   const int64_t qblocks = (s.T + kQueries - 1) / kQueries;
@@ -382,7 +414,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 }  // namespace kubellm_cpu
 
 TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) { m.impl("prefill_attention", &kubellm_cpu::prefill_attention); }

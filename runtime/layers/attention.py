@@ -62,7 +62,7 @@ PLAIN = LayerOptions()
 class TorchAttentionBackend:
     """Reference paged attention in plain PyTorch; runs anywhere, used on CPU."""
 
-    decode_options = True  # _decode honours LayerOptions
+    handles_options = True  # _decode and _prefill honour LayerOptions
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -77,10 +77,10 @@ class TorchAttentionBackend:
         v_flat = v_cache.view(-1, kvh, d)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
-        # Kernels implement plain attention (the native decode kernel also windows and soft caps); other
-        # windowed or soft-capped work runs the reference.
-        decode = self._decode if opts.plain or self.decode_options else self._decode_ref
-        prefill = self._prefill if opts.plain else self._prefill_ref
+        # A backend whose kernels do not window or soft-cap hands such layers to the reference.
+        decode, prefill = self._decode, self._prefill
+        if not (opts.plain or self.handles_options):
+            decode, prefill = self._decode_ref, self._prefill_ref
         nd = meta.num_decodes
         if nd == q.shape[0]:  # a pure decode step: no output buffer to assemble
             return decode(q, k_cache, v_cache, meta, opts)
@@ -164,7 +164,7 @@ class KernelAttentionBackend(TorchAttentionBackend):
     """Kernels with the CPU/Triton contract: decode reads K/V blocks in place from the pool; prefill is a
     flash-style causal kernel over the chunk's keys (plus the cached context, gathered, for later chunks)."""
 
-    decode_options = False  # the decode kernel knows windows and soft caps (passed as keyword arguments)
+    handles_options = False  # whether the kernels take window= and softcap= keyword arguments
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, decode_kernel, prefill_kernel):
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -179,13 +179,14 @@ class KernelAttentionBackend(TorchAttentionBackend):
         if span.context_slots is not None:  # the kernel's causal offset is the mask the reference builds
             k = torch.index_select(k_flat, 0, span.context_slots)
             v = torch.index_select(v_flat, 0, span.context_slots)
-        return self._prefill_kernel(q, k, v, self.scale)
+        extra = {} if opts.plain else {"window": opts.window, "softcap": opts.softcap}
+        return self._prefill_kernel(q, k, v, self.scale, **extra)
 
 
 class NativeCpuAttentionBackend(KernelAttentionBackend):
     """The compiled CPU kernels (kernels/csrc)."""
 
-    decode_options = True
+    handles_options = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         from kubellm.kernels.cpu_paged_attention import paged_decode_attention

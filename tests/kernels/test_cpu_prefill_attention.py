@@ -97,3 +97,25 @@ def test_bad_inputs_raise(bad, match):
 def test_empty_chunk():
     q, k, v = qkv_views(0, 9, 3, 64, torch.bfloat16)
     assert pa.prefill_attention(q, k, v, 0.125).shape == (0, 9, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # the bf16 pair path, the fixed-size path, the generic one
+@pytest.mark.parametrize(("tokens", "context", "window", "softcap"), [
+    (200, 200, 1, None), (200, 200, 37, None), (130, 300, 64, None), (16, 300, 100, 3.0), (65, 65, 500, None),
+    (40, 40, None, 2.0), (1, 300, 10, None),
+])  # fmt: skip
+def test_window_and_softcap_match_the_reference(dtype, head_dim, tokens, context, window, softcap):
+    """Windows of one key, inside a key block, aligned to one, across several and longer than the context;
+    soft caps small enough to change the scores; whole prompts and later chunks."""
+    g = torch.Generator().manual_seed(tokens + context)
+    q = (3 * torch.randn(tokens, 8, head_dim, generator=g)).to(dtype)
+    k = torch.randn(context, 2, head_dim, generator=g).to(dtype)
+    v = torch.randn(context, 2, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    out = pa.prefill_attention(q, k, v, scale, window=window, softcap=softcap)
+    ref = pa.reference_prefill_attention(q, k, v, scale, window=window, softcap=softcap)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=ATOL[dtype])
+    if window is not None and window < context:  # the window changes the answer
+        plain = pa.reference_prefill_attention(q, k, v, scale, softcap=softcap)
+        assert not torch.allclose(plain[-1].float(), ref[-1].float(), atol=1e-3)

@@ -40,6 +40,7 @@ class _Arch:
     # llama.cpp's converter reorders q/k rows of llama-family models for its rotary kernel.
     rope_permuted: bool
     qkv_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each head of q and k (Qwen3)
 
 
 # GGUF ``general.architecture`` -> what transformers calls it.
@@ -47,6 +48,7 @@ _ARCHS = {
     "llama": _Arch("LlamaForCausalLM", "llama", rope_permuted=True),
     "mistral": _Arch("MistralForCausalLM", "mistral", rope_permuted=True),
     "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", rope_permuted=False, qkv_bias=True),
+    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", rope_permuted=False, qk_norm=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
 
@@ -62,6 +64,8 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -223,7 +227,7 @@ def _config(meta: _Metadata, arch: _Arch, gguf_tensors: dict, dtype: torch.dtype
     }
     if meta.get("tokenizer.ggml.padding_token_id") is not None:
         config["pad_token_id"] = meta.get("tokenizer.ggml.padding_token_id")
-    if arch.model_type == "qwen2":
+    if arch.model_type in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
     config["rope_scaling"] = _rope_scaling(meta, config, gguf_tensors.get("rope_freqs.weight"))
     return config
@@ -343,6 +347,9 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
         }
+        if config["model_type"] == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (config["head_dim"],),
+                       p + "self_attn.k_norm.weight": (config["head_dim"],)}
         if config["attention_bias"]:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q_rows,),

@@ -45,6 +45,8 @@ LAYER_NAMES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -170,6 +172,7 @@ def write_gguf(
     name: str = "tiny",
     skip: tuple[str, ...] = (),
     extra_tensors: dict | None = None,
+    key_length: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Write ``model`` like llama.cpp's converter would; return the float32 HF weights written."""
     config = model.config
@@ -183,7 +186,10 @@ def write_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_dimension_count(key_length or config.hidden_size // config.num_attention_heads)
+    if key_length:
+        writer.add_key_length(key_length)
+        writer.add_value_length(key_length)
     writer.add_vocab_size(config.vocab_size)
     meta = tokenizer_meta
     writer.add_tokenizer_model(meta["model"])
@@ -385,6 +391,35 @@ def test_qwen2_has_biases_and_no_permutation(tmp_path, byte_tokenizer):
     ids = torch.arange(20).unsqueeze(0)
     with torch.no_grad():
         assert torch.equal(clone(ids).logits, model(ids).logits)
+
+
+def test_qwen3_has_head_norms_a_wider_head_and_no_permutation(tmp_path, byte_tokenizer):
+    """Qwen3 as llama.cpp writes it: attn_q_norm/attn_k_norm per layer, head_dim from key_length (wider than
+    hidden / heads, as in Qwen3-0.6B), rotary rows not permuted."""
+    meta = byte_level_metadata(byte_tokenizer) | {"pre": "qwen2"}
+    model = tiny_model(tiny_config(len(meta["tokens"]), head_dim=32), "Qwen3ForCausalLM")
+    path = tmp_path / "q3.gguf"
+    weights = write_gguf(path, model, meta, arch="qwen3", permute=False, key_length=32)
+    checkpoint = read_gguf(path)
+    assert checkpoint.config["architectures"] == ["Qwen3ForCausalLM"] and checkpoint.config["head_dim"] == 32
+    loaded = dict(checkpoint.tensors())
+    assert "model.layers.1.self_attn.q_norm.weight" in loaded and set(loaded) == set(weights)
+    clone = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**checkpoint.config)).eval()
+    clone.load_state_dict(loaded)
+    ids = torch.arange(20).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(clone(ids).logits, model(ids).logits)
+    # And kubellm serving the file generates what transformers generates from the original.
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    llm = LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=16, block_size=16, progress=False)
+    out = llm.generate([list(range(3, 20))], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([list(range(3, 20))]), max_new_tokens=6, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, 17:].tolist()
+    assert out.token_ids == ref
 
 
 def llama3_rope_divisors(theta, head_dim, factor, low, high, original_context):

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test e2e lint format crds helm clean
+.PHONY: demo test e2e gpu-check lint format crds helm clean
 
 # pip runs as $(VENV)/bin/pip, never `python -m pip`: `-m` puts the repo root on sys.path, where the
 # operator/ folder would shadow the standard library's `operator` module.
@@ -43,6 +43,9 @@ test: $(STAMP) $(HELM)  ## lint, then the whole suite
 
 e2e: $(STAMP)  ## build the images, run them on a kind cluster, run e2e/ (needs docker, kind, kubectl, helm)
 	bash e2e/kind.sh
+
+gpu-check: $(STAMP)  ## on a CUDA machine: kernels, timings, engine parity and throughput -> benchmarks/results/
+	cd benchmarks && $(CURDIR)/$(PY) gpu_check.py
 
 crds: $(STAMP)  ## regenerate the CRD from operator/api.py (a test fails when the committed file drifts)
 	$(VENV)/bin/kubellm crd -o crds/llmdeployments.kubellm.io.yaml

@@ -1,0 +1,394 @@
+"""Kernel half of `benchmarks/gpu_check.py`: every Triton kernel against its PyTorch reference at real shapes,
+then timed against what it competes with.
+
+Correctness: each kernel runs on the device; its plain-PyTorch reference (the one the kernel module exports)
+runs on the same rounded inputs upcast to float32, so the reference is the exact answer and the kernel's error
+is its own. An element passes when ``|kernel - reference| <= atol + rtol * |reference|`` (torch.testing's
+rule; tolerances in ``TOLERANCES``). Reported: the largest absolute error and the largest relative error over
+elements with ``|reference| > atol`` (relative error near zero says nothing). A kernel that raises fails its
+check with the exception.
+
+Timing (CUDA: ``triton.testing.do_bench``, median; CPU self-test: wall clock of one call, meaningless as a
+speed and reported only to exercise the code):
+
+* paged decode: bytes the kernel must read (the context's K and V, plus q and the output) per second,
+  against the device's peak memory bandwidth (:func:`peak_bandwidth`);
+* prefill: causal attention FLOP/s (4 · heads · head_dim · visible (query, key) pairs) against torch SDPA
+  over the same tensors, and FlashAttention's ``flash_attn_func`` when it imports;
+* int8 / int4 weight-only GEMMs: time against cuBLAS ``torch.matmul`` on the bf16 weight they quantize.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from gpu_check_report import Check, Section, Table
+
+from kubellm.kernels import triton_int4_gemm, triton_int8_gemm
+from kubellm.kernels import triton_paged_attention as decode
+from kubellm.kernels import triton_prefill_attention as prefill
+from kubellm.runtime.quantization import int4_group, quantize_int4, quantize_int8
+
+# (atol, rtol) per activation dtype: float32 to accumulation-order noise; bf16/fp16 to a few ulps of the
+# output's own rounding (the kernels write their dtype, the reference stays float32).
+TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
+
+# Peak memory bandwidth (GB/s) by device name, for when torch does not expose the memory clock and bus width.
+# Vendor data sheets; the first matching key wins, so the more specific names come first.
+PEAK_BANDWIDTH_GBS = {
+    "H200": 4800.0,
+    "H100 PCIe": 2000.0,
+    "H100 NVL": 3900.0,
+    "H100": 3350.0,  # SXM5
+    "A100-SXM4-80GB": 2039.0,
+    "A100 80GB PCIe": 1935.0,
+    "A100": 1555.0,  # 40GB
+    "L40S": 864.0,
+    "L40": 864.0,
+    "L4": 300.0,
+}
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        return f"{self.heads}q/{self.kv_heads}kv x {self.head_dim}"
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    name: str
+    n: int  # output features
+    k: int  # input features
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Which shapes each kernel runs at. ``decode``: (batch, context lengths) cases; ``prefill``: (queries,
+    keys) cases, keys >= queries (a later chunk when greater); ``*_timing_only``: too big for the reference's
+    memory, timed but not compared; ``gemm_rows``: M (tokens per step) for every GEMM shape."""
+
+    attention: AttentionShape
+    block_size: int
+    decode: list[tuple[str, list[int]]]
+    prefill: list[tuple[int, int]]
+    prefill_timing_only: list[tuple[int, int]]
+    gemms: list[GemmShape]
+    gemm_rows: list[int]
+    dtypes: list[torch.dtype]  # every case
+    extra_dtypes: list[torch.dtype]  # the first case of each kernel only
+
+
+def _lengths(batch: int, low: int, high: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(low, high + 1, (batch,), generator=gen)]
+
+
+# Llama-3-8B and Qwen3-8B share their attention (32 query heads, 8 kv heads, head_dim 128) and q/k/v/o
+# projections; their MLPs differ (intermediate 14336 and 12288).
+FULL = Sweep(
+    attention=AttentionShape(32, 8, 128),
+    block_size=16,
+    decode=[("batch 1, ctx 128", [128]), ("batch 1, ctx 32768", [32768]), ("batch 32, ctx 4096", [4096] * 32),
+            ("batch 256, ctx 128-2048", _lengths(256, 128, 2048, seed=0)), ("batch 256, ctx 4096", [4096] * 256)],
+    prefill=[(128, 128), (1024, 1024), (4096, 4096), (512, 8192)],
+    prefill_timing_only=[(8192, 8192), (16384, 16384)],
+    gemms=[GemmShape("qkv (Llama-3-8B, Qwen3-8B)", 6144, 4096), GemmShape("o (Llama-3-8B, Qwen3-8B)", 4096, 4096),
+           GemmShape("gate_up (Llama-3-8B)", 2 * 14336, 4096), GemmShape("down (Llama-3-8B)", 4096, 14336),
+           GemmShape("gate_up (Qwen3-8B)", 2 * 12288, 4096), GemmShape("down (Qwen3-8B)", 4096, 12288)],
+    gemm_rows=[1, 32, 256],
+    dtypes=[torch.bfloat16],
+    extra_dtypes=[torch.float16, torch.float32],
+)
+
+# The CPU self-test: the same code paths at shapes Triton's interpreter gets through in seconds.
+TINY = Sweep(
+    attention=AttentionShape(4, 2, 16),
+    block_size=16,
+    decode=[("batch 3, ctx 1-40", [1, 17, 40])],
+    prefill=[(17, 17), (7, 33)],
+    prefill_timing_only=[],
+    gemms=[GemmShape("tiny", 32, 256)],
+    gemm_rows=[3],
+    dtypes=[torch.float32],
+    extra_dtypes=[torch.bfloat16],
+)
+
+
+# ------------------------------------------------------------------------------------------------ compare
+
+
+def compare(name: str, case: str, dtype: torch.dtype, kernel: Callable[[], torch.Tensor],
+            reference: Callable[[], torch.Tensor]) -> Check:
+    """Run ``kernel()`` (output in ``dtype``) and ``reference()`` (float32); pass/fail by TOLERANCES[dtype]."""
+    atol, rtol = TOLERANCES[dtype]
+    tolerance = f"atol {atol:g} + rtol {rtol:g}"
+    try:
+        out = kernel().float()
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure is this check's answer
+        return Check(name, case, False, "-", tolerance, f"the kernel raised {type(e).__name__}: {e}")
+    ref = reference().float().to(out.device)
+    diff = (out - ref).abs().nan_to_num(float("inf"))
+    bad = diff > atol + rtol * ref.abs()
+    big = ref.abs() > atol
+    max_abs = diff.max().item()
+    max_rel = (diff[big] / ref.abs()[big]).max().item() if big.any() else 0.0
+    measured = f"max abs {max_abs:.3g}, max rel {max_rel:.3g}"
+    if not bad.any():
+        return Check(name, case, True, measured, tolerance)
+    first = [int(i) for i in torch.nonzero(bad)[0]]
+    return Check(name, case, False, measured, tolerance,
+                 f"{int(bad.sum())} of {bad.numel()} elements out of tolerance (first at {first}: "
+                 f"{out[tuple(first)].item():.5g} vs {ref[tuple(first)].item():.5g})")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ------------------------------------------------------------------------------------------------ cases
+
+
+def decode_case(lens: list[int], shape: AttentionShape, block_size: int, dtype: torch.dtype, device: str,
+                seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """``(q, k_cache, v_cache, block_tables, context_lens)`` for sequences of ``lens`` tokens, laid out as the
+    kernels' contract says, and adversarially: shuffled block ids, NaN in every slot no sequence owns (a
+    spare block, the tail of each last block) and out-of-range ids past each table's end, so a read outside
+    the contract shows up as NaN or a crash. Built on ``device`` in one pass (real shapes hold 1M tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks) + 1
+    pool = (num_blocks, block_size, shape.kv_heads, shape.head_dim)
+    torch.manual_seed(seed)
+    k_cache = torch.randn(pool, device=device).to(dtype)
+    v_cache = torch.randn(pool, device=device).to(dtype)
+    ids = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(lens), max(blocks)), num_blocks + 1000, dtype=torch.int32)
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    start = 0
+    for b, (n, nb) in enumerate(zip(lens, blocks, strict=True)):
+        seq_blocks = ids[start : start + nb]
+        start += nb
+        tables[b, :nb] = seq_blocks.to(torch.int32)
+        owned[seq_blocks] = True
+        owned[seq_blocks[-1], n - (nb - 1) * block_size :] = False
+    unowned = (~owned).to(device)
+    k_cache[unowned] = float("nan")
+    v_cache[unowned] = float("nan")
+    q = torch.randn(len(lens), shape.heads, shape.head_dim, device=device).to(dtype)
+    return q, k_cache, v_cache, tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def prefill_case(queries: int, keys: int, shape: AttentionShape, dtype: torch.dtype, device: str,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    q = torch.randn(queries, shape.heads, shape.head_dim, device=device).to(dtype)
+    k = torch.randn(keys, shape.kv_heads, shape.head_dim, device=device).to(dtype)
+    v = torch.randn(keys, shape.kv_heads, shape.head_dim, device=device).to(dtype)
+    return q, k, v
+
+
+@dataclass
+class GemmWeights:
+    """One layer's weight ``[N, K]`` in bf16 and in the two weight-only forms the runtime serves."""
+
+    bf16: torch.Tensor
+    q8: torch.Tensor  # int8 [N, K]
+    s8: torch.Tensor  # float32 [N]
+    p4: torch.Tensor  # uint8 [N, K/2], two signed nibbles per byte
+    s4: torch.Tensor  # float32 [N, K/group]
+    group: int
+
+
+def gemm_weights(shape: GemmShape, device: str, seed: int = 0) -> GemmWeights:
+    """A bf16 weight with a trained layer's scale (std 0.02), quantized by the runtime's own functions (what
+    ``--quantization int8|int4`` serves)."""
+    torch.manual_seed(seed)
+    w = (0.02 * torch.randn(shape.n, shape.k, device=device)).to(torch.bfloat16)
+    group = int4_group(shape.k)
+    return GemmWeights(w, *quantize_int8(w), *quantize_int4(w, group), group)
+
+
+def _activations(rows: int, k: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.randn(rows, k, device=device).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ correctness
+
+
+def _dtype_cases(sweep: Sweep, cases: list) -> list[tuple[object, torch.dtype]]:
+    """Every case in sweep.dtypes, and the first case again in each of sweep.extra_dtypes."""
+    out = [(c, d) for c in cases for d in sweep.dtypes]
+    return out + [(cases[0], d) for d in sweep.extra_dtypes] if cases else out
+
+
+def check_kernels(section: Section, sweep: Sweep, device: str) -> None:
+    shape, bs = sweep.attention, sweep.block_size
+    scale = shape.head_dim**-0.5
+    for (label, lens), dtype in _dtype_cases(sweep, sweep.decode):
+        q, kc, vc, bt, cl = decode_case(lens, shape, bs, dtype, device)
+        section.checks.append(compare(
+            "paged decode attention", f"{shape}, block {bs}, {label}, {_dtype_name(dtype)}", dtype,
+            partial(decode.paged_decode_attention, q, kc, vc, bt, cl, scale),
+            partial(decode.reference_paged_decode_attention, q.float(), kc.float(), vc.float(), bt, cl, scale)))
+        del q, kc, vc
+    for (t, s), dtype in _dtype_cases(sweep, sweep.prefill):
+        q, k, v = prefill_case(t, s, shape, dtype, device)
+        section.checks.append(compare(
+            "prefill attention", f"{shape}, {t} queries over {s} keys, {_dtype_name(dtype)}", dtype,
+            partial(prefill.prefill_attention, q, k, v, scale),
+            partial(prefill.reference_prefill_attention, q.float(), k.float(), v.float(), scale)))
+        del q, k, v
+    for g in sweep.gemms:
+        w = gemm_weights(g, device)
+        for rows, dtype in _dtype_cases(sweep, sweep.gemm_rows):
+            x = _activations(rows, g.k, dtype, device)
+            case = f"{g.name}: M {rows}, N {g.n}, K {g.k}, {_dtype_name(dtype)}"
+            section.checks.append(compare(
+                "int8 GEMM", case, dtype, partial(triton_int8_gemm.int8_gemm, x, w.q8, w.s8),
+                partial(triton_int8_gemm.reference_int8_gemm, x.float(), w.q8, w.s8)))
+            section.checks.append(compare(
+                "int4 GEMM", f"{case}, group {w.group}", dtype,
+                partial(triton_int4_gemm.int4_gemm, x, w.p4, w.s4, w.group),
+                partial(triton_int4_gemm.reference_int4_gemm, x.float(), w.p4, w.s4, w.group)))
+        del w
+        _free(device)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+def measure_ms(fn: Callable[[], object], device: str) -> float:
+    """Median milliseconds per call: triton's do_bench on CUDA (warm-up, L2 flushed between calls); on CPU
+    one call after one warm-up (the self-test: the interpreter's speed means nothing)."""
+    if device.startswith("cuda"):
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def peak_bandwidth(device: str) -> tuple[float | None, str]:
+    """(peak GB/s, where it came from): memory clock x bus width x 2 (double data rate) from torch's device
+    properties when it exposes them, else PEAK_BANDWIDTH_GBS by device name, else unknown."""
+    if not device.startswith("cuda"):
+        return None, "no peak bandwidth for a CPU run"
+    props = torch.cuda.get_device_properties(device)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    if clock_khz and bus_bits:
+        gbs = bus_bits / 8 * clock_khz * 1e3 * 2 / 1e9
+        return gbs, f"{gbs:.0f} GB/s from torch device properties ({clock_khz / 1e3:.0f} MHz x {bus_bits}-bit x 2)"
+    return bandwidth_from_name(props.name)
+
+
+def bandwidth_from_name(name: str) -> tuple[float | None, str]:
+    for key, gbs in PEAK_BANDWIDTH_GBS.items():
+        if key.lower() in name.lower():
+            return gbs, f"{gbs:.0f} GB/s from the data-sheet table for {key!r} (torch gave no memory clock)"
+    return None, f"peak bandwidth unknown for {name!r} (no memory clock from torch, not in the table)"
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:,.{digits}f}"
+
+
+def time_decode(section: Section, sweep: Sweep, device: str) -> None:
+    shape, bs = sweep.attention, sweep.block_size
+    peak, source = peak_bandwidth(device)
+    table = Table("Paged decode attention (bf16)" if sweep is FULL else "Paged decode attention",
+                  ["case", "time (us)", "GB/s read", "% of peak"], notes=[f"peak: {source}",
+                  "bytes: the context's K and V (every token, every kv head) plus q and the output, per call"])
+    dtype = sweep.dtypes[0]
+    for label, lens in sweep.decode:
+        q, kc, vc, bt, cl = decode_case(lens, shape, bs, dtype, device)
+        kv_bytes = 2 * sum(lens) * shape.kv_heads * shape.head_dim * kc.element_size()
+        total = kv_bytes + 2 * q.numel() * q.element_size() + bt.numel() * 4
+        ms = measure_ms(partial(decode.paged_decode_attention, q, kc, vc, bt, cl, shape.head_dim**-0.5), device)
+        gbs = total / (ms * 1e-3) / 1e9
+        table.rows.append([f"{label}, {shape}", _fmt(ms * 1e3), _fmt(gbs), _fmt(100 * gbs / peak) if peak else "-"])
+        del q, kc, vc
+    section.tables.append(table)
+
+
+def causal_flops(queries: int, keys: int, shape: AttentionShape) -> float:
+    """4 · heads · head_dim per visible (query, key) pair: QK^T and PV, a multiply and an add each."""
+    visible = queries * (keys - queries) + queries * (queries + 1) // 2
+    return 4.0 * shape.heads * shape.head_dim * visible
+
+
+def _flash_attn():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def time_prefill(section: Section, sweep: Sweep, device: str) -> None:
+    shape, dtype = sweep.attention, sweep.dtypes[0]
+    scale = shape.head_dim**-0.5
+    flash = _flash_attn() if device.startswith("cuda") and dtype != torch.float32 else None
+    table = Table(f"Prefill attention ({_dtype_name(dtype)}), TFLOP/s",
+                  ["queries x keys", "Triton (ms)", "Triton", "torch SDPA", "FlashAttention", "Triton speed / SDPA"],
+                  notes=["FLOPs: 4 x heads x head_dim x visible (query, key) pairs (causal)",
+                         "SDPA: F.scaled_dot_product_attention(is_causal=True, enable_gqa=True), whole prompts "
+                         "only (its causal mask is top-left aligned, wrong for a later chunk)"])
+    if flash is None:
+        table.notes.append("FlashAttention: not importable here (pip install flash-attn), column empty")
+    for t, s in sweep.prefill + sweep.prefill_timing_only:
+        q, k, v = prefill_case(t, s, shape, dtype, device)
+        tflops = causal_flops(t, s, shape) / 1e12
+        triton_ms = measure_ms(partial(prefill.prefill_attention, q, k, v, scale), device)
+        sdpa_ms = flash_ms = None
+        if t == s:
+            qh, kh, vh = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))
+            sdpa_ms = measure_ms(partial(F.scaled_dot_product_attention, qh, kh, vh, is_causal=True, scale=scale,
+                                         enable_gqa=True), device)
+        if flash is not None:
+            qb, kb, vb = (x.unsqueeze(0) for x in (q, k, v))
+            flash_ms = measure_ms(partial(flash, qb, kb, vb, causal=True, softmax_scale=scale), device)
+        rates = [tflops / (ms * 1e-3) if ms else None for ms in (triton_ms, sdpa_ms, flash_ms)]
+        table.rows.append([f"{t} x {s}", _fmt(triton_ms, 3), *(_fmt(r, 2) for r in rates),
+                           _fmt(sdpa_ms / triton_ms, 2) if sdpa_ms else "-"])
+        del q, k, v
+    section.tables.append(table)
+
+
+def time_gemms(section: Section, sweep: Sweep, device: str) -> None:
+    dtype = torch.bfloat16
+    table = Table("Weight-only GEMMs (bf16 activations) against cuBLAS bf16 torch.matmul",
+                  ["layer", "M", "bf16 matmul (us)", "int8 (us)", "int4 (us)", "int8 speed-up", "int4 speed-up",
+                   "int4 weight GB/s"],
+                  notes=["speed-up: bf16 time / kernel time (> 1: faster than cuBLAS on the unquantized weight)",
+                         "int4 weight GB/s: packed weight bytes + scales per call (the floor at small M)"])
+    for g in sweep.gemms:
+        w = gemm_weights(g, device)
+        for rows in sweep.gemm_rows:
+            x = _activations(rows, g.k, dtype, device)
+            bf16 = measure_ms(partial(torch.matmul, x, w.bf16.T), device)
+            i8 = measure_ms(partial(triton_int8_gemm.int8_gemm, x, w.q8, w.s8), device)
+            i4 = measure_ms(partial(triton_int4_gemm.int4_gemm, x, w.p4, w.s4, w.group), device)
+            i4_bytes = w.p4.numel() + 4 * w.s4.numel()
+            table.rows.append([g.name, str(rows), _fmt(bf16 * 1e3), _fmt(i8 * 1e3), _fmt(i4 * 1e3),
+                               _fmt(bf16 / i8, 2), _fmt(bf16 / i4, 2), _fmt(i4_bytes / (i4 * 1e-3) / 1e9)])
+        del w
+        _free(device)
+    section.tables.append(table)
+
+
+def _free(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()

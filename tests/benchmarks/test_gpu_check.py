@@ -1,0 +1,174 @@
+"""The GPU verification kit (benchmarks/gpu_check.py) tested where it cannot do its real job: on CPU, through
+Triton's interpreter at tiny shapes (``--device cpu --tiny``). Pinned here: the same correctness code paths
+run and pass on sound kernels, the report's sections and name, the exit status and the report when a kernel is
+wrong, raises, or a part of the kit crashes, the greedy-parity rule, and where peak bandwidth comes from.
+What only a GPU can show (real shapes, timings, NCCL, vLLM) is not tested here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+import gpu_check  # noqa: E402
+import gpu_check_engine as engine  # noqa: E402
+import gpu_check_kernels as kernels  # noqa: E402
+from gpu_check_report import Report  # noqa: E402
+
+from kubellm.kernels import triton_int4_gemm  # noqa: E402
+from kubellm.kernels import triton_paged_attention as tpa  # noqa: E402
+
+
+def _report(out: Path) -> str:
+    (path,) = out.glob("gpu-check-*.md")
+    return path.read_text()
+
+
+@pytest.mark.slow
+def test_tiny_run_passes_on_sound_kernels_and_writes_every_section(tmp_path, capsys):
+    """The whole kit (kernels, timing, engine parity, offline throughput) on CPU: exit 0 and a report."""
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("gpu-check-*-cpu-triton-interpreter-tiny.md")
+    text = path.read_text()
+    assert text.startswith("# kubellm GPU check: CPU Triton interpreter\n\n**PASS**")
+    for kernel in ("paged decode attention", "prefill attention", "int8 GEMM", "int4 GEMM"):
+        assert f"| {kernel} |" in text
+    for heading in ("## 1. Kernel correctness", "### Paged decode attention", "### Prefill attention",
+                    "### Weight-only GEMMs", "## 3a. Engine end to end: greedy parity", "### Offline throughput",
+                    "## 4. Tensor parallelism"):
+        assert heading in text
+    assert "cpu float32 (Triton attention) vs CPU float32" in text
+    assert "cpu bfloat16 (Triton attention) vs CPU float32" in text
+    assert "- skipped: TP=2 needs two GPUs; 0 visible" in text
+    assert "FAIL" not in text
+    assert "PASS: report written to" in capsys.readouterr().out
+
+
+def test_a_wrong_decode_kernel_fails_the_kernel_check_and_the_engine_and_exits_1(tmp_path, monkeypatch):
+    """1% off: the kernel check names it with its error, and the engine (Triton attention forced) refuses to
+    start because the start-up check catches it too."""
+    sound = tpa.paged_decode_attention
+    monkeypatch.setattr(tpa, "paged_decode_attention", lambda *a, **k: sound(*a, **k) * 1.01)
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,throughput"]) == 1
+    text = _report(tmp_path)
+    assert "**FAIL**" in text and "## Failures" in text
+    failures = text.split("## Failures")[1].split("## Environment")[0]
+    assert "1. Kernel correctness (Triton vs PyTorch reference) / paged decode attention" in failures
+    assert "elements out of tolerance" in failures
+    assert "greedy parity" in failures and "paged decode kernel differs from its reference" in failures
+    assert "prefill attention" not in failures and "GEMM" not in failures
+
+
+def test_a_kernel_that_raises_fails_its_check_with_the_exception(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX assembly aborted")
+
+    monkeypatch.setattr(triton_int4_gemm, "int4_gemm", broken)
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput"]
+    assert gpu_check.main(argv) == 1
+    failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
+    assert failures.count("int4 GEMM") == 2  # float32 and bfloat16
+    assert "the kernel raised RuntimeError: PTX assembly aborted" in failures
+
+
+def test_a_crash_in_a_part_of_the_kit_fails_the_run_and_is_named(tmp_path, monkeypatch):
+    def crash(*args):
+        raise KeyError("no such table")
+
+    monkeypatch.setattr(kernels, "time_prefill", crash)
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput"]
+    assert gpu_check.main(argv) == 1
+    text = _report(tmp_path)
+    assert "2. Kernel timing / prefill timing (crashed)" in text and "KeyError" in text
+    assert "### Paged decode attention" in text  # the other timings still ran
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--device", "cpu"], "add --tiny"),
+    (["--device", "cpu", "--tiny", "--skip", "kernels,gpus"], "--skip: unknown gpus"),
+])
+def test_bad_command_lines_exit_2_with_the_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_says_how_to_get_a_cuda_torch(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--device", "cuda"])
+    assert "sees no GPU" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ greedy parity rule
+
+
+def _gen(tokens, logprobs, tops):
+    return engine.Generation([tokens], [logprobs], [tops])
+
+
+REFERENCE = _gen([5, 7, 9], [-0.5, -1.0, -0.7], [{5: -0.5, 6: -1.5}, {7: -1.0, 8: -1.05}, {9: -0.7, 3: -2.0}])
+
+
+def test_parity_accepts_equal_tokens_within_tolerance():
+    r = engine.compare_greedy(REFERENCE, _gen([5, 7, 9], [-0.52, -0.98, -0.7], [{}] * 3), tol=0.05)
+    assert (r.compared, r.equal, r.errors, r.ties) == (3, 3, [], [])
+    assert r.max_delta == pytest.approx(0.02)
+
+
+def test_parity_accepts_a_divergence_at_a_near_tie_and_stops_comparing_there():
+    r = engine.compare_greedy(REFERENCE, _gen([5, 8, 1], [-0.5, -1.0, -9.0], [{}] * 3), tol=0.1)
+    assert r.errors == [] and r.equal == 1 and r.compared == 2
+    assert r.ties == ["prompt 0 token 1 (margin 0.05)"]
+
+
+def test_parity_fails_a_divergence_at_a_clear_winner_and_a_drifting_logprob():
+    clear = engine.compare_greedy(REFERENCE, _gen([6, 7, 9], [-0.5, -1.0, -0.7], [{}] * 3), tol=0.1)
+    assert clear.errors == ["prompt 0 token 0: chose 6 where the reference's 5 is 1 nats more likely"]
+    unknown = engine.compare_greedy(REFERENCE, _gen([4, 7, 9], [-0.5, -1.0, -0.7], [{}] * 3), tol=0.1)
+    assert "inf nats more likely" in unknown.errors[0]  # outside the reference's top 5
+    drift = engine.compare_greedy(REFERENCE, _gen([5, 7, 9], [-0.5, -1.3, -0.7], [{}] * 3), tol=0.1)
+    assert drift.errors == ["prompt 0 token 1: log-probability -1.3000, reference -1.0000"]
+    short = engine.compare_greedy(REFERENCE, _gen([5, 7], [-0.5, -1.0], [{}] * 2), tol=0.1)
+    assert short.errors == ["prompt 0: 2 tokens, reference 3"]
+
+
+# ------------------------------------------------------------------------------------------ peak bandwidth, names
+
+
+def test_peak_bandwidth_comes_from_the_memory_clock_and_bus_width(monkeypatch):
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", memory_clock_rate=2_619_000, memory_bus_width=5120)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    gbs, source = kernels.peak_bandwidth("cuda")
+    assert gbs == pytest.approx(3352.3, abs=0.1)
+    assert "from torch device properties (2619 MHz x 5120-bit x 2)" in source
+
+
+@pytest.mark.parametrize("name,gbs", [("NVIDIA H100 80GB HBM3", 3350), ("NVIDIA H100 PCIe", 2000),
+                                      ("NVIDIA H200", 4800), ("NVIDIA A100-SXM4-80GB", 2039),
+                                      ("NVIDIA A100-SXM4-40GB", 1555), ("NVIDIA L4", 300), ("NVIDIA L40S", 864),
+                                      ("Tesla T4", None)])
+def test_peak_bandwidth_falls_back_to_the_table_by_device_name(name, gbs, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(name=name))
+    found, source = kernels.peak_bandwidth("cuda")
+    assert found == gbs
+    assert ("data-sheet table" in source) if gbs else ("unknown" in source)
+
+
+def test_report_file_name_has_the_date_and_the_device():
+    report = Report("NVIDIA H100 80GB HBM3", "full", {})
+    assert report.file_name() == f"gpu-check-{report.started:%Y-%m-%d}-nvidia-h100-80gb-hbm3.md"
+
+
+def test_causal_flops_count_visible_pairs():
+    shape = kernels.AttentionShape(2, 1, 8)
+    assert kernels.causal_flops(3, 3, shape) == 4 * 2 * 8 * 6  # 1 + 2 + 3 pairs
+    assert kernels.causal_flops(2, 5, shape) == 4 * 2 * 8 * (4 + 5)  # a later chunk sees the cached 3 keys

@@ -378,18 +378,33 @@ class ParallelismSpec(KubeModel):
     )
 
 
+# Objects inside spec.engine that group engine settings (crd_field engine.<group>.<name>).
+_SETTING_GROUPS = {
+    "engine": "Runtime engine settings (the flags of `kubellm serve`).",
+    "engine.speculative": "Speculative decoding: tokens drafted cheaply and verified together (off by default).",
+}
+
+
+def _settings_model(path: str) -> type[KubeModel]:
+    """The spec model at ``path`` (``engine``, ``engine.speculative``): one field per engine setting whose
+    crd_field is ``<path>.<name>`` and one nested object per group below it, in the table's order."""
+    fields: dict[str, Any] = {}
+    for s in ENGINE_SETTINGS:
+        if not (s.crd_field and s.crd_field.startswith(path + ".")):
+            continue
+        head, _, rest = s.crd_field.removeprefix(path + ".").partition(".")
+        if not rest:
+            fields[head] = _setting_field(s)
+        elif head not in fields:
+            sub = _settings_model(f"{path}.{head}")
+            fields[head] = (sub, Field(default_factory=sub, json_schema_extra={"default": {}},
+                                       description=_SETTING_GROUPS[f"{path}.{head}"]))
+    name = "".join(part.capitalize() for part in path.split(".")[1:]) + "Spec" if "." in path else "EngineSpec"
+    return create_model(name, __base__=KubeModel, __doc__=_SETTING_GROUPS[path], __module__=__name__, **fields)
+
+
 # spec.engine: one field per engine setting whose crd_field is engine.<name>, in the table's order.
-EngineSpec = create_model(
-    "EngineSpec",
-    __base__=KubeModel,
-    __doc__="Runtime engine settings (the flags of `kubellm serve`).",
-    __module__=__name__,
-    **{
-        s.crd_field.removeprefix("engine."): _setting_field(s)
-        for s in ENGINE_SETTINGS
-        if s.crd_field and s.crd_field.startswith("engine.")
-    },
-)
+EngineSpec = _settings_model("engine")
 
 
 class GPUSpec(KubeModel):

@@ -136,10 +136,17 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         help="prompt-lookup speculative decoding: draft tokens by matching the last N..2 tokens against the "
         "prompt and output so far, verified in one forward pass (0 = off, the default; 3-4 suits editing, "
         "extraction, RAG and code). Output is unchanged; drafts back off when rejected",
+        crd_field="engine.speculative.ngram", ge=0,
+        doc="Prompt-lookup speculative decoding: the longest n-gram (down to 2) of the latest tokens matched "
+        "against the prompt and output so far; what follows the match is drafted and verified in one forward "
+        "pass. 0 turns it off; 3-4 suits answers that quote their input (editing, extraction, RAG, code). "
+        "Output is unchanged.",
     ),
     EngineSetting(
         "num_speculative_tokens", int, 4, flag="--num-speculative-tokens", metavar="K",
         help="draft tokens verified per step with --speculative-ngram (default %(default)s)",
+        crd_field="engine.speculative.num_tokens", ge=1,
+        doc="Draft tokens verified per step when speculative decoding is on.",
     ),
     EngineSetting("seed", int, 0, flag="--seed", help="seed of the engine's random generator (default %(default)s)"),
 )  # fmt: skip

@@ -25,6 +25,7 @@ FULL_DEFAULTS = {
         "kvCacheBlockSize": 16,
         "kvCacheMemoryFraction": 0.9,
         "prefixCaching": True,
+        "speculative": {"ngram": 0, "numTokens": 4},
     },
     "resources": {"gpu": {"resourceName": "nvidia.com/gpu"}},
     "replicas": 1,
@@ -79,6 +80,7 @@ def test_round_trip_camel_case():
             "maxModelLen": 8192,
             "kvCacheBlockSize": 32,
             "prefixCaching": False,
+            "speculative": {"ngram": 3, "numTokens": 6},
         },
         "resources": {
             "gpu": {"count": 4, "resourceName": "nvidia.com/gpu", "product": "NVIDIA-A100-SXM4-80GB"},

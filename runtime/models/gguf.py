@@ -41,7 +41,14 @@ class _Arch:
     rope_permuted: bool
     qkv_bias: bool = False
     qk_norm: bool = False  # an RMSNorm over each head of q and k (Qwen3)
+    # Per-layer GGUF tensor names whose meaning differs from the Llama layout (see _LAYER_TENSORS).
+    layer_tensors: tuple[tuple[str, str], ...] = ()
+    norm_offset: float = 0.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w: subtract it back
 
+
+_GEMMA = (("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
+          ("post_ffw_norm", "post_feedforward_layernorm"))
+_EXPERT_PARTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 # GGUF ``general.architecture`` -> what transformers calls it.
 _ARCHS = {
@@ -49,6 +56,16 @@ _ARCHS = {
     "mistral": _Arch("MistralForCausalLM", "mistral", rope_permuted=True),
     "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", rope_permuted=False, qkv_bias=True),
     "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", rope_permuted=False, qk_norm=True),
+    # Mixture of experts: experts stacked per layer (blk.N.ffn_{gate,up,down}_exps), split per expert on read.
+    "qwen3moe": _Arch("Qwen3MoeForCausalLM", "qwen3_moe", rope_permuted=False, qk_norm=True,
+                      layer_tensors=(("ffn_gate_inp", "mlp.gate"),)),
+    # Phi-3: q/k/v and gate/up fused, as in the Hugging Face checkpoint; LongRoPE factors as tensors.
+    "phi3": _Arch("Phi3ForCausalLM", "phi3", rope_permuted=False,
+                  layer_tensors=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
+    # Gemma: four norms per layer (ffn_norm is the one before the MLP), stored as 1 + w.
+    "gemma2": _Arch("Gemma2ForCausalLM", "gemma2", rope_permuted=False, norm_offset=1.0, layer_tensors=_GEMMA),
+    "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", rope_permuted=False, qk_norm=True, norm_offset=1.0,
+                    layer_tensors=_GEMMA),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
 
@@ -73,7 +90,7 @@ _LAYER_TENSORS = {
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp adds that have no HF parameter; their content is folded into the config.
-_NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
+_NON_PARAMETER_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 # Quant types whose dequantization the tests cover; others gguf.quants can decode are tried too.
 TESTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -98,7 +115,7 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
     arch = _architecture(meta)
     gguf_tensors = {t.name: t for t in reader.tensors}
     config = _config(meta, arch, gguf_tensors, dtype)
-    _check_tensors(config, gguf_tensors, path)
+    _check_tensors(config, arch, gguf_tensors, path)
     tokenizer, tokenizer_config = _tokenizer(meta, config)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -106,7 +123,12 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
         for tensor in reader.tensors:
             if tensor.name in _NON_PARAMETER_TENSORS:
                 continue
-            yield _hf_name(tensor.name), _decode(tensor, arch, config, dtype, path)
+            name, value = _hf_name(tensor.name, arch), _decode(tensor, arch, config, dtype, path)
+            if (m := _LAYER_NAME.fullmatch(tensor.name)) and m[2] in _EXPERT_PARTS:  # [experts, out, in]
+                for e, expert in enumerate(value):
+                    yield f"model.layers.{m[1]}.mlp.experts.{e}.{_EXPERT_PARTS[m[2]]}.weight", expert
+            else:
+                yield name, value
 
     return Checkpoint(
         config=config,
@@ -206,7 +228,7 @@ def _config(meta: _Metadata, arch: _Arch, gguf_tensors: dict, dtype: torch.dtype
         "architectures": [arch.hf_architecture],
         "model_type": arch.model_type,
         "hidden_size": hidden,
-        "intermediate_size": meta.require("{arch}.feed_forward_length"),
+        "intermediate_size": meta.get("{arch}.feed_forward_length") or meta.require("{arch}.expert_feed_forward_length"),
         "num_hidden_layers": meta.require("{arch}.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": meta.get("{arch}.attention.head_count_kv", heads),
@@ -227,10 +249,56 @@ def _config(meta: _Metadata, arch: _Arch, gguf_tensors: dict, dtype: torch.dtype
     }
     if meta.get("tokenizer.ggml.padding_token_id") is not None:
         config["pad_token_id"] = meta.get("tokenizer.ggml.padding_token_id")
-    if arch.model_type in ("qwen2", "qwen3"):
+    if arch.model_type in ("qwen2", "qwen3", "qwen3_moe"):
         config["use_sliding_window"] = False
     config["rope_scaling"] = _rope_scaling(meta, config, gguf_tensors.get("rope_freqs.weight"))
+    config |= _family_config(meta, arch, config, gguf_tensors)
     return config
+
+
+def _family_config(meta: _Metadata, arch: _Arch, config: dict, gguf_tensors: dict) -> dict:
+    """What a family adds to config.json, from its own metadata keys (as llama.cpp's converter writes them)."""
+    kind = arch.model_type
+    if kind == "qwen3_moe":
+        return {"num_experts": meta.require("{arch}.expert_count"),
+                "num_experts_per_tok": meta.require("{arch}.expert_used_count"),
+                "moe_intermediate_size": meta.require("{arch}.expert_feed_forward_length"),
+                "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
+    if kind == "phi3":
+        out = {"sliding_window": meta.get("{arch}.attention.sliding_window")}
+        long, short = gguf_tensors.get("rope_factors_long.weight"), gguf_tensors.get("rope_factors_short.weight")
+        if long is not None and short is not None:
+            original = meta.require("{arch}.rope.scaling.original_context_length")
+            out["original_max_position_embeddings"] = original
+            out["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": np.asarray(dequantize(long.data, long.tensor_type), dtype=np.float64).ravel().tolist(),
+                "short_factor": np.asarray(dequantize(short.data, short.tensor_type), dtype=np.float64).ravel().tolist(),
+                "original_max_position_embeddings": original,
+            }
+            if (factor := meta.get("{arch}.rope.scaling.attn_factor")) is not None:
+                out["rope_scaling"]["attention_factor"] = factor
+        return out
+    if kind in ("gemma2", "gemma3_text"):
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        # llama.cpp scales queries by 1/sqrt(hidden / heads) for the 27B models (query_pre_attn_scalar 144 and
+        # 168 there) and by 1/sqrt(head_dim) otherwise; the file carries no scalar, so the same rule applies.
+        big = config["num_hidden_layers"] in (46, 62)
+        out = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+               "query_pre_attn_scalar": hidden // heads if big else config["head_dim"],
+               "sliding_window": meta.require("{arch}.attention.sliding_window")}  # fmt: skip
+        if kind == "gemma2":
+            out["attn_logit_softcapping"] = meta.get("{arch}.attn_logit_softcapping")
+            out["final_logit_softcapping"] = meta.get("{arch}.final_logit_softcapping")
+        else:
+            pattern = meta.get("{arch}.attention.sliding_window_pattern")
+            if isinstance(pattern, list):  # newer files: one flag per layer, true = sliding
+                out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+            else:
+                out["sliding_window_pattern"] = pattern or 6
+            out["rope_local_base_freq"] = 10000.0  # llama.cpp's fixed base for Gemma 3's local layers
+        return out
+    return {}
 
 
 def _rope_scaling(meta: _Metadata, config: dict, rope_freqs) -> dict | None:
@@ -317,20 +385,26 @@ def _generation_config(meta: _Metadata) -> dict:
 # ---------------------------------------------------------------------------------------- tensors
 
 
-def _hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; KeyError if unknown."""
+def _hf_name(gguf_name: str, arch: _Arch) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; KeyError if unknown. Stacked
+    experts keep a placeholder name (``mlp.experts.ffn_gate_exps``), split per expert by the reader."""
     if m := _LAYER_NAME.fullmatch(gguf_name):
         layer, key, suffix = m.groups()
-        return f"model.layers.{layer}.{_LAYER_TENSORS[key]}.{suffix}"
+        if key in _EXPERT_PARTS:
+            return f"model.layers.{layer}.mlp.experts.{key}.{suffix}"
+        module = dict(arch.layer_tensors).get(key) or _LAYER_TENSORS[key]
+        return f"model.layers.{layer}.{module}.{suffix}"
     base, _, suffix = gguf_name.rpartition(".")
     return f"{_GLOBAL_TENSORS[base]}.{suffix}"
 
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every HF parameter a model with this config has, with its torch shape."""
+    """Every parameter name the reader yields for a model with this config (stacked experts under their
+    placeholder names), with its torch shape."""
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    q_rows = config["num_attention_heads"] * config["head_dim"]
-    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    kind, head = config["model_type"], config["head_dim"]
+    q_rows = config["num_attention_heads"] * head
+    kv_rows = config["num_key_value_heads"] * head
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (vocab, hidden)
@@ -339,17 +413,30 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         shapes |= {
             p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q_rows, hidden),
-            p + "self_attn.k_proj.weight": (kv_rows, hidden),
-            p + "self_attn.v_proj.weight": (kv_rows, hidden),
             p + "self_attn.o_proj.weight": (hidden, q_rows),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
         }
-        if config["model_type"] == "qwen3":
-            shapes |= {p + "self_attn.q_norm.weight": (config["head_dim"],),
-                       p + "self_attn.k_norm.weight": (config["head_dim"],)}
+        if kind == "phi3":
+            shapes |= {p + "self_attn.qkv_proj.weight": (q_rows + 2 * kv_rows, hidden),
+                       p + "mlp.gate_up_proj.weight": (2 * inter, hidden)}
+        else:
+            shapes |= {p + "self_attn.q_proj.weight": (q_rows, hidden),
+                       p + "self_attn.k_proj.weight": (kv_rows, hidden),
+                       p + "self_attn.v_proj.weight": (kv_rows, hidden)}
+        if kind == "qwen3_moe":
+            experts, expert_inter = config["num_experts"], config["moe_intermediate_size"]
+            shapes |= {p + "mlp.gate.weight": (experts, hidden),
+                       p + "mlp.experts.ffn_gate_exps.weight": (experts, expert_inter, hidden),
+                       p + "mlp.experts.ffn_up_exps.weight": (experts, expert_inter, hidden),
+                       p + "mlp.experts.ffn_down_exps.weight": (experts, hidden, expert_inter)}
+        elif kind != "phi3":
+            shapes |= {p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden)}
+        if kind != "qwen3_moe":
+            shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
+            shapes |= {p + "self_attn.q_norm.weight": (head,), p + "self_attn.k_norm.weight": (head,)}
+        if kind in ("gemma2", "gemma3_text"):
+            shapes |= {p + "pre_feedforward_layernorm.weight": (hidden,),
+                       p + "post_feedforward_layernorm.weight": (hidden,)}
         if config["attention_bias"]:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q_rows,),
@@ -359,7 +446,7 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_tensors(config: dict, gguf_tensors: dict, path: Path) -> None:
+def _check_tensors(config: dict, arch: _Arch, gguf_tensors: dict, path: Path) -> None:
     """Fail at open time, not half-way through loading, if names or shapes do not fit the config."""
     expected = expected_shapes(config)
     found, unknown = {}, []
@@ -367,7 +454,7 @@ def _check_tensors(config: dict, gguf_tensors: dict, path: Path) -> None:
         if name in _NON_PARAMETER_TENSORS:
             continue
         try:
-            found[_hf_name(name)] = tuple(int(d) for d in reversed(tensor.shape))
+            found[_hf_name(name, arch)] = tuple(int(d) for d in reversed(tensor.shape))
         except KeyError:
             unknown.append(name)
     problems = []
@@ -411,6 +498,8 @@ def _decode(tensor, arch: _Arch, config: dict, dtype: torch.dtype, path: Path) -
             out = _unpermute_rope_rows(out, config["num_attention_heads"])
         elif kind == "attn_k":
             out = _unpermute_rope_rows(out, config["num_key_value_heads"])
+    if arch.norm_offset and tensor.name.endswith("norm.weight"):
+        out = out - arch.norm_offset
     return out.to(dtype).contiguous()
 
 

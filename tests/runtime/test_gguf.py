@@ -89,13 +89,48 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama", num_layers: int = 64) -> str:
+    """The GGUF name of a transformers parameter: LAYER_NAMES for the Llama layout, gguf's own tensor map
+    (what llama.cpp's converter uses) for the other families."""
     stem, _, suffix = hf_name.rpartition(".")
+    if arch not in ("llama", "mistral", "qwen2", "qwen3"):
+        from gguf import MODEL_ARCH, get_tensor_name_map
+
+        return f"{get_tensor_name_map(MODEL_ARCH[arch.upper()], num_layers).get_name(stem)}.{suffix}"
     fixed = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     if stem in fixed:
         return f"{fixed[stem]}.{suffix}"
     _, _, layer, module = stem.split(".", 3)
     return f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"
+
+
+def _gguf_tensors(model, arch: str, norm_offset: float) -> tuple[dict, dict]:
+    """(GGUF name -> array as llama.cpp writes it, reader name -> float32 HF weight) for ``model``: Gemma's
+    norms stored as 1 + w, stacked experts (transformers keeps gate and up fused) split into gate/up/down."""
+    config = model.config
+    out, hf = {}, {}
+    for name, t in model.state_dict().items():
+        w = t.detach().float().numpy()
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith("mlp.experts.gate_up_proj"):
+            layer = name.split(".")[2]
+            gate, up = np.split(w, 2, axis=1)
+            out[f"blk.{layer}.ffn_gate_exps.weight"], out[f"blk.{layer}.ffn_up_exps.weight"] = gate, up
+            for e in range(w.shape[0]):
+                hf[f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight"] = gate[e]
+                hf[f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight"] = up[e]
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            layer = name.split(".")[2]
+            out[f"blk.{layer}.ffn_down_exps.weight"] = w
+            for e in range(w.shape[0]):
+                hf[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"] = w[e]
+            continue
+        stored = w + norm_offset if norm_offset and name.endswith("norm.weight") else w
+        out[gguf_name(name, arch, config.num_hidden_layers)] = stored
+        hf[name] = w
+    return out, hf
 
 
 def train_byte_level_tokenizer(vocab_size: int = 320) -> Tokenizer:
@@ -150,7 +185,8 @@ def tiny_config(vocab_size: int, **overrides) -> dict:
 
 def tiny_model(config: dict, cls_name: str = "LlamaForCausalLM", seed: int = 0):
     torch.manual_seed(seed)
-    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    config_name = {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(cls_name, cls_name.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, config_name)
     model = getattr(transformers, cls_name)(config_cls(**config)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -173,6 +209,8 @@ def write_gguf(
     skip: tuple[str, ...] = (),
     extra_tensors: dict | None = None,
     key_length: int | None = None,
+    extra_kv: dict | None = None,
+    norm_offset: float = 0.0,
 ) -> dict[str, np.ndarray]:
     """Write ``model`` like llama.cpp's converter would; return the float32 HF weights written."""
     config = model.config
@@ -185,7 +223,8 @@ def write_gguf(
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope.get("rope_theta") or rope["full_attention"]["rope_theta"])
     writer.add_rope_dimension_count(key_length or config.hidden_size // config.num_attention_heads)
     if key_length:
         writer.add_key_length(key_length)
@@ -206,19 +245,26 @@ def write_gguf(
     writer.add_unk_token_id(meta["unk"])
     writer.add_add_bos_token(meta["add_bos"])
     writer.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (extra_kv or {}).items():  # family metadata: (key without the arch prefix, value)
+        full = f"{arch}.{key}"
+        if isinstance(value, bool):
+            writer.add_bool(full, value)
+        elif isinstance(value, int):
+            writer.add_uint32(full, value)
+        elif isinstance(value, float):
+            writer.add_float32(full, value)
+        else:
+            writer.add_string(full, value)
 
-    weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    for hf_name, weight in weights.items():
-        gname = gguf_name(hf_name)
+    stored, weights = _gguf_tensors(model, arch, norm_offset)
+    for gname, weight in stored.items():
         if gname in skip:
             continue
         if permute and ".attn_q." in gname:
             weight = llama_cpp_permute(weight, config.num_attention_heads)
         elif permute and ".attn_k." in gname:
             weight = llama_cpp_permute(weight, config.num_key_value_heads)
-        qtype = (quants or {}).get(hf_name, Q.F32)
+        qtype = next((q for n, q in (quants or {}).items() if gguf_name(n) == gname), Q.F32)
         if qtype == Q.F32:
             writer.add_tensor(gname, weight.astype(np.float32))
         elif qtype == Q.F16:
@@ -420,6 +466,65 @@ def test_qwen3_has_head_norms_a_wider_head_and_no_permutation(tmp_path, byte_tok
         ref = model.generate(torch.tensor([list(range(3, 20))]), max_new_tokens=6, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, 17:].tolist()
     assert out.token_ids == ref
+
+
+# Families beyond the Llama layout, written with gguf's own tensor map and the metadata llama.cpp's converter
+# writes for them: (transformers class, config overrides, GGUF metadata, norm offset, served context).
+FAMILIES = {
+    "phi3": ("Phi3ForCausalLM", {"original_max_position_embeddings": 64, "pad_token_id": 0,
+                                 "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                                  "long_factor": [2.0 + 0.3 * i for i in range(8)]}},
+             {"rope.scaling.original_context_length": 64}, 0.0, 64),
+    "gemma2": ("Gemma2ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                     "tie_word_embeddings": True, "pad_token_id": 0,
+                                     "attn_logit_softcapping": 4.0, "final_logit_softcapping": 6.0,
+                                     "hidden_activation": "gelu_pytorch_tanh"},
+               {"attention.key_length": 16, "attention.sliding_window": 8, "attn_logit_softcapping": 4.0,
+                "final_logit_softcapping": 6.0}, 1.0, 256),
+    "gemma3": ("Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                     "tie_word_embeddings": True, "pad_token_id": 0,
+                                     "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 1e6,
+                                     "hidden_activation": "gelu_pytorch_tanh"},
+               {"attention.key_length": 16, "attention.sliding_window": 8, "attention.sliding_window_pattern": 2},
+               1.0, 256),
+    "qwen3moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                         "norm_topk_prob": True, "head_dim": 16},
+                 {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32}, 0.0, 256),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_other_families_load_and_generate_what_transformers_generates(arch, tmp_path, byte_tokenizer):
+    """Phi-3 (fused projections, LongRoPE factors as tensors), Gemma 2/3 (norms stored as 1 + w, windows, caps)
+    and Qwen3-MoE (stacked experts): every tensor comes back as the original, and kubellm's greedy output on
+    the file equals transformers' on the original model."""
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    cls, overrides, kv, norm_offset, served = FAMILIES[arch]
+    meta = byte_level_metadata(byte_tokenizer) | {"pre": "qwen2"}
+    model = tiny_model(tiny_config(len(meta["tokens"]), **overrides), cls)
+    extra = {}
+    if arch == "phi3":
+        scaling = overrides["rope_scaling"]
+        extra = {"rope_factors_long.weight": np.asarray(scaling["long_factor"]),
+                 "rope_factors_short.weight": np.asarray(scaling["short_factor"])}
+    path = tmp_path / f"{arch}.gguf"
+    weights = write_gguf(path, model, meta, arch=arch, permute=False, extra_tensors=extra, extra_kv=kv,
+                         key_length=kv.get("attention.key_length"), norm_offset=norm_offset)
+    loaded = dict(read_gguf(path).tensors())
+    assert set(loaded) == set(weights)
+    for name, weight in weights.items():
+        torch.testing.assert_close(loaded[name], torch.from_numpy(weight), rtol=0, atol=1e-6, msg=name)
+    llm = LLM(str(path), dtype="float32", max_model_len=served, num_kv_blocks=32, block_size=16, progress=False)
+    prompts = [list(range(3, 20)), list(range(40, 45))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, arch
+    llm.close()
 
 
 def llama3_rope_divisors(theta, head_dim, factor, low, high, original_context):

@@ -44,17 +44,24 @@ class _Arch:
     # Per-layer GGUF tensor names whose meaning differs from the Llama layout (see _LAYER_TENSORS).
     layer_tensors: tuple[tuple[str, str], ...] = ()
     norm_offset: float = 0.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w: subtract it back
+    # Stacked experts (blk.N.ffn_{gate,up,down}_exps) become <expert_block>.experts.E.<part>.weight.
+    expert_block: str = "mlp"
+    expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 _GEMMA = (("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
           ("post_ffw_norm", "post_feedforward_layernorm"))
-_EXPERT_PARTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 # GGUF ``general.architecture`` -> what transformers calls it.
 _ARCHS = {
     "llama": _Arch("LlamaForCausalLM", "llama", rope_permuted=True),
     "mistral": _Arch("MistralForCausalLM", "mistral", rope_permuted=True),
     "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", rope_permuted=False, qkv_bias=True),
+    # llama.cpp writes Mixtral as "llama" with stacked experts; its router is ffn_gate_inp.
+    "mixtral": _Arch("MixtralForCausalLM", "mixtral", rope_permuted=True,
+                     layer_tensors=(("ffn_gate_inp", "block_sparse_moe.gate"),), expert_block="block_sparse_moe",
+                     expert_parts=("w1", "w3", "w2")),
     "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", rope_permuted=False, qk_norm=True),
     # Mixture of experts: experts stacked per layer (blk.N.ffn_{gate,up,down}_exps), split per expert on read.
     "qwen3moe": _Arch("Qwen3MoeForCausalLM", "qwen3_moe", rope_permuted=False, qk_norm=True,
@@ -124,9 +131,10 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
             if tensor.name in _NON_PARAMETER_TENSORS:
                 continue
             name, value = _hf_name(tensor.name, arch), _decode(tensor, arch, config, dtype, path)
-            if (m := _LAYER_NAME.fullmatch(tensor.name)) and m[2] in _EXPERT_PARTS:  # [experts, out, in]
+            if (m := _LAYER_NAME.fullmatch(tensor.name)) and m[2] in _EXPERT_TENSORS:  # [experts, out, in]
+                part = arch.expert_parts[_EXPERT_TENSORS.index(m[2])]
                 for e, expert in enumerate(value):
-                    yield f"model.layers.{m[1]}.mlp.experts.{e}.{_EXPERT_PARTS[m[2]]}.weight", expert
+                    yield f"model.layers.{m[1]}.{arch.expert_block}.experts.{e}.{part}.weight", expert
             else:
                 yield name, value
 
@@ -208,7 +216,9 @@ def _architecture(meta: _Metadata) -> _Arch:
     arch = _ARCHS[meta.arch]
     # llama.cpp writes Mistral models as "llama"; only the model name tells them apart.
     names = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
-    if meta.arch == "llama" and "mistral" in names:
+    if meta.arch == "llama" and meta.get("llama.expert_count"):
+        arch = _ARCHS["mixtral"]
+    elif meta.arch == "llama" and "mistral" in names:
         arch = _ARCHS["mistral"]
     return arch
 
@@ -259,6 +269,9 @@ def _config(meta: _Metadata, arch: _Arch, gguf_tensors: dict, dtype: torch.dtype
 def _family_config(meta: _Metadata, arch: _Arch, config: dict, gguf_tensors: dict) -> dict:
     """What a family adds to config.json, from its own metadata keys (as llama.cpp's converter writes them)."""
     kind = arch.model_type
+    if kind == "mixtral":
+        return {"num_local_experts": meta.require("{arch}.expert_count"),
+                "num_experts_per_tok": meta.require("{arch}.expert_used_count"), "router_jitter_noise": 0.0}
     if kind == "qwen3_moe":
         return {"num_experts": meta.require("{arch}.expert_count"),
                 "num_experts_per_tok": meta.require("{arch}.expert_used_count"),
@@ -390,8 +403,8 @@ def _hf_name(gguf_name: str, arch: _Arch) -> str:
     experts keep a placeholder name (``mlp.experts.ffn_gate_exps``), split per expert by the reader."""
     if m := _LAYER_NAME.fullmatch(gguf_name):
         layer, key, suffix = m.groups()
-        if key in _EXPERT_PARTS:
-            return f"model.layers.{layer}.mlp.experts.{key}.{suffix}"
+        if key in _EXPERT_TENSORS:
+            return f"model.layers.{layer}.{arch.expert_block}.experts.{key}.{suffix}"
         module = dict(arch.layer_tensors).get(key) or _LAYER_TENSORS[key]
         return f"model.layers.{layer}.{module}.{suffix}"
     base, _, suffix = gguf_name.rpartition(".")
@@ -422,15 +435,17 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "self_attn.q_proj.weight": (q_rows, hidden),
                        p + "self_attn.k_proj.weight": (kv_rows, hidden),
                        p + "self_attn.v_proj.weight": (kv_rows, hidden)}
-        if kind == "qwen3_moe":
-            experts, expert_inter = config["num_experts"], config["moe_intermediate_size"]
-            shapes |= {p + "mlp.gate.weight": (experts, hidden),
-                       p + "mlp.experts.ffn_gate_exps.weight": (experts, expert_inter, hidden),
-                       p + "mlp.experts.ffn_up_exps.weight": (experts, expert_inter, hidden),
-                       p + "mlp.experts.ffn_down_exps.weight": (experts, hidden, expert_inter)}
+        if kind in ("qwen3_moe", "mixtral"):
+            block = "block_sparse_moe" if kind == "mixtral" else "mlp"
+            experts = config.get("num_experts") or config["num_local_experts"]
+            expert_inter = config.get("moe_intermediate_size") or inter
+            shapes |= {f"{p}{block}.gate.weight": (experts, hidden),
+                       f"{p}{block}.experts.ffn_gate_exps.weight": (experts, expert_inter, hidden),
+                       f"{p}{block}.experts.ffn_up_exps.weight": (experts, expert_inter, hidden),
+                       f"{p}{block}.experts.ffn_down_exps.weight": (experts, hidden, expert_inter)}
         elif kind != "phi3":
             shapes |= {p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden)}
-        if kind != "qwen3_moe":
+        if kind not in ("qwen3_moe", "mixtral"):
             shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
         if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes |= {p + "self_attn.q_norm.weight": (head,), p + "self_attn.k_norm.weight": (head,)}

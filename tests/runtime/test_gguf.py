@@ -93,7 +93,7 @@ def gguf_name(hf_name: str, arch: str = "llama", num_layers: int = 64) -> str:
     """The GGUF name of a transformers parameter: LAYER_NAMES for the Llama layout, gguf's own tensor map
     (what llama.cpp's converter uses) for the other families."""
     stem, _, suffix = hf_name.rpartition(".")
-    if arch not in ("llama", "mistral", "qwen2", "qwen3"):
+    if arch not in ("llama", "mistral", "qwen2", "qwen3") or stem.endswith("mlp.gate"):
         from gguf import MODEL_ARCH, get_tensor_name_map
 
         return f"{get_tensor_name_map(MODEL_ARCH[arch.upper()], num_layers).get_name(stem)}.{suffix}"
@@ -490,7 +490,20 @@ FAMILIES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                          "norm_topk_prob": True, "head_dim": 16},
                  {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32}, 0.0, 256),
+    # llama.cpp writes Mixtral as "llama" (rotary rows permuted) with expert metadata.
+    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+                {"expert_count": 4, "expert_used_count": 2}, 0.0, 256),
 }  # fmt: skip
+
+
+def _mixtral_names(name: str) -> str:
+    """The reader names Mixtral's tensors as its Hub checkpoints do (block_sparse_moe, experts w1/w3/w2)."""
+    if ".mlp.gate." in name:
+        return name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    if ".mlp.experts." in name:
+        name = name.replace(".mlp.experts.", ".block_sparse_moe.experts.")
+        return name.replace(".gate_proj.", ".w1.").replace(".up_proj.", ".w3.").replace(".down_proj.", ".w2.")
+    return name
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
@@ -510,8 +523,11 @@ def test_other_families_load_and_generate_what_transformers_generates(arch, tmp_
         extra = {"rope_factors_long.weight": np.asarray(scaling["long_factor"]),
                  "rope_factors_short.weight": np.asarray(scaling["short_factor"])}
     path = tmp_path / f"{arch}.gguf"
-    weights = write_gguf(path, model, meta, arch=arch, permute=False, extra_tensors=extra, extra_kv=kv,
-                         key_length=kv.get("attention.key_length"), norm_offset=norm_offset)
+    gguf_arch = "llama" if arch == "mixtral" else arch
+    weights = write_gguf(path, model, meta, arch=gguf_arch, permute=arch == "mixtral", extra_tensors=extra,
+                         extra_kv=kv, key_length=kv.get("attention.key_length"), norm_offset=norm_offset)
+    if arch == "mixtral":
+        weights = {_mixtral_names(n): w for n, w in weights.items()}
     loaded = dict(read_gguf(path).tensors())
     assert set(loaded) == set(weights)
     for name, weight in weights.items():

@@ -6,12 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test e2e gpu-check lint format crds helm clean
 
-# pip runs as $(VENV)/bin/pip, never `python -m pip`: `-m` puts the repo root on sys.path, where the
-# operator/ folder would shadow the standard library's `operator` module.
+# Python's safe-path mode (3.11+) for everything started here and everything that starts in turn: neither the
+# working directory (`python -m`, `python -c`) nor a script's folder goes on sys.path, so the repository's
+# operator/ folder never shadows the standard library's `operator` module. The images, the `kubellm` command
+# and the test session set the same (tests/delivery/test_stdlib_operator.py checks each kind of process).
+export PYTHONSAFEPATH := 1
+
 PIP := $(VENV)/bin/pip
 
 $(STAMP): pyproject.toml
-	cd /tmp && $(PYTHON) -m venv $(CURDIR)/$(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# CPU torch first (a local wheel here); a bare `torch` would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0

@@ -11,8 +11,6 @@ Rows (median of several timed repeats, after warm-up; one process, same threads 
   linear it stands in for under ``--quantization int8``.
 
     python benchmarks/cpu_kernels.py [--threads 2] [--dtype bfloat16]
-
-Run from a folder other than the repository root (the repo's operator/ would shadow the standard library).
 """
 
 from __future__ import annotations

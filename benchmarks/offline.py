@@ -36,7 +36,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from workload_args import check_systems_and_workload
+# This folder, explicitly: the scripts run in Python's safe-path mode too (PYTHONSAFEPATH, which keeps a
+# checkout's operator/ from shadowing the standard library), and that mode leaves a script's folder off sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload_args import check_systems_and_workload  # noqa: E402
 
 SYSTEMS = ("kubellm", "kubellm-int8", "hf-generate", "hf-static-batch", "hf-generate-batch", "vllm")
 DEFAULT_BASELINE = "hf-generate-batch"
@@ -731,6 +734,7 @@ to the number of cores that are really free: oversubscribed OpenMP threads wreck
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("PYTHONSAFEPATH", "1")  # for the vLLM child started below (see the top)
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

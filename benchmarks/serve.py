@@ -45,7 +45,10 @@ from pathlib import Path
 
 import httpx
 
-from workload_args import check_systems_and_workload
+# This folder, explicitly: the scripts run in Python's safe-path mode too (PYTHONSAFEPATH, which keeps a
+# checkout's operator/ from shadowing the standard library), and that mode leaves a script's folder off sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload_args import check_systems_and_workload  # noqa: E402
 
 SYSTEMS = ("kubellm", "transformers", "vllm")
 WARMUP_REQUESTS, WARMUP_INPUT, WARMUP_OUTPUT = 2, 16, 4
@@ -189,9 +192,6 @@ class Server:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                # Not the repository root: `python -m` puts the working directory first on sys.path, and the
-                # repository's operator/ package would shadow the standard library's operator module.
-                cwd=self.log_path.parent,
                 start_new_session=True,  # own process group: children (vLLM's engine core) go down with it
             )
         Server.running.add(self)
@@ -802,7 +802,6 @@ def environment(args: argparse.Namespace) -> dict:
                 capture_output=True,
                 text=True,
                 timeout=60,
-                cwd=tempfile.gettempdir(),
             )
             env["vllm"] = out.stdout.strip() or None
     return env
@@ -967,6 +966,7 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("PYTHONSAFEPATH", "1")  # for the servers and probes started below (see the top)
     args = parse_args(argv)
     atexit.register(_stop_all)
     signal.signal(signal.SIGTERM, _on_sigterm)

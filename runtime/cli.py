@@ -1,4 +1,4 @@
-"""The ``kubellm`` command: models, offline generation (and, as they land, serve/operator/render)."""
+"""The ``kubellm`` command: serve, demo, offline generation, models, kernels, and the operator (crd, render)."""
 
 from __future__ import annotations
 
@@ -167,15 +167,14 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     from kubellm.kernels import cpu_extension
 
     if args.kernels_cmd == "build":
-        # One process per -march: the ops can be loaded into a process only once. The processes run from /
-        # (a source checkout's operator/ would shadow the standard library), so --out is made absolute here.
-        import os
+        # One process per -march: the ops can be loaded into a process only once. Absolute, so the printed
+        # paths of the libraries are too.
         import subprocess
 
         code = "import sys; from kubellm.kernels.cpu_extension import build_portable; print(build_portable(*sys.argv[1:]))"
         out = os.path.abspath(args.out)
         for march in args.march:
-            if subprocess.run([sys.executable, "-c", code, out, march], cwd="/").returncode != 0:
+            if subprocess.run([sys.executable, "-c", code, out, march]).returncode != 0:
                 print(f"kubellm kernels build: building for -march={march} failed", file=sys.stderr)
                 return 1
         return 0
@@ -337,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Safe-path mode for every Python process this command starts (pip, kernel builds, tensor-parallel ranks):
+    # the working directory stays off their sys.path, so a checkout's operator/ cannot shadow the stdlib's.
+    os.environ.setdefault("PYTHONSAFEPATH", "1")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["render"]:  # the renderer owns its flags (-f, -n, ...)
         setup_logging()

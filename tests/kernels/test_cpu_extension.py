@@ -294,8 +294,7 @@ PORTABLE = next((lv for lv in ("x86-64-v4-bf16", "x86-64-v3") if lv in cx.suppor
 def test_kernels_build_then_a_fresh_process_loads_the_prebuilt_library(tmp_path):
     """`kubellm kernels build --out kernels` (relative: written under the caller's folder), then a process
     with KUBELLM_CPU_KERNELS_DIR and an empty kernel cache: it must load the prebuilt library and compute
-    what the reference computes. The subprocesses run in tmp_path: the repository root's operator/ folder
-    would shadow the standard library's `operator`."""
+    what the reference computes."""
     if not shutil.which(os.environ.get("CXX", "c++")):
         if os.environ.get("CI"):
             pytest.fail("no C++ compiler in CI")

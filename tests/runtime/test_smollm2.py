@@ -81,14 +81,14 @@ def test_demo_answers_the_capital_of_france(smollm2_gguf, dtype, quantization):
         assert paths == ({"native"} if native else {"torch"})
 
 
-def test_kubellm_demo_streams_the_answer_over_http_and_exits_cleanly(smollm2_gguf, tmp_path):
+def test_kubellm_demo_streams_the_answer_over_http_and_exits_cleanly(smollm2_gguf):
     import subprocess
     import sys
 
     from server_harness import free_port
 
     proc = subprocess.run([sys.executable, "-m", "kubellm.runtime.cli", "demo", "--exit", "--port", str(free_port())],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "The capital of France is Paris." in proc.stdout
     assert "drain complete" in proc.stderr

@@ -125,7 +125,7 @@ def test_serve_with_two_ranks_answers_and_drains_cleanly(tiny_llama, tmp_path):
             [sys.executable, "-m", "kubellm.runtime.cli", "serve", "--model", str(tiny_llama), "--host",
              "127.0.0.1", "--admin-port", "0", "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB",
              "--max-model-len", "256", "--served-model-name", "tiny", "--tensor-parallel-size", "2"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180

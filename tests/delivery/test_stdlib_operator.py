@@ -1,0 +1,127 @@
+"""No Python process the project starts may resolve ``import operator`` to the repository's operator/ folder.
+
+The folder shadows the standard library's ``operator`` wherever the repository root lands on a process's
+sys.path: ``python -m`` and ``python -c`` put the working directory there. The one defence is Python's
+safe-path mode (PYTHONSAFEPATH=1), set by the Makefile, the images, the `kubellm` command (for what it starts)
+and the test session (tests/conftest.py). Each kind of process is started here from the repository root.
+
+A development venv hides the problem: the editable install's .pth file imports ``operator`` at start-up,
+before the working directory joins sys.path. So each process is probed instead of trusted: a sitecustomize
+on PYTHONPATH records, at the process's first import after start-up (sys.path final), where ``operator``
+would resolve on that sys.path. PYTHONPATH is inherited, so the processes those processes start are probed too.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STDLIB_OPERATOR = operator.__file__
+
+PROBE = """
+import importlib.machinery, json, os, sys
+
+
+class _Probe:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "usercustomize":  # site's own import, before sys.path is final
+            return None
+        sys.meta_path.remove(cls)
+        spec = importlib.machinery.PathFinder.find_spec("operator")
+        with open(os.environ["KUBELLM_OPERATOR_PROBE"], "a") as f:
+            f.write(json.dumps({"argv": sys.argv, "operator": spec and spec.origin}) + "\\n")
+        return None
+
+
+sys.meta_path.insert(0, _Probe)
+"""
+
+
+@pytest.fixture
+def probe(tmp_path):
+    """``run(argv, safe_path_env)``: run from the repository root, probed; returns (result, probe records).
+    ``safe_path_env=False`` starts it as a plain shell would, without PYTHONSAFEPATH."""
+    hook = tmp_path / "probe"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PROBE)
+
+    def run(argv: list[str], safe_path_env: bool, **env: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+        log = tmp_path / f"probe-{len(list(tmp_path.glob('probe-*')))}.jsonl"
+        child_env = {k: v for k, v in os.environ.items() if safe_path_env or k != "PYTHONSAFEPATH"}
+        child_env.update(env, PYTHONPATH=str(hook), KUBELLM_OPERATOR_PROBE=str(log))
+        result = subprocess.run(argv, cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=300)
+        records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        assert records, f"the probe did not run in {argv}: {result.stderr[-2000:]}"
+        wrong = [r for r in records if r["operator"] != STDLIB_OPERATOR]
+        assert not wrong, f"these processes would import the wrong operator: {wrong}"
+        return result, records
+
+    return run
+
+
+def _kubellm() -> str:
+    return str(Path(sys.executable).parent / "kubellm")
+
+
+def _started_with(records: list[dict], flag: str) -> int:
+    return sum(1 for r in records if r["argv"][:1] == [flag])
+
+
+def test_probe_catches_a_process_that_would_import_the_wrong_operator(probe):
+    """The check itself: `python -c` from the repository root without safe-path mode is caught."""
+    with pytest.raises(AssertionError, match="wrong operator"):
+        probe([sys.executable, "-c", "import kubellm.kernels"], safe_path_env=False)
+
+
+def test_test_subprocesses_run_in_safe_path_mode(probe):
+    """What tests start (`python -m kubellm.runtime.cli`, `python -c`) inherits the session's safe-path mode."""
+    result, records = probe([sys.executable, "-m", "kubellm.runtime.cli", "--help"], safe_path_env=True)
+    assert result.returncode == 0, result.stderr
+    _, more = probe([sys.executable, "-c", "import kubellm.kernels"], safe_path_env=True)
+    assert _started_with(records, "-m") == 1 and _started_with(more, "-c") == 1
+
+
+def test_kubellm_starts_its_kernel_builds_and_pip_in_safe_path_mode(probe, tmp_path):
+    """`kubellm` from a plain shell: the command itself (a console script) and the Python processes it starts
+    (one per -march for `kernels build`, pip for `models pull`). Both fail fast here, after starting."""
+    result, records = probe([_kubellm(), "kernels", "build", "--out", str(tmp_path / "k"), "--march", "x86-64-v3"],
+                            safe_path_env=False, CXX="false", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    assert result.returncode != 0
+    assert _started_with(records, "-c") == 1, records  # the build process
+    assert len(records) == 2, records
+    result, records = probe([_kubellm(), "models", "pull", "smollm2"], safe_path_env=False,
+                            KUBELLM_CACHE=str(tmp_path / "cache"), PIP_NO_INDEX="1")
+    assert result.returncode != 0
+    assert _started_with(records, "-m") == 1, records  # pip
+    assert len(records) == 2, records
+
+
+@pytest.mark.slow
+def test_kubellm_starts_tensor_parallel_ranks_in_safe_path_mode(probe, tiny_llama):
+    """`kubellm generate --tensor-parallel-size 2` from a plain shell: the spawned rank (and multiprocessing's
+    resource tracker) start as `python -c`."""
+    result, records = probe([_kubellm(), "generate", "--model", str(tiny_llama), "--tensor-parallel-size", "2",
+                             "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "128",
+                             "--prompt", "hi", "--max-tokens", "2"], safe_path_env=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _started_with(records, "-c") >= 1, records
+
+
+BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if "__main__" in p.read_text())
+
+
+@pytest.mark.parametrize("safe_path_env", [False, True], ids=["plain-shell", "safe-path"])
+@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
+def test_benchmark_scripts_start_from_the_repository_root(probe, script, safe_path_env):
+    """`python benchmarks/X.py` from the repository root, from a plain shell and in safe-path mode (where the
+    scripts put their own folder on sys.path for their sibling modules)."""
+    result, _ = probe([sys.executable, str(script.relative_to(ROOT)), "--help"], safe_path_env=safe_path_env)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -28,7 +28,7 @@ def serve(tiny_llama, tmp_path):
             [sys.executable, "-m", "kubellm.runtime.cli", "serve", "--model", str(tiny_llama), "--host", "127.0.0.1",
              "--port", str(port), "--admin-port", str(admin_port), "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
              "--served-model-name", "tiny", "--drain-timeout", str(drain_timeout)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)  # not the repo root: operator/ shadows stdlib
+            stdout=log, stderr=subprocess.STDOUT)
         procs.append((proc, log))
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -82,7 +82,7 @@ def test_a_taken_admin_port_is_a_clear_start_up_error(tiny_llama, tmp_path):
         proc = subprocess.run(
             [sys.executable, "-m", "kubellm.runtime.cli", "serve", "--model", str(tiny_llama), "--host", "127.0.0.1",
              "--port", str(free_port()), "--admin-port", str(taken.getsockname()[1])],
-            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+            capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "cannot bind the admin listener" in proc.stderr and "--admin-port" in proc.stderr
 

@@ -45,7 +45,8 @@ class MoEConfig:
     sparse_layers: tuple[int, ...]  # the others keep a dense MLP of ModelConfig.intermediate_size
 
     @classmethod
-    def from_hf(cls, cfg: dict, num_layers: int, where: str) -> MoEConfig | None:
+    def from_hf(cls, cfg: dict, arch: str, num_layers: int, where: str) -> MoEConfig | None:
+        # Hub configs say num_experts (Qwen) or num_local_experts (Mixtral); transformers 5 saves both as the latter.
         experts = cfg.get("num_local_experts") or cfg.get("num_experts")
         if not experts:
             return None
@@ -55,7 +56,7 @@ class MoEConfig:
         if cfg.get("shared_expert_intermediate_size") or cfg.get("n_shared_experts"):
             raise CheckpointError(f"shared experts{where} are not supported yet")
         step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
-        mixtral = "num_local_experts" in cfg
+        mixtral = arch == "MixtralForCausalLM"
         return cls(
             num_experts=experts,
             top_k=top_k,
@@ -140,7 +141,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in WINDOWED_ARCHITECTURES)),  # Gemma ties
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             sliding_window=sliding,
-            moe=MoEConfig.from_hf(cfg, cfg["num_hidden_layers"], where),
+            moe=MoEConfig.from_hf(cfg, arch, cfg["num_hidden_layers"], where),
             raw=dict(cfg),
         )
 

@@ -86,6 +86,9 @@ def test_moe_config_reads_sparse_layers_and_routing():
     assert mixtral.moe.sparse_layers == (0, 1, 2, 3) and mixtral.moe.renormalize
     assert mixtral.moe.intermediate_size == 16  # Mixtral's experts use intermediate_size
     assert ModelConfig.from_hf({k: v for k, v in _MOE.items() if "expert" not in k}).moe is None
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts: still Qwen's expert width.
+    v5 = {k: v for k, v in _MOE.items() if k != "num_experts"} | {"num_local_experts": 4}
+    assert ModelConfig.from_hf(v5).moe.intermediate_size == 6
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -199,12 +199,14 @@ class Int4Linear(nn.Module):
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
-    """Replace the decoder layers' ``nn.Linear`` modules per ``method``; returns how many were replaced."""
+    """Replace the decoder layers' ``nn.Linear`` modules (experts' too, not routers) per ``method``; returns how
+    many were replaced."""
     check_method(method)
     if method == "none":
         return 0
     layers = model.get_submodule("model.layers")
-    targets = [(name, m) for name, m in layers.named_modules() if type(m) is nn.Linear]
+    # Mixture-of-experts routers (mlp.gate) stay in the model dtype: a rounded router picks other experts.
+    targets = [(name, m) for name, m in layers.named_modules() if type(m) is nn.Linear and not name.endswith(".gate")]
     before = sum(m.weight.numel() * m.weight.element_size() for _, m in targets)
     layer_type = Int8Linear if method == "int8" else Int4Linear
     for name, linear in targets:

@@ -1,7 +1,8 @@
 """Mixture-of-experts MLP: a router picks ``top_k`` experts per token, each expert is a SiLU-gated MLP.
 
-Experts' weights are stacked (``w13`` [experts, 2 * inter, hidden], gate rows first; ``w2`` [experts, hidden,
-inter]) and run as one GEMM per expert over the tokens routed to it, gathered by a sort: no Python loop over
+Each expert is a pair of linear layers (``gate_up_proj`` [2 * inter, hidden], gate rows first; ``down_proj``
+[hidden, inter]), so the CPU prepacking and weight-only quantization of linear layers apply to experts too.
+They run as one GEMM per expert over the tokens routed to it, gathered by a sort: no Python loop over
 tokens, and only experts that received tokens are visited (a decode step of one sequence touches top_k of them).
 With tensor parallelism every rank holds every expert's slice of the intermediate dimension (gate/up rows,
 down columns) and the partial sums are all-reduced, as for the dense MLP; expert parallelism is not done.
@@ -31,6 +32,13 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
+class Expert(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+
 class FusedMoE(nn.Module):
     """The experts of one layer and its router (``gate``); :meth:`load_expert` loads one checkpoint tensor."""
 
@@ -41,8 +49,7 @@ class FusedMoE(nn.Module):
         self.tp, self.top_k, self.renormalize, self.num_experts = tp, top_k, renormalize, num_experts
         self.inter = inter // tp.size
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router, replicated
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter))
+        self.experts = nn.ModuleList(Expert(hidden, self.inter) for _ in range(num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
@@ -56,23 +63,24 @@ class FusedMoE(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            rows = token_of[start:start + n]
-            gate_up = torch.mm(x[rows], self.w13[e].t())
+            rows, expert = token_of[start:start + n], self.experts[e]
+            gate_up = expert.gate_up_proj(x[rows])
             if self.native:
                 h = ops.silu_and_mul(gate_up)
             else:
                 gate, up = gate_up.split(self.inter, dim=-1)
                 h = nn.functional.silu(gate) * up
-            out.index_add_(0, rows, torch.mm(h, self.w2[e].t()) * scale[start:start + n])
+            out.index_add_(0, rows, expert.down_proj(h) * scale[start:start + n])
             start += n
         return self.tp.all_reduce(out)
 
     def load_expert(self, expert: int, kind: str, tensor: torch.Tensor) -> None:
         """Copy one expert's gate/up ([inter, hidden]) or down ([hidden, inter]) tensor, this rank's slice."""
         if kind == "down":
-            dst, dim = self.w2.data[expert], 1
+            dst, dim = self.experts[expert].down_proj.weight.data, 1
         else:
-            dst, dim = self.w13.data[expert].narrow(0, 0 if kind == "gate" else self.inter, self.inter), 0
+            dst = self.experts[expert].gate_up_proj.weight.data.narrow(0, 0 if kind == "gate" else self.inter, self.inter)
+            dim = 0
         if self.tp.size > 1:
             tensor = tensor.narrow(dim, self.tp.rank * self.inter, self.inter)
         if tuple(dst.shape) != tuple(tensor.shape):
@@ -115,7 +123,7 @@ class ExpertLoading:
         return None
 
     def loads_specially(self, param_name: str) -> bool:
-        return param_name.endswith((".mlp.w13", ".mlp.w2"))
+        return ".mlp.experts." in param_name
 
     def special_keys(self) -> set[str]:
         keys = set()

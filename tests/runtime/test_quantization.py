@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_engine_parity import _engine, _prompts, _run_and_compare
+from test_engine_parity import _engine, _prompts, _run_and_compare, tiny_mixtral  # noqa: F401 (fixture)
 from torch import nn
 
 from kubellm.kernels import cpu_int8_gemm, int4_weights
@@ -23,7 +23,8 @@ from kubellm.runtime.quantization import (
     quantize_int8,
 )
 
-LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                 "w1", "w2", "w3")  # Mixtral's experts; routers (mlp.gate, block_sparse_moe.gate) stay
 
 
 def test_quantize_int8_bounds_and_round_trip():
@@ -154,7 +155,7 @@ def _dequantized_twin(model_dir, out_dir, method="int8"):
     return out_dir
 
 
-@pytest.mark.parametrize("fixture,budget", [("tiny_llama", 16), ("tiny_qwen2", 64)])
+@pytest.mark.parametrize("fixture,budget", [("tiny_llama", 16), ("tiny_qwen2", 64), ("tiny_mixtral", 16)])
 def test_int8_engine_equals_transformers_on_the_dequantized_weights(fixture, budget, request, tmp_path):
     """Per-row quantization of the fused q/k/v and gate/up weights equals quantizing each projection alone, so
     the twin's weights are exactly the engine's. Qwen2 adds the qkv bias, and its 64-token budget sends
@@ -164,7 +165,9 @@ def test_int8_engine_equals_transformers_on_the_dequantized_weights(fixture, bud
     llm = _engine(model_dir, quantization="int8", max_num_batched_tokens=budget)
     model = llm.engine.runner.model
     int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert len(int8) == 4 * len(model.model.layers)  # qkv, o, gate_up, down per layer; the LM head stays
+    # qkv and o, then gate_up and down of the MLP or of every expert; the LM head and routers stay.
+    mlps = [len(layer.mlp.experts) if hasattr(layer.mlp, "experts") else 1 for layer in model.model.layers]
+    assert len(int8) == sum(2 + 2 * n for n in mlps)
     assert not isinstance(model.lm_head, Int8Linear)
     _run_and_compare(llm, twin, _prompts())
     assert llm.engine.block_manager.num_used_blocks == 0

@@ -143,7 +143,7 @@ class ModelRunner:
         return self.model(input_ids, positions, meta)
 
     @torch.inference_mode()
-    def replay(self, kind: str, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """Ranks 1..N-1: rank 0's forward pass on this rank's shards (its all-reduces need every rank)."""
         self.model(input_ids, positions, meta)
 

@@ -191,4 +191,4 @@ def worker_main(config, rank: int, size: int, port: int, threads: int) -> None:
         step = group.broadcast()
         if step[0] == _EXIT:
             break
-        runner.replay(*step)
+        runner.replay(*step[1:])  # ("step", input_ids, positions, meta)

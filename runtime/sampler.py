@@ -86,7 +86,7 @@ class Sampler:
             if not (p.temperature < _GREEDY_TEMPERATURE or p.top_k == 1):
                 sampled.append(i)
                 temps.append(float(p.temperature))
-            if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            if p.needs_penalties:
                 penalised.append(i)
             if p.logit_bias:
                 biased.append(i)

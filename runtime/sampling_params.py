@@ -63,6 +63,7 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
+        """Any of repetition, presence or frequency penalty is set (the sampler then counts tokens)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:

@@ -72,10 +72,5 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    @property
-    def in_prefill(self) -> bool:
-        """True while more than one token is left to compute (prompt, or recompute after preemption)."""
-        return len(self.token_ids) - self.num_computed_tokens > 1
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -47,8 +47,7 @@ def speculable(seq: Sequence) -> bool:
     (their tokens must not depend on how many drafts a batch had room for)."""
     p = seq.sampling_params
     return (p.seed is None and p.logprobs is None and p.prompt_logprobs is None and p.guided is None
-            and not p.logit_bias and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and seq.num_output_tokens >= p.min_tokens)
+            and not p.logit_bias and not p.needs_penalties and seq.num_output_tokens >= p.min_tokens)
 
 
 def find_ngram_continuation(tokens: np.ndarray, max_ngram: int, min_ngram: int, k: int) -> list[int]:

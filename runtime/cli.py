@@ -208,19 +208,21 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kubellm", description="kubellm: serve LLMs on Kubernetes with a "
-                                "paged-attention runtime. Start with `kubellm generate` (demo model, CPU).")
-    # Logging flags are accepted before or after the command (`kubellm serve --log-format json`).
-    logging_flags = argparse.ArgumentParser(add_help=False)
-    logging_flags.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"])
-    logging_flags.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
-                               help="json: one JSON object per log line (for log pipelines)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default="text", choices=["text", "json"], help="json for structured logs")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
-    d = sub.add_parser("demo", parents=[logging_flags], help="serve the SmolLM2 demo model and ask it a question (CPU)",
+
+def _logging_flags() -> argparse.ArgumentParser:
+    """The logging flags as a parent parser, so each command accepts them after its name too
+    (`kubellm serve --log-format json`)."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS)
+    flags.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
+                       help="json: one JSON object per log line (for log pipelines)")
+    return flags
+
+
+def _add_demo(sub, parents: list[argparse.ArgumentParser]) -> None:
+    d = sub.add_parser("demo", parents=parents, help="serve the SmolLM2 demo model and ask it a question (CPU)",
                        description="Pulls SmolLM2-135M-Instruct if needed, starts `kubellm serve` on 127.0.0.1, "
                                    "streams the answer to 'What is the capital of France?' through the HTTP API, "
                                    "then keeps serving (Ctrl-C drains and stops) unless --exit is given.")
@@ -229,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--exit", action="store_true", help="stop (after a drain) once the answer is printed")
     d.set_defaults(func=cmd_demo, kv_cache_memory="512MiB", max_model_len=2048)
 
-    g = sub.add_parser("generate", parents=[logging_flags], help="offline generation with continuous batching",
+
+def _add_generate(sub, parents: list[argparse.ArgumentParser]) -> None:
+    g = sub.add_parser("generate", parents=parents, help="offline generation with continuous batching",
                        description="Generate answers offline. Each --prompt is a user chat message (use --raw "
                                    "for plain completion). With no prompt, asks the demo question.")
     add_engine_args(g)
@@ -243,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string; repeatable")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", parents=[logging_flags], help="OpenAI-compatible server with health probes, drain and metrics",
+
+def _add_serve(sub, parents: list[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser("serve", parents=parents, help="OpenAI-compatible server with health probes, drain and metrics",
                        description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
                                    "/v1/models) with /health/{live,ready,startup}, /metrics and graceful drain on "
                                    "SIGTERM. Binds first, then loads the model (probes answer 503 until ready).")
@@ -274,7 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="liveness fails when the engine loop has not ticked for this long (default 60s)")
     s.set_defaults(func=cmd_serve)
 
-    o = sub.add_parser("operator", parents=[logging_flags], help="run the LLMDeployment operator (kopf)",
+
+def _add_operator(sub, parents: list[argparse.ArgumentParser]) -> None:
+    o = sub.add_parser("operator", parents=parents, help="run the LLMDeployment operator (kopf)",
                        description="Watch LLMDeployments and reconcile their Deployments, Services, PDBs and "
                                    "autoscalers with server-side apply; report status conditions and Events.")
     o.add_argument("-n", "--namespace", action="append", dest="namespaces",
@@ -290,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default http://prometheus-operated.monitoring.svc:9090)")
     o.set_defaults(func=cmd_operator)
 
+
+def _add_crd(sub) -> None:
     c = sub.add_parser("crd", help="print the LLMDeployment CRD generated from the API types",
                        description="Generate the CustomResourceDefinition for LLMDeployment from the pydantic models "
                                    "in kubellm.operator.api (the source of truth).")
@@ -297,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--reference", action="store_true", help="print the API reference (Markdown, docs/crd-reference.md) instead")
     c.set_defaults(func=cmd_crd)
 
+
+def _add_render(sub) -> None:
+    """`render` only for the command list and its help: main() hands `kubellm render ...` to the renderer's
+    own parser before this one runs."""
     r = sub.add_parser("render", help="print the manifests the operator would apply for LLMDeployment files",
                        description="Render LLMDeployment YAML into the exact child manifests the operator applies "
                                    "(for GitOps review): kubellm render -f FILE [-f FILE] [-n NAMESPACE]; "
@@ -304,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("render_args", nargs=argparse.REMAINDER, help="-f FILE [-f FILE] [-n NAMESPACE] ...")
     r.set_defaults(func=cmd_render)
 
-    k = sub.add_parser("kernels", parents=[logging_flags], help="native CPU kernels: show what loads, prebuild",
+
+def _add_kernels(sub, parents: list[argparse.ArgumentParser]) -> None:
+    k = sub.add_parser("kernels", parents=parents, help="native CPU kernels: show what loads, prebuild",
                        description="The runtime's native CPU kernels (C++ torch extension). `info` loads them "
                                    "(compiling with -march=native if needed) and reports where from; `build` "
                                    "compiles portable copies for KUBELLM_CPU_KERNELS_DIR (images without a compiler).")
@@ -317,7 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "repeatable")
     k.set_defaults(func=cmd_kernels)
 
-    m = sub.add_parser("models", parents=[logging_flags], help="pull, list and export models", description="Manage the local model cache "
+
+def _add_models(sub, parents: list[argparse.ArgumentParser]) -> None:
+    m = sub.add_parser("models", parents=parents, help="pull, list and export models", description="Manage the local model cache "
                        "($KUBELLM_CACHE, default ~/.cache/kubellm).")
     msub = m.add_subparsers(dest="models_cmd", required=True, metavar="ACTION")
     pull = msub.add_parser("pull", help="download a known model into the cache (e.g. smollm2)")
@@ -332,6 +350,23 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("out")
     exp.add_argument("--dtype", default="bfloat16")
     m.set_defaults(func=cmd_models)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kubellm", description="kubellm: serve LLMs on Kubernetes with a "
+                                "paged-attention runtime. Start with `kubellm generate` (demo model, CPU).")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="json for structured logs")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    logging_flags = [_logging_flags()]
+    _add_demo(sub, logging_flags)
+    _add_generate(sub, logging_flags)
+    _add_serve(sub, logging_flags)
+    _add_operator(sub, logging_flags)
+    _add_crd(sub)
+    _add_render(sub)
+    _add_kernels(sub, logging_flags)
+    _add_models(sub, logging_flags)
     return p
 
 

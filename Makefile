@@ -14,7 +14,10 @@ export PYTHONSAFEPATH := 1
 
 PIP := $(VENV)/bin/pip
 
+# The version check first: safe-path mode needs 3.11 (as the package does), and an older $(PYTHON) would put
+# the repository root on sys.path for `-m venv` (-I keeps it off for the check itself, on any version).
 $(STAMP): pyproject.toml
+	@$(PYTHON) -I -c 'import sys; sys.exit(sys.version_info < (3, 11) and "kubellm needs Python 3.11 or newer; $(PYTHON) is " + sys.version.split()[0] + " (make PYTHON=python3.11 ...)")'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# CPU torch first (a local wheel here); a bare `torch` would pull a multi-GB CUDA build.
@@ -49,7 +52,7 @@ e2e: $(STAMP)  ## build the images, run them on a kind cluster, run e2e/ (needs 
 	bash e2e/kind.sh
 
 gpu-check: $(STAMP)  ## on a CUDA machine: kernels, timings, engine parity and throughput -> benchmarks/results/
-	cd benchmarks && $(CURDIR)/$(PY) gpu_check.py
+	$(PY) benchmarks/gpu_check.py
 
 crds: $(STAMP)  ## regenerate the CRD from operator/api.py (a test fails when the committed file drifts)
 	$(VENV)/bin/kubellm crd -o crds/llmdeployments.kubellm.io.yaml

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,17 @@ def test_test_subprocesses_run_in_safe_path_mode(probe):
     assert result.returncode == 0, result.stderr
     _, more = probe([sys.executable, "-c", "import kubellm.kernels"], safe_path_env=True)
     assert _started_with(records, "-m") == 1 and _started_with(more, "-c") == 1
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_runs_its_recipes_in_safe_path_mode(probe, tmp_path):
+    """`make` from a plain shell: its recipes inherit the Makefile's exported PYTHONSAFEPATH, so the first
+    thing `make test` runs on a clean clone, `$(PYTHON) -m venv` from the repository root, is safe."""
+    recipe = f"probe-venv: ; $(PYTHON) -m venv --without-pip {tmp_path / 'venv'}"
+    result, records = probe(["make", "-s", "--eval", recipe, "probe-venv", f"PYTHON={sys.executable}"],
+                            safe_path_env=False)
+    assert result.returncode == 0, result.stderr
+    assert _started_with(records, "-m") == 1, records
 
 
 def test_kubellm_starts_its_kernel_builds_and_pip_in_safe_path_mode(probe, tmp_path):

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test e2e gpu-check lint format crds helm clean
+.PHONY: demo test kernels-info e2e gpu-check lint format crds helm clean
 
 # Python's safe-path mode (3.11+) for everything started here and everything that starts in turn: neither the
 # working directory (`python -m`, `python -c`) nor a script's folder goes on sys.path, so the repository's
@@ -47,6 +47,11 @@ demo: $(STAMP)  ## serve the SmolLM2 demo model on CPU, ask it a question over H
 test: $(STAMP) $(HELM)  ## lint, then the whole suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
+
+# What .ci/run prints first. It loads (building, the first time: about a minute) the native CPU kernels the
+# tests then use; it does not stop a run where they fail to load: the tests say so, and fail under CI.
+kernels-info: $(STAMP)  ## which native CPU kernels load on this machine, and why not
+	-$(VENV)/bin/kubellm kernels info
 
 e2e: $(STAMP)  ## build the images, run them on a kind cluster, run e2e/ (needs docker, kind, kubectl, helm)
 	bash e2e/kind.sh

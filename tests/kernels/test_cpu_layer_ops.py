@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -16,13 +14,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 0.0, torch.float16: 2e-3}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def native():
-    if not ops.available():
-        reason = "native CPU kernels unavailable"
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason} in CI (g++ and ninja are project dependencies)")
-        pytest.skip(reason)
+pytestmark = pytest.mark.usefixtures("native_kernels")  # tests/conftest.py: skip without them, fail under CI
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,12 +13,7 @@ from kubellm.kernels import cpu_prefill_attention as pa
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 2e-3}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def native():
-    if not pa.available():
-        if os.environ.get("CI"):
-            pytest.fail("native CPU kernels unavailable in CI (g++ and ninja are project dependencies)")
-        pytest.skip("native CPU kernels unavailable")
+pytestmark = pytest.mark.usefixtures("native_kernels")  # tests/conftest.py: skip without them, fail under CI
 
 
 def qkv_views(tokens, heads, kv_heads, head_dim, dtype, seed=0):

@@ -146,11 +146,7 @@ def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error(tiny_lla
         _engine(tiny_llama, attention_backend="triton", device="cpu")
 
 
-def test_auto_backend_uses_the_native_cpu_kernel_when_it_builds(tiny_llama):
-    from kubellm.kernels import cpu_paged_attention
-
-    if not cpu_paged_attention.available():
-        pytest.skip(f"native CPU kernel unavailable here: {cpu_paged_attention.build_info()['error']}")
+def test_auto_backend_uses_the_native_cpu_kernel_when_it_builds(tiny_llama, native_kernels):
     assert type(_engine(tiny_llama).engine.runner.backend).__name__ == "NativeCpuAttentionBackend"
 
 

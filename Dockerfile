@@ -100,7 +100,6 @@ ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-WORKDIR /
 RUN kubellm kernels build --out /opt/kubellm/kernels --march x86-64-v4-bf16 --march x86-64-v4 --march x86-64-v3 \
     && chmod -R a+rX /opt/kubellm/kernels
 
@@ -110,7 +109,6 @@ RUN kubellm kernels build --out /opt/kubellm/kernels --march x86-64-v4-bf16 --ma
 FROM runtime-cpu-builder AS demo-model
 ARG BAKE_DEMO_MODEL=0
 ENV KUBELLM_CACHE=/opt/kubellm/cache
-WORKDIR /
 RUN mkdir -p "${KUBELLM_CACHE}" \
     && if [ "${BAKE_DEMO_MODEL}" = "1" ]; then kubellm models pull smollm2; fi \
     && chmod -R a+rX /opt/kubellm

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubellm.runtime.engine_settings import ATTENTION_BACKENDS, default
+from kubellm.runtime.engine_settings import ATTENTION_BACKENDS, LAYER_OPS, PREPACK_WEIGHTS, default
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -56,7 +56,10 @@ class EngineConfig:
     kv_cache_memory_fraction: float = default("kv_cache_memory_fraction")
     enable_prefix_caching: bool = default("enable_prefix_caching")
     enable_chunked_prefill: bool = True
-    attention_backend: str = default("attention_backend")  # auto | torch | cpu (native CPU kernel) | triton
+    # Kernels (runtime/kernel_choice.py decides what auto means here): each setting chooses only what it names.
+    attention_backend: str = default("attention_backend")  # auto | torch | cpu (native CPU kernels) | triton
+    layer_ops: str = default("layer_ops")  # auto | native (fused CPU RMSNorm/rotary/SiLU-and-mul) | torch
+    prepack_weights: str = default("prepack_weights")  # auto | on | off: linear weights prepacked for oneDNN
     quantization: str = default("quantization")  # none | int8 (weight-only, per output channel; runtime/quantization.py)
     tensor_parallel_size: int = default("tensor_parallel_size")  # processes (ranks) each holding 1/N of every layer (runtime/parallel.py)
     num_threads: int | None = default("num_threads")  # CPU intra-op threads; default: all cores torch sees
@@ -80,8 +83,10 @@ class EngineConfig:
                              f"{self.speculative_ngram} and {self.num_speculative_tokens}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend: unknown {self.attention_backend!r}; use {', '.join(ATTENTION_BACKENDS)}")
+        for name, choices in (("attention_backend", ATTENTION_BACKENDS), ("layer_ops", LAYER_OPS),
+                              ("prepack_weights", PREPACK_WEIGHTS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}: unknown {getattr(self, name)!r}; use {', '.join(choices)}")
         from kubellm.runtime.quantization import check_method
 
         check_method(self.quantization)

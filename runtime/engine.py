@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from kubellm.runtime import host_malloc, parallel
+from kubellm.runtime import host_malloc, kernel_choice, parallel
 from kubellm.runtime.block_manager import BlockManager
 from kubellm.runtime.config import EngineConfig, available_memory_bytes
 from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kubellm.runtime.model_runner import ModelRunner, kv_block_bytes
 from kubellm.runtime.models.config import ModelConfig, text_tower_config
 from kubellm.runtime.models.loader import build_model, read_checkpoint
-from kubellm.runtime.parallel import Group, check_divisible
 from kubellm.runtime.quantization import quantize_model
 from kubellm.runtime.sampler import Sampler, TokenLogprobs
 from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
@@ -31,6 +30,7 @@ from kubellm.runtime.sequence import FinishReason, Sequence
 from kubellm.runtime.speculative import NgramProposer, SpeculationStats, Speculator
 from kubellm.runtime.structured_output import StructuredOutputs
 from kubellm.runtime.tokenizer import Tokenizer
+from kubellm.runtime.tp_group import Group, check_divisible
 
 log = logging.getLogger("kubellm.engine")
 
@@ -100,18 +100,6 @@ def _max_model_len(ckpt, config: EngineConfig) -> int:
     return min(config.max_model_len or max_pos, max_pos)
 
 
-def build_rank_runner(config: EngineConfig, tp: Group) -> ModelRunner:
-    """Ranks 1..N-1 of tensor parallelism: this rank's shards and KV pool (rank 0 sizes it), no scheduler."""
-    if config.device == "cpu":
-        host_malloc.tune()
-    ckpt = read_checkpoint(config.model)
-    model, cfg = build_model(ckpt, config.dtype, tp.device, _max_model_len(ckpt, config), False, tp=tp)
-    quantize_model(model, config.quantization)
-    num_blocks = tp.broadcast()
-    return ModelRunner(model, cfg, num_blocks, config.block_size, config.dtype, tp.device, Sampler([]),
-                       config.attention_backend)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         from kubellm.runtime.model_store import resolve
@@ -127,20 +115,21 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_checkpoint(ckpt)
         self.model_path = path
         self.max_model_len = _max_model_len(ckpt, config)
+        cfg = ModelConfig.from_hf(ckpt.config, ckpt.source)
+        check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, config.tensor_parallel_size)
+        self.kernels = kernel_choice.for_engine(config, cfg, config.tensor_parallel_size)  # every rank's
         self.tp = Group(device=config.device)
         if config.tensor_parallel_size > 1:
-            cfg = ModelConfig.from_hf(ckpt.config, ckpt.source)
-            check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, config.tensor_parallel_size)
-            self.tp = parallel.start(config)
+            self.tp = parallel.start(config, self.max_model_len, self.kernels)
         try:
             model, self.model_config = build_model(ckpt, config.dtype, self.tp.device, self.max_model_len, progress,
                                                    tp=self.tp)
-            quantize_model(model, config.quantization)  # before the KV cache is sized from the memory left
+            quantize_model(model, config.quantization, self.kernels)  # before the KV cache is sized from what is left
             num_blocks = self._num_kv_blocks()
             if self.tp.size > 1:  # every rank's pool has rank 0's block count: one scheduler serves them all
                 self.tp.broadcast(num_blocks)
             self.runner = ModelRunner(model, self.model_config, num_blocks, config.block_size, config.dtype,
-                                      self.tp.device, Sampler(self.tokenizer.eos_token_ids), config.attention_backend)
+                                      self.tp.device, Sampler(self.tokenizer.eos_token_ids), self.kernels)
         except BaseException:
             self.tp.shutdown()
             raise
@@ -164,7 +153,8 @@ class LLMEngine:
         self.tp.shutdown()
 
     def workers_alive(self) -> bool:
-        return all(p.is_alive() for p in self.tp._workers)
+        """Whether every tensor-parallel rank process is still running (always, without tensor parallelism)."""
+        return self.tp.workers_alive()
 
     def _num_kv_blocks(self) -> int:
         c = self.config
@@ -230,6 +220,10 @@ class LLMEngine:
         self.scheduler.finish(req.seq, FinishReason.ABORT)
         return self._output(req)
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every unfinished request; returns their final outputs."""
+        return [out for rid in list(self.requests) if (out := self.abort_request(rid)) is not None]
+
     def warmup(self) -> float:
         """Run one full-budget prefill (and a decode) on a throwaway prompt; returns the seconds it took.
 
@@ -254,6 +248,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
     @functools.cached_property
     def structured_outputs(self) -> StructuredOutputs:
         """The grammar engine, built at the first structured-output request (or by the server at start-up)."""
@@ -262,6 +260,10 @@ class LLMEngine:
         return so
 
     # ---- public surface for the server ---------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
     @property
     def capacity_tokens(self) -> int:
         """Tokens the whole KV-cache pool holds."""

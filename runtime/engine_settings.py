@@ -111,9 +111,20 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
     EngineSetting(
         "attention_backend", str, "auto", flag="--attention-backend", choices=("auto", "torch", "cpu", "triton"),
         env="KUBELLM_ATTENTION_BACKEND",
-        help="attention kernels: cpu = native CPU kernels compiled at first use, triton = Triton kernels (CUDA), "
-        "torch = the PyTorch reference; auto = triton on CUDA, cpu on CPU, each when it builds and passes its "
-        "check here, else torch (default: $KUBELLM_ATTENTION_BACKEND or auto)",
+        help="attention kernels (attention only): cpu = kubellm's native CPU kernels, triton = Triton kernels "
+        "(CUDA), torch = the PyTorch reference; auto = triton on CUDA, cpu on CPU, each when it builds and "
+        "passes its check here, else torch (default: $KUBELLM_ATTENTION_BACKEND or auto)",
+    ),
+    EngineSetting(
+        "layer_ops", str, "auto", flag="--layer-ops", choices=("auto", "native", "torch"),
+        help="RMSNorm, rotary embedding and SiLU-and-mul: native = kubellm's fused CPU kernels, torch = the "
+        "PyTorch references; auto = native on CPU where kubellm's CPU kernels load and take the model's head "
+        "size, else torch",
+    ),
+    EngineSetting(
+        "prepack_weights", str, "auto", flag="--prepack-weights", choices=("auto", "on", "off"),
+        help="reorder linear-layer weights once into oneDNN's layout (CPU, float32/bfloat16); auto = on where "
+        "--layer-ops auto picks native, else off",
     ),
     EngineSetting(
         "quantization", str, "none", flag="--quantization",
@@ -165,4 +176,6 @@ def default(name: str) -> Any:
 
 
 ATTENTION_BACKENDS: tuple[str, ...] = setting("attention_backend").choices or ()
+LAYER_OPS: tuple[str, ...] = setting("layer_ops").choices or ()
+PREPACK_WEIGHTS: tuple[str, ...] = setting("prepack_weights").choices or ()
 QUANTIZATIONS: tuple[str, ...] = setting("quantization").choices or ()

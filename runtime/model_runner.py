@@ -11,12 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kubellm.runtime.layers.attention import (
-    AttentionMetadata,
-    NativeCpuAttentionBackend,
-    PrefillSpan,
-    make_backend,
-)
+from kubellm.runtime.kernel_choice import KernelChoice
+from kubellm.runtime.layers.attention import AttentionMetadata, PrefillSpan, attention_backend
 from kubellm.runtime.layers.linear import pack_linears
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM, use_native_ops
@@ -52,7 +48,7 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_siz
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str, sampler: Sampler, attention_backend: str = "auto"):
+                 dtype: torch.dtype, device: str, sampler: Sampler, kernels: KernelChoice):
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
         self.sampler = sampler
         self.structured: StructuredOutputs | None = None  # rank 0 of an engine with grammar requests sets it
@@ -62,18 +58,14 @@ class ModelRunner:
         # Zeroed, not empty: padded gathers read slot 0, and 0 * NaN garbage would poison outputs.
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.backend = make_backend(attention_backend, device, num_heads, num_kv_heads, cfg.head_dim,
-                                    dtype=dtype, block_size=block_size)
+        self.kernels = kernels
+        self.backend = attention_backend(kernels.attention, num_heads, num_kv_heads, cfg.head_dim)
         for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
             attn = layer.self_attn.attn
             attn.k_cache, attn.v_cache, attn.backend = k, v, self.backend
-        # The native CPU backend brings the fused layer ops (RMSNorm, rotary, SiLU-and-mul) with it; the torch
-        # backend keeps the whole model on the plain-PyTorch references.
-        self.native_ops = isinstance(self.backend, NativeCpuAttentionBackend)
-        use_native_ops(model, self.native_ops)
-        if self.native_ops:  # weights reordered once for oneDNN instead of inside every GEMM
+        use_native_ops(model, kernels.layer_ops == "native")
+        if kernels.prepack:  # weights reordered once for oneDNN instead of inside every GEMM
             log.info("prepacked %d linear layers for oneDNN", pack_linears(model))
-        log.info("attention backend: %s, fused CPU layer ops: %s", type(self.backend).__name__, self.native_ops)
 
     # ---- batch → tensors -----------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]):

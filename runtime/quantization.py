@@ -2,7 +2,7 @@
 
 ``int8``: each output channel (weight row) gets one scale, ``max|w| / 127``, and its weights are rounded to
 int8 in ``[-127, 127]``; activations stay in the model dtype. Weights take about half the memory of bf16 (a
-quarter of fp32), which leaves more room for the KV cache. The GEMM, by what runs here:
+quarter of fp32), which leaves more room for the KV cache. The GEMM, by what runs here (``kernel_choice`` decides):
 
 * bf16 models on CPUs with AVX512-BF16: kubellm's kernel (``kernels/cpu_int8_gemm.py``), which widens the
   int8 weights to bf16 in registers: faster than bf16's prepacked GEMM up to ~64 rows (it reads half the
@@ -28,13 +28,14 @@ start-up with that message.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 from torch import nn
 
 from kubellm.kernels import cpu_int8_gemm, int4_weights
+from kubellm.runtime import kernel_choice
+from kubellm.runtime.kernel_choice import KernelChoice
 
 log = logging.getLogger("kubellm.quantization")
 
@@ -70,45 +71,19 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 PATHS = ("native", "triton", "torch", "dequantize")
 
 
-def _gemm_path(q: torch.Tensor, dtype: torch.dtype) -> str:
-    """``native``: kubellm's AVX512-BF16 kernel (bf16 CPU models, packable shapes); ``triton``: the Triton
-    kernel (CUDA, once its start-up check passed there); ``torch``: torch's int8 GEMM for small steps,
-    dequantize for large ones; ``dequantize``: always."""
-    if q.device.type == "cuda":
-        return "triton" if _triton_ok("int8", str(q.device), dtype) else "dequantize"
-    if q.device.type != "cpu":
-        return "dequantize"
-    if dtype == torch.bfloat16 and cpu_int8_gemm.packable(q) and cpu_int8_gemm.available():
-        return "native"
-    return "torch" if hasattr(torch, "_weight_int8pack_mm") else "dequantize"
-
-
-@functools.cache
-def _triton_ok(method: str, device: str, dtype: torch.dtype) -> bool:
-    """The Triton GEMM for ``method`` passed its start-up check on ``device`` (run once per process)."""
-    try:
-        from kubellm.kernels import triton_check
-    except ImportError as e:  # no triton in this image
-        reason = str(e)
-    else:
-        check = triton_check.check_int8_gemm if method == "int8" else triton_check.check_int4_gemm
-        reason = check(device, dtype)
-    if reason:
-        log.warning("%s layers dequantize per call (slower; the memory saving holds): %s", method, reason)
-    return reason is None
-
-
 class Int8Linear(nn.Module):
     """Drop-in for an ``nn.Linear``: int8 weight, one scale per output channel, activations in the model dtype.
 
-    ``qweight`` is the int8 weight, in the native kernel's packed layout when ``path == "native"``. ``path``
-    is chosen for the layer's device and dtype unless given (tests)."""
+    ``qweight`` is the int8 weight, in the native kernel's packed layout when ``path == "native"``. ``path``:
+    the engine's :class:`~kubellm.runtime.kernel_choice.KernelChoice` gives it; alone (tests, tools), ``auto``
+    for the layer's device and dtype."""
 
     def __init__(self, linear: nn.Linear, path: str | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scales = quantize_int8(linear.weight)
-        self.path = path or _gemm_path(q, linear.weight.dtype)
+        w = linear.weight
+        self.path = path or kernel_choice.for_quantized_layer(w.device, w.dtype, "int8").int8_path(q)
         if self.path not in PATHS:
             raise ValueError(f"int8 GEMM path {self.path!r}; use one of {', '.join(PATHS)}")
         self.bias = linear.bias
@@ -166,7 +141,7 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 class Int4Linear(nn.Module):
     """Drop-in for an ``nn.Linear``: packed int4 weight, group-wise float32 scales, activations in the model
-    dtype. ``path``: ``triton`` (CUDA, checked at start-up) or ``dequantize``."""
+    dtype. ``path``: ``triton`` (CUDA, checked at start-up) or ``dequantize``; given as for :class:`Int8Linear`."""
 
     def __init__(self, linear: nn.Linear, path: str | None = None):
         super().__init__()
@@ -174,8 +149,7 @@ class Int4Linear(nn.Module):
         self.group = int4_group(linear.in_features)
         packed, scales = quantize_int4(linear.weight, self.group)
         if path is None:
-            cuda = packed.device.type == "cuda"
-            path = "triton" if cuda and _triton_ok("int4", str(packed.device), linear.weight.dtype) else "dequantize"
+            path = kernel_choice.for_quantized_layer(packed.device, linear.weight.dtype, "int4").int4_gemm
         if path not in ("triton", "dequantize"):
             raise ValueError(f"int4 GEMM path {path!r}; use triton or dequantize")
         self.path = path
@@ -198,9 +172,9 @@ class Int4Linear(nn.Module):
         return int4_weights.dequantize_int4(self.qweight, self.scales, self.group, dtype)
 
 
-def quantize_model(model: nn.Module, method: str) -> int:
-    """Replace the decoder layers' ``nn.Linear`` modules (experts' too, not routers) per ``method``; returns how
-    many were replaced."""
+def quantize_model(model: nn.Module, method: str, kernels: KernelChoice | None = None) -> int:
+    """Replace the decoder layers' ``nn.Linear`` modules (experts' too, not routers) per ``method``, each with
+    the GEMM ``kernels`` chose (``auto`` per layer without); returns how many were replaced."""
     check_method(method)
     if method == "none":
         return 0
@@ -210,8 +184,11 @@ def quantize_model(model: nn.Module, method: str) -> int:
     before = sum(m.weight.numel() * m.weight.element_size() for _, m in targets)
     layer_type = Int8Linear if method == "int8" else Int4Linear
     for name, linear in targets:
+        path = None
+        if kernels is not None:
+            path = kernels.int8_path(linear.weight) if method == "int8" else kernels.int4_gemm
         parent_name, _, attr = name.rpartition(".")
-        setattr(layers.get_submodule(parent_name) if parent_name else layers, attr, layer_type(linear))
+        setattr(layers.get_submodule(parent_name) if parent_name else layers, attr, layer_type(linear, path))
     after = sum(b.numel() * b.element_size() for m in layers.modules() if isinstance(m, layer_type)
                 for b in (m.qweight, m.scales))
     log.info("quantized %d linear layers to %s: %.1f MiB -> %.1f MiB of weights", len(targets), method,

@@ -11,13 +11,12 @@ metadata and read the pool in place for decodes.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from kubellm.runtime import kernel_choice
 
 
 @dataclass
@@ -205,52 +204,20 @@ class TritonAttentionBackend(KernelAttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, paged_decode_attention, prefill_attention)
 
 
-def _triton_reason(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                   block_size: int) -> str | None:
-    """Why the Triton kernels cannot serve this model on ``device``, or None when they built and matched their
-    references here (kernels/triton_check.py). On CPU they run only under ``TRITON_INTERPRET=1`` (tests)."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return "triton is not installed (pip install 'kubellm[gpu]')"
-    if not (device.startswith("cuda") or (device == "cpu" and knobs.runtime.interpret)):
-        return f"Triton kernels need a CUDA device (got {device!r}; TRITON_INTERPRET=1 runs them on CPU for tests)"
-    from kubellm.kernels import triton_check
-
-    return triton_check.check(device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+def attention_backend(kind: str, num_heads: int, num_kv_heads: int, head_dim: int) -> TorchAttentionBackend:
+    """The backend of a decided kind (:mod:`kubellm.runtime.kernel_choice` decides): cpu, triton or torch."""
+    backends = {"cpu": NativeCpuAttentionBackend, "triton": TritonAttentionBackend, "torch": TorchAttentionBackend}
+    return backends[kind](num_heads, num_kv_heads, head_dim)
 
 
 def make_backend(kind: str, device: str, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, block_size: int = 16):
-    """``auto`` picks the Triton kernels on CUDA and the native CPU kernels on CPU, each when it builds and
-    passes its self-check here, else the torch reference. An explicit choice that cannot run is an error."""
-    checked = False  # the Triton self-check already passed
-    if kind == "auto":
-        kind = "torch"
-        if device.startswith("cuda"):
-            if reason := _triton_reason(device, dtype, num_heads, num_kv_heads, head_dim, block_size):
-                log.warning("Triton attention unavailable, using the PyTorch reference: %s", reason)
-            else:
-                kind, checked = "triton", True
-        elif device == "cpu" and head_dim % 16 == 0 and head_dim <= 512:  # the kernel's supported head sizes
-            from kubellm.kernels import cpu_paged_attention
-
-            if cpu_paged_attention.available():
-                kind = "cpu"
-    if kind == "cpu":
-        from kubellm.kernels import cpu_extension
-
-        if device != "cpu" or not cpu_extension.available():
-            raise ValueError(f"the native CPU kernels cannot run here (device {device!r}): "
-                             f"{cpu_extension.build_info()['error'] or 'disabled'}; use --attention-backend torch")
-        return NativeCpuAttentionBackend(num_heads, num_kv_heads, head_dim)
-    if kind == "triton":
-        if not checked and (reason := _triton_reason(device, dtype, num_heads, num_kv_heads, head_dim, block_size)):
-            raise ValueError(f"{reason}; use --attention-backend torch")
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim)
-    if kind == "torch":
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"attention backend {kind!r} is not available in this build; use auto, torch, cpu or triton")
+                 dtype: torch.dtype = torch.float32, block_size: int = 16) -> TorchAttentionBackend:
+    """The backend ``--attention-backend kind`` gives a model of this shape on ``device`` (tests, tools): ``auto``
+    as :mod:`kubellm.runtime.kernel_choice` rules it; an explicit kind that cannot run is a ValueError."""
+    settings = kernel_choice.KernelSettings(attention=kind, layer_ops="torch", prepack="off")
+    target = kernel_choice.Target(device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+    kind = kernel_choice.choose(settings, target, kernel_choice.probe(settings, target)).attention
+    return attention_backend(kind, num_heads, num_kv_heads, head_dim)
 
 
 class Attention(torch.nn.Module):

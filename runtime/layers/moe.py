@@ -19,7 +19,7 @@ from kubellm.kernels import cpu_layer_ops as ops
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaMLP
-from kubellm.runtime.parallel import Group
+from kubellm.runtime.tp_group import Group
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from kubellm.runtime.parallel import Group
+from kubellm.runtime.tp_group import Group
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

@@ -17,7 +17,7 @@ from kubellm.runtime.layers.attention import Attention, AttentionMetadata
 from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
-from kubellm.runtime.parallel import Group
+from kubellm.runtime.tp_group import Group
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ from kubellm.runtime.models.checkpoint import Checkpoint, CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM
 from kubellm.runtime.models.registry import model_class
-from kubellm.runtime.parallel import Group
+from kubellm.runtime.tp_group import Group
 
 log = logging.getLogger("kubellm.loader")
 

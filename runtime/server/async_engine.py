@@ -108,7 +108,7 @@ class AsyncEngine:
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
+        return self.engine.vocab_size
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run (reads configuration only)."""
@@ -168,7 +168,7 @@ class AsyncEngine:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
             except Exception as e:  # a bug or a device error: fail in-flight requests, keep serving
-                log.exception("engine step failed; aborting %d in-flight requests", len(self.engine.requests))
+                log.exception("engine step failed; aborting %d in-flight requests", self.engine.num_unfinished_requests)
                 self.error = e
                 self._fail_all(e)
                 if not self.engine.workers_alive():  # a lost tensor-parallel rank: no step can succeed again
@@ -193,7 +193,7 @@ class AsyncEngine:
                         self._publish([out], 0.0)
                     future.set_result(out)
                 elif kind == "abort_all":
-                    outs = [o for rid in list(self.engine.requests) if (o := self.engine.abort_request(rid))]
+                    outs = self.engine.abort_all()
                     self._publish(outs, 0.0)
                     future.set_result(len(outs))
                 elif kind == "call":
@@ -221,8 +221,7 @@ class AsyncEngine:
                 stream.put_nowait(out)
 
     def _fail_all(self, error: Exception) -> None:
-        for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
+        self.engine.abort_all()
         failure = EngineDead(f"the engine failed while serving this request: {error}")
         self.loop.call_soon_threadsafe(lambda: [q.put_nowait(failure) for q in self._streams.values()])
 

@@ -138,7 +138,7 @@ def _build_engine(config) -> LLMEngine:
     start = time.monotonic()
     engine.structured_outputs  # noqa: B018 - built now, not in the first structured request's latency
     log.info("grammar engine (llguidance) ready in %.2fs", time.monotonic() - start)
-    log.info("warm-up: a full %d-token step took %.2fs", engine.scheduler.max_num_batched_tokens, engine.warmup())
+    log.info("warm-up: a full %d-token step took %.2fs", engine.config.max_num_batched_tokens, engine.warmup())
     return engine
 
 

@@ -1,0 +1,277 @@
+"""Which kernels run, decided in one place: attention, the fused layer ops, weight prepacking, quantized GEMMs.
+
+Three engine settings choose (``--attention-backend``, ``--layer-ops``, ``--prepack-weights``); the quantized
+GEMMs follow the device, the dtype and what loaded. :func:`probe` finds out what can run here (loads or builds
+kubellm's CPU extension, runs the Triton start-up checks), only for what the settings could pick;
+:func:`choose` is a pure function of (settings, target, what loaded) to a frozen :class:`KernelChoice`. The
+engine calls :func:`decide` once, which logs the choice, and hands it to quantization, to the model runner
+and to every tensor-parallel rank.
+
+What ``auto`` picks:
+
+* attention: ``triton`` on CUDA once its start-up check passed here; ``cpu`` on CPU where kubellm's CPU kernels
+  load and take the model's head size (a multiple of 16, up to 512); else ``torch``.
+* layer ops (RMSNorm, rotary embedding, SiLU-and-mul): ``native`` under that same CPU condition, else ``torch``.
+* prepacking linear weights for oneDNN: on under that same CPU condition when oneDNN packs the dtype (float32,
+  bfloat16), else off. ``auto`` runs the native CPU path as one unit, as it is measured and tested.
+* int8 GEMM: ``native`` (kubellm's AVX512-BF16 kernel) for bfloat16 on CPUs that have it, for layers it can
+  pack; ``torch`` (torch's int8 GEMM for small steps) for the other CPU cases; ``triton`` on CUDA once its
+  check passed; else ``dequantize`` per call.
+* int4 GEMM: ``triton`` on CUDA once its check passed, else ``dequantize``.
+
+An explicit choice that cannot run here is a ValueError that says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kubellm.kernels import cpu_extension, cpu_int8_gemm
+from kubellm.runtime.layers.linear import can_pack
+
+log = logging.getLogger("kubellm.kernels")
+
+NOT_PROBED = "not probed"  # what a Loaded field holds when no setting could pick that kernel
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """What the user asked for (the engine settings of the same names)."""
+
+    attention: str = "auto"  # auto | cpu | triton | torch
+    layer_ops: str = "auto"  # auto | native | torch
+    prepack: str = "auto"  # auto | on | off
+
+    @classmethod
+    def from_config(cls, config) -> KernelSettings:
+        return cls(config.attention_backend, config.layer_ops, config.prepack_weights)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the kernels serve: the device, the dtype, this rank's attention shape, the quantization."""
+
+    device: str
+    dtype: torch.dtype
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    block_size: int = 16
+    quantization: str = "none"
+
+    @property
+    def cpu(self) -> bool:
+        return self.device == "cpu"
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What can run here: None where a kernel is usable, else why not (:func:`probe` fills it; tests build it)."""
+
+    cpu_kernels: str | None = NOT_PROBED  # kubellm's native CPU extension
+    triton_attention: str | None = NOT_PROBED
+    onednn_prepack: str | None = NOT_PROBED
+    int8_cpu_kernel: str | None = NOT_PROBED  # the AVX512-BF16 int8 GEMM of the CPU extension
+    int8_torch_gemm: bool = False  # torch._weight_int8pack_mm exists
+    triton_int8: str | None = NOT_PROBED
+    triton_int4: str | None = NOT_PROBED
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels one engine (every rank alike) runs with."""
+
+    attention: str = "torch"  # cpu | triton | torch
+    layer_ops: str = "torch"  # native | torch
+    prepack: bool = False  # linear weights reordered once for oneDNN
+    int8_gemm: str = "dequantize"  # native | triton | torch | dequantize
+    int8_fallback: str = "dequantize"  # torch | dequantize: layers the native kernel cannot pack
+    int4_gemm: str = "dequantize"  # triton | dequantize
+
+    def int8_path(self, weight: torch.Tensor) -> str:
+        """The int8 GEMM of one layer (``weight`` ``[out, in]``): the native kernel needs packable shapes."""
+        if self.int8_gemm == "native" and not cpu_int8_gemm.packable(weight):
+            return self.int8_fallback
+        return self.int8_gemm
+
+    def describe(self, quantization: str = "none") -> str:
+        gemm = {"int8": f", int8 GEMM {self.int8_gemm}", "int4": f", int4 GEMM {self.int4_gemm}"}
+        return (f"attention {self.attention}, layer ops {self.layer_ops}, oneDNN prepacking "
+                f"{'on' if self.prepack else 'off'}{gemm.get(quantization, '')}")
+
+
+def cpu_head_size_ok(head_dim: int) -> bool:
+    """The head sizes kubellm's CPU attention kernels take."""
+    return head_dim % 16 == 0 and 0 < head_dim <= 512
+
+
+# ---- the decision (pure) ------------------------------------------------------------------------------------
+def choose(settings: KernelSettings, target: Target, loaded: Loaded) -> KernelChoice:
+    """The kernels for ``target`` given what loaded; raises ValueError for an explicit choice that cannot run."""
+    native_cpu = target.cpu and cpu_head_size_ok(target.head_dim) and loaded.cpu_kernels is None
+    int8_gemm, int8_fallback = _int8_gemm(target, loaded)
+    return KernelChoice(
+        attention=_attention(settings.attention, target, loaded, native_cpu),
+        layer_ops=_layer_ops(settings.layer_ops, target, loaded, native_cpu),
+        prepack=_prepack(settings.prepack, loaded, native_cpu),
+        int8_gemm=int8_gemm, int8_fallback=int8_fallback,
+        int4_gemm="triton" if target.cuda and loaded.triton_int4 is None else "dequantize",
+    )
+
+
+def _attention(kind: str, target: Target, loaded: Loaded, native_cpu: bool) -> str:
+    if kind == "auto":
+        if target.cuda:
+            return "triton" if loaded.triton_attention is None else "torch"
+        return "cpu" if native_cpu else "torch"
+    if kind == "cpu":
+        why = ("they run on the CPU device only" if not target.cpu
+               else loaded.cpu_kernels or (None if cpu_head_size_ok(target.head_dim)
+                                           else f"head size {target.head_dim} is not a multiple of 16 up to 512"))
+        if why:
+            raise ValueError(f"the native CPU kernels cannot run here (device {target.device!r}): {why}; "
+                             "use --attention-backend torch")
+    elif kind == "triton":
+        if loaded.triton_attention is not None:
+            raise ValueError(f"{loaded.triton_attention}; use --attention-backend torch")
+    elif kind != "torch":
+        raise ValueError(f"attention backend {kind!r} is not available in this build; use auto, torch, cpu or triton")
+    return kind
+
+
+def _layer_ops(kind: str, target: Target, loaded: Loaded, native_cpu: bool) -> str:
+    if kind == "auto":
+        return "native" if native_cpu else "torch"
+    if kind == "native" and (not target.cpu or loaded.cpu_kernels is not None):
+        why = "they run on the CPU device only" if not target.cpu else loaded.cpu_kernels
+        raise ValueError(f"the native layer ops cannot run here (device {target.device!r}): {why}; "
+                         "use --layer-ops torch")
+    if kind not in ("native", "torch"):
+        raise ValueError(f"layer ops {kind!r}: use auto, native or torch")
+    return kind
+
+
+def _prepack(kind: str, loaded: Loaded, native_cpu: bool) -> bool:
+    if kind == "auto":
+        return native_cpu and loaded.onednn_prepack is None
+    if kind == "on" and loaded.onednn_prepack is not None:
+        raise ValueError(f"{loaded.onednn_prepack}; use --prepack-weights off")
+    if kind not in ("on", "off"):
+        raise ValueError(f"prepack weights {kind!r}: use auto, on or off")
+    return kind == "on"
+
+
+def _int8_gemm(target: Target, loaded: Loaded) -> tuple[str, str]:
+    """(the path of layers the native kernel packs, the path of the others)."""
+    if target.cuda:
+        path = "triton" if loaded.triton_int8 is None else "dequantize"
+        return path, path
+    if not target.cpu:
+        return "dequantize", "dequantize"
+    fallback = "torch" if loaded.int8_torch_gemm else "dequantize"
+    if target.dtype == torch.bfloat16 and loaded.int8_cpu_kernel is None:
+        return "native", fallback
+    return fallback, fallback
+
+
+# ---- what loaded (probes) -----------------------------------------------------------------------------------
+def probe(settings: KernelSettings, target: Target) -> Loaded:
+    """Load, build or check what ``settings`` could pick for ``target``; the rest stays :data:`NOT_PROBED`."""
+    found: dict[str, object] = {}
+    native_wanted = settings.attention == "cpu" or settings.layer_ops == "native" or (
+        cpu_head_size_ok(target.head_dim) and "auto" in (settings.attention, settings.layer_ops, settings.prepack))
+    if target.cpu and native_wanted:
+        found["cpu_kernels"] = _cpu_kernels_reason()
+    if settings.attention == "triton" or (settings.attention == "auto" and target.cuda):
+        found["triton_attention"] = triton_attention_reason(target)
+    if settings.prepack != "off":
+        found["onednn_prepack"] = None if can_pack(target.device, target.dtype) else (
+            f"oneDNN cannot prepack {str(target.dtype).removeprefix('torch.')} weights on {target.device!r}")
+    if target.quantization == "int8":
+        found["int8_torch_gemm"] = hasattr(torch, "_weight_int8pack_mm")
+        if target.cpu and target.dtype == torch.bfloat16:
+            found["int8_cpu_kernel"] = None if cpu_int8_gemm.available() else "no AVX512-BF16 int8 kernel in this build"
+        if target.cuda:
+            found["triton_int8"] = triton_gemm_reason("int8", target.device, target.dtype)
+    if target.quantization == "int4" and target.cuda:
+        found["triton_int4"] = triton_gemm_reason("int4", target.device, target.dtype)
+    return Loaded(**found)
+
+
+def _cpu_kernels_reason() -> str | None:
+    if cpu_extension.available():
+        return None
+    return str(cpu_extension.build_info()["error"] or f"disabled ({cpu_extension.DISABLE_ENV} is set)")
+
+
+def triton_attention_reason(target: Target) -> str | None:
+    """Why the Triton attention kernels cannot serve ``target``, or None when they built and matched their
+    references here (kernels/triton_check.py). On CPU they run only under ``TRITON_INTERPRET=1`` (tests)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return "triton is not installed (pip install 'kubellm[gpu]')"
+    if not (target.cuda or (target.cpu and knobs.runtime.interpret)):
+        return (f"Triton kernels need a CUDA device (got {target.device!r}; TRITON_INTERPRET=1 runs them on CPU "
+                "for tests)")
+    from kubellm.kernels import triton_check
+
+    return triton_check.check(target.device, target.dtype, target.num_heads, target.num_kv_heads, target.head_dim,
+                              target.block_size)
+
+
+@functools.cache
+def triton_gemm_reason(method: str, device: str, dtype: torch.dtype) -> str | None:
+    """Why the Triton GEMM for ``method`` cannot run on ``device`` (its start-up check, once per process)."""
+    try:
+        from kubellm.kernels import triton_check
+    except ImportError as e:  # no triton in this image
+        reason = str(e)
+    else:
+        check = triton_check.check_int8_gemm if method == "int8" else triton_check.check_int4_gemm
+        reason = check(device, dtype)
+    if reason:
+        log.warning("%s layers dequantize per call (slower; the memory saving holds): %s", method, reason)
+    return reason
+
+
+# ---- entry points -------------------------------------------------------------------------------------------
+def decide(settings: KernelSettings, target: Target) -> KernelChoice:
+    """Probe, choose and log: what an engine calls once at start-up."""
+    loaded = probe(settings, target)
+    choice = choose(settings, target, loaded)
+    if settings.attention == "auto" and target.cuda and choice.attention != "triton":
+        log.warning("Triton attention unavailable, using the PyTorch reference: %s", loaded.triton_attention)
+    log.info("kernels: %s", choice.describe(target.quantization))
+    return choice
+
+
+def load(choice: KernelChoice) -> None:
+    """Load in this process what ``choice`` runs: a tensor-parallel rank runs rank 0's choice, and the CPU
+    extension is loaded per process."""
+    native = choice.attention == "cpu" or choice.layer_ops == "native" or choice.int8_gemm == "native"
+    if native and (reason := _cpu_kernels_reason()):
+        raise RuntimeError(f"the chosen kernels need kubellm's CPU kernels, which cannot load here: {reason}")
+
+
+def for_engine(config, model_config, tp_size: int = 1) -> KernelChoice:
+    """:func:`decide` for an engine's settings and model (this rank's share of the heads)."""
+    target = Target(config.device, config.dtype, model_config.num_heads // tp_size,
+                    model_config.num_kv_heads // tp_size, model_config.head_dim, config.block_size,
+                    config.quantization)
+    return decide(KernelSettings.from_config(config), target)
+
+
+def for_quantized_layer(device: str | torch.device, dtype: torch.dtype, method: str) -> KernelChoice:
+    """The GEMM choice for a quantized layer built on its own (tests, tools): ``auto`` for ``device``/``dtype``."""
+    settings = KernelSettings(attention="torch", layer_ops="torch", prepack="off")
+    target = Target(str(torch.device(device)), dtype, quantization=method)
+    return choose(settings, target, probe(settings, target))

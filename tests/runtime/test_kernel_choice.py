@@ -1,0 +1,95 @@
+"""runtime/kernel_choice.py: one pure decision from (settings, target, what loaded) to the kernels; each setting
+chooses only what it names, and ``auto`` keeps the native CPU path together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kubellm.runtime.kernel_choice import KernelChoice, KernelSettings, Loaded, Target, choose
+
+AUTO = KernelSettings()
+CPU = Target("cpu", torch.float32, num_heads=4, num_kv_heads=2, head_dim=64)
+CUDA = Target("cuda", torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=64)
+ALL_LOADED = Loaded(cpu_kernels=None, triton_attention=None, onednn_prepack=None, int8_cpu_kernel=None,
+                    int8_torch_gemm=True, triton_int8=None, triton_int4=None)
+NO_CPU_KERNELS = Loaded(cpu_kernels="no compiler", onednn_prepack=None, int8_torch_gemm=True)
+
+
+def test_auto_on_cpu_runs_the_native_path_as_one_where_the_cpu_kernels_load():
+    assert choose(AUTO, CPU, ALL_LOADED) == KernelChoice(attention="cpu", layer_ops="native", prepack=True,
+                                                         int8_gemm="torch", int8_fallback="torch")
+    plain = choose(AUTO, CPU, NO_CPU_KERNELS)
+    assert (plain.attention, plain.layer_ops, plain.prepack) == ("torch", "torch", False)
+    odd_heads = Target("cpu", torch.float32, 4, 2, head_dim=72)  # not a head size the CPU kernels take
+    assert choose(AUTO, odd_heads, ALL_LOADED).attention == "torch"
+    assert choose(AUTO, odd_heads, ALL_LOADED).layer_ops == "torch"
+
+
+def test_auto_on_cuda_is_triton_when_its_check_passed_and_never_the_cpu_ops():
+    assert choose(AUTO, CUDA, ALL_LOADED) == KernelChoice(attention="triton", layer_ops="torch", prepack=False,
+                                                          int8_gemm="triton", int8_fallback="triton",
+                                                          int4_gemm="triton")
+    failed = Loaded(triton_attention="prefill kernel failed", triton_int8="bad", triton_int4="bad")
+    assert choose(AUTO, CUDA, failed) == KernelChoice(attention="torch")
+
+
+def test_each_setting_chooses_only_what_it_names():
+    torch_attention = choose(KernelSettings(attention="torch"), CPU, ALL_LOADED)
+    assert (torch_attention.attention, torch_attention.layer_ops, torch_attention.prepack) == ("torch", "native", True)
+    ops = choose(KernelSettings(layer_ops="torch"), CPU, ALL_LOADED)
+    assert (ops.attention, ops.layer_ops, ops.prepack) == ("cpu", "torch", True)
+    packed = choose(KernelSettings(prepack="off"), CPU, ALL_LOADED)
+    assert (packed.attention, packed.layer_ops, packed.prepack) == ("cpu", "native", False)
+    reference = choose(KernelSettings("torch", "torch", "off"), CPU, ALL_LOADED)
+    assert (reference.attention, reference.layer_ops, reference.prepack) == ("torch", "torch", False)
+
+
+@pytest.mark.parametrize("settings,target,loaded,message", [
+    (KernelSettings(attention="cpu"), CPU, NO_CPU_KERNELS, r"native CPU kernels cannot run here.*no compiler.*"
+                                                            r"--attention-backend torch"),
+    (KernelSettings(attention="cpu"), CUDA, ALL_LOADED, r"CPU device only.*--attention-backend torch"),
+    (KernelSettings(attention="triton"), CPU, Loaded(triton_attention="Triton kernels need a CUDA device"),
+     r"Triton kernels need a CUDA device; use --attention-backend torch"),
+    (KernelSettings(layer_ops="native"), CUDA, ALL_LOADED, r"native layer ops cannot run here.*--layer-ops torch"),
+    (KernelSettings(layer_ops="native"), CPU, NO_CPU_KERNELS, r"no compiler; use --layer-ops torch"),
+    (KernelSettings(prepack="on"), CUDA, Loaded(onednn_prepack="oneDNN cannot prepack"),
+     r"oneDNN cannot prepack; use --prepack-weights off"),
+])
+def test_an_explicit_choice_that_cannot_run_is_a_clear_error(settings, target, loaded, message):
+    with pytest.raises(ValueError, match=message):
+        choose(settings, target, loaded)
+
+
+def test_int8_gemm_by_dtype_kernel_and_layer_shape():
+    bf16 = Target("cpu", torch.bfloat16, 4, 2, 64, quantization="int8")
+    choice = choose(AUTO, bf16, ALL_LOADED)
+    assert (choice.int8_gemm, choice.int8_fallback) == ("native", "torch")
+    assert choice.int8_path(torch.empty(32, 64)) == "native"
+    assert choice.int8_path(torch.empty(24, 64)) == "torch"  # 24 output channels: not packable
+    no_avx512 = Loaded(cpu_kernels=None, int8_cpu_kernel="no AVX512-BF16 int8 kernel", int8_torch_gemm=False)
+    assert choose(AUTO, bf16, no_avx512).int8_gemm == "dequantize"
+    assert choose(AUTO, Target("mps", torch.float16), ALL_LOADED).int8_gemm == "dequantize"
+
+
+def test_the_engine_passes_its_choice_down(tiny_llama):
+    """One decision reaches the runner's attention backend, the model's layer-op switches and its linears."""
+    from kubellm.kernels import cpu_extension
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.layers.linear import PackedLinear
+
+    llm = LLM(str(tiny_llama), progress=False, dtype="float32", num_kv_blocks=16, max_model_len=64,
+              attention_backend="torch")
+    engine = llm.engine
+    assert engine.runner.kernels is engine.kernels and type(engine.runner.backend).__name__ == "TorchAttentionBackend"
+    native = cpu_extension.available()
+    assert engine.kernels.layer_ops == ("native" if native else "torch")
+    switches = {m.native for m in engine.runner.model.modules() if isinstance(getattr(type(m), "native", None), bool)}
+    assert switches == {native}
+    assert any(isinstance(m, PackedLinear) for m in engine.runner.model.modules()) == engine.kernels.prepack
+    reference = LLM(str(tiny_llama), progress=False, dtype="float32", num_kv_blocks=16, max_model_len=64,
+                    attention_backend="torch", layer_ops="torch", prepack_weights="off").engine
+    assert (reference.kernels.attention, reference.kernels.layer_ops, reference.kernels.prepack) == ("torch", "torch",
+                                                                                                  False)
+    assert not any(m.native for m in reference.runner.model.modules()
+                   if isinstance(getattr(type(m), "native", None), bool))

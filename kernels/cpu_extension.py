@@ -49,7 +49,8 @@ X86_LEVELS = {
     "x86-64-v2": {"sse4_2", "popcnt", "ssse3"},
 }
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "prefill_attention_cpu.cpp", "int8_gemm_cpu.cpp")
+_SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "prefill_attention_cpu.cpp", "int8_gemm_cpu.cpp",
+                 "int4_gemm_cpu.cpp")
 _HEADER_NAMES = ("scalar_math.h",)  # part of the build's cache key, not compiled on their own
 OP_NAMESPACE = "kubellm_cpu"
 # One op per source: the extension counts as loaded when all of them are registered.

@@ -1,0 +1,47 @@
+"""Weight-only int4 GEMM on CPU with per-group scales and zero points: a native kernel
+(``csrc/int4_gemm_cpu.cpp``, AVX512-BF16) beside its PyTorch reference.
+
+``y = sum over groups of s * (x_g @ q_g.T - z * sum(x_g))`` (+ bias), i.e. ``x @ ((q - z) * s).T`` with ``x``
+``[M, K]`` bfloat16, ``q`` ``[N, K]`` unsigned 4-bit values (0..15; a symmetric format uses z = 8), ``scales``
+and ``zeros`` ``[K / group, N]`` float32, ``y`` ``[M, N]`` bfloat16. The form every 4-bit format reads into
+(runtime/prequantized.py: AWQ, GPTQ, compressed-tensors W4A16). The kernel wants the weight packed once by
+:func:`pack` (``N % 16 == 0``, ``K`` divisible by the group size, which is even). It exists only in builds for
+CPUs with AVX512-BF16; :func:`available` says whether this process has it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kubellm.kernels.cpu_extension import available as extension_available
+
+__all__ = ["available", "int4_gemm", "pack", "packable", "reference_int4_gemm"]
+
+
+def available() -> bool:
+    return extension_available() and bool(torch.ops.kubellm_cpu.int4_gemm_available())
+
+
+def packable(q: torch.Tensor, group_size: int) -> bool:
+    return q.dim() == 2 and q.shape[0] % 16 == 0 and group_size % 2 == 0 and q.shape[1] % group_size == 0
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` values 0..15 → ``[N/16, K/2, 16]`` bytes: per block of 16 output channels and pair of inputs
+    (k, k+1), each channel's byte holds q[k] in its low nibble and q[k+1] in its high one."""
+    n, k = q.shape
+    pairs = q.to(torch.uint8).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.kubellm_cpu.int4_gemm(x, packed, scales, zeros, group_size, bias)
+
+
+def reference_int4_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    g = torch.arange(q.shape[1]) // group_size
+    w = (q.float() - zeros.t()[:, g]) * scales.t()[:, g]
+    y = x.float() @ w.T
+    return (y if bias is None else y + bias).to(x.dtype)

@@ -1,0 +1,69 @@
+"""The native int4 GEMM (per-group scales and zero points) against its float32 reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kubellm.kernels import cpu_int4_gemm as k4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    if not k4.available():
+        reason = "the int4 GEMM needs a CPU with AVX512-BF16 (and the native kernels built)"
+        if os.environ.get("CI") and "avx512_bf16" in Path("/proc/cpuinfo").read_text():
+            pytest.fail(f"{reason}: this CI host has AVX512-BF16, so the kernel must load")
+        pytest.skip(reason)
+
+
+def _case(m, n, k, group, seed=0, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(k // group, n, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 16, (k // group, n), generator=g).float()
+    b = torch.randn(n, generator=g) if bias else None
+    return x, q, scales, zeros, b
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 32])
+@pytest.mark.parametrize(("n", "k", "group"), [(16, 128, 128), (48, 256, 64), (576, 576, 32), (80, 1536, 128)])
+def test_matches_the_reference(m, n, k, group):
+    """Row tiles of 1..6 and their remainders, odd numbers of 16-channel blocks, several groups per row."""
+    x, q, scales, zeros, _ = _case(m, n, k, group, seed=m + n)
+    out = k4.int4_gemm(x, k4.pack(q), scales, zeros, group)
+    ref = k4.reference_int4_gemm(x, q, scales, zeros, group)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_bias_strided_rows_and_a_symmetric_zero():
+    x, q, scales, _, b = _case(4, 32, 256, 128, bias=True)
+    zeros = torch.full_like(scales, 8.0)  # what symmetric formats pass
+    wide = torch.zeros(4, 300, dtype=torch.bfloat16)
+    wide[:, :256] = x
+    out = k4.int4_gemm(wide[:, :256], k4.pack(q), scales, zeros, 128, b)
+    torch.testing.assert_close(out.float(), k4.reference_int4_gemm(x, q, scales, zeros, 128, b).float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_pack_puts_pairs_in_nibbles():
+    q = torch.arange(32 * 4, dtype=torch.uint8).view(32, 4) % 16
+    p = k4.pack(q)
+    assert p.shape == (2, 2, 16) and p.dtype == torch.uint8
+    assert int(p[1, 1, 3]) == int(q[19, 2]) | int(q[19, 3]) << 4
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    (lambda x, p, s, z: (x.float(), p, s, z, 128), "bfloat16"),
+    (lambda x, p, s, z: (x, p, s, z, 96), "group_size"),
+    (lambda x, p, s, z: (x, p, s[:1], z, 128), "scales and zeros"),
+    (lambda x, p, s, z: (x[:, :128], p, s, z, 128), "columns"),
+])  # fmt: skip
+def test_bad_inputs_are_refused(bad, match):
+    x, q, scales, zeros, _ = _case(2, 32, 256, 128)
+    with pytest.raises(RuntimeError, match=match):
+        k4.int4_gemm(*bad(x, k4.pack(q), scales, zeros))

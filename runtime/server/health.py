@@ -13,9 +13,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from kubellm.runtime.sampling_params import SamplingParams
-from kubellm.runtime.server.app import ServerState
 from kubellm.runtime.server.metrics import CONTENT_TYPE
 from kubellm.runtime.server.protocol import new_id
+from kubellm.runtime.server.state import ServerState
 
 PROBE_PROMPT = "ping"
 

@@ -21,10 +21,11 @@ import uvicorn
 from kubellm.runtime.config import EngineConfig
 from kubellm.runtime.engine import LLMEngine
 from kubellm.runtime.server.admin import ADMIN_HOST, DEFAULT_ADMIN_PORT, bind_admin_socket, build_admin_app
-from kubellm.runtime.server.app import ServerOptions, ServerState, build_app
+from kubellm.runtime.server.app import build_app
 from kubellm.runtime.server.async_engine import AsyncEngine
 from kubellm.runtime.server.health import probe_generation
 from kubellm.runtime.server.metrics import ServerMetrics
+from kubellm.runtime.server.state import ServerOptions, ServerState
 
 log = logging.getLogger("kubellm.server")
 

@@ -1,4 +1,5 @@
-"""The OpenAI API routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+"""The OpenAI API routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, and vLLM's
+``/tokenize`` and ``/detokenize``; one function per route group.
 
 Every route sits behind the optional API-key check (auth.py). A request is parsed and validated, refused
 before anything is queued when it can never run or the server is shedding load, then run as one engine
@@ -19,7 +20,6 @@ from pydantic import ValidationError
 from kubellm.runtime.engine import RequestOutput
 from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
 from kubellm.runtime.scheduler import RequestTooLong
-from kubellm.runtime.server.app import ServerState
 from kubellm.runtime.server.async_engine import EngineDead
 from kubellm.runtime.server.auth import require_api_key
 from kubellm.runtime.server.errors import APIError, bad_request, overloaded
@@ -34,6 +34,7 @@ from kubellm.runtime.server.protocol import (
     new_id,
     now,
 )
+from kubellm.runtime.server.state import ServerState
 from kubellm.runtime.server.tools import (
     ToolCallingUnavailable,
     ToolCallStream,
@@ -47,8 +48,14 @@ from kubellm.runtime.tokenizer import ChatTemplateError
 
 
 def openai_router(state: ServerState) -> APIRouter:
+    """Every route group of the OpenAI API, behind the optional API-key check."""
     router = APIRouter(dependencies=[Depends(require_api_key(state.options.api_keys))])
+    for add_routes in (_model_routes, _completion_routes, _chat_routes, _token_routes):
+        add_routes(router, state)
+    return router
 
+
+def _model_routes(router: APIRouter, state: ServerState) -> None:
     @router.get("/v1/models")
     async def models():
         # 503 until ready, so tools that poll /v1/models to wait for a server (as with vLLM) wait long enough.
@@ -59,6 +66,8 @@ def openai_router(state: ServerState) -> APIRouter:
                 "max_model_len": state.max_model_len}
         return {"object": "list", "data": [card]}
 
+
+def _completion_routes(router: APIRouter, state: ServerState) -> None:
     @router.post("/v1/completions")
     async def completions(request: Request):
         req = await _parse(request, state, CompletionRequest)
@@ -74,18 +83,26 @@ def openai_router(state: ServerState) -> APIRouter:
         if req.stream:
             return _sse(request, state, _stream_completion(state, req, rid, jobs, prompts))
         outs = await _collect(request, state, jobs, rid)
-        choices = []
-        for i, o in enumerate(outs):
-            echo = _echo_text(state, req.prompt, prompts, i // req.n) if req.echo else ""
-            logprobs = None
-            if req.logprobs is not None:
-                ids, entries = _completion_tokens(o, req.echo)
-                logprobs, _ = completion_logprobs(state.tokenizer, ids, entries, 0)
-            choices.append({"index": i, "text": echo + o.text, "logprobs": logprobs, "finish_reason": o.finish_reason,
-                            "stop_reason": o.stop_reason})
         return {"id": rid, "object": "text_completion", "created": now(), "model": state.options.served_model_name,
-                "choices": choices, "usage": _usage(prompts, outs).model_dump(exclude_none=True)}
+                "choices": _completion_choices(state, req, prompts, outs),
+                "usage": _usage(prompts, outs).model_dump(exclude_none=True)}
 
+
+def _completion_choices(state: ServerState, req: CompletionRequest, prompts: list[list[int]],
+                        outs: list[RequestOutput]) -> list[dict]:
+    choices = []
+    for i, o in enumerate(outs):
+        echo = _echo_text(state, req.prompt, prompts, i // req.n) if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            ids, entries = _completion_tokens(o, req.echo)
+            logprobs, _ = completion_logprobs(state.tokenizer, ids, entries, 0)
+        choices.append({"index": i, "text": echo + o.text, "logprobs": logprobs, "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason})
+    return choices
+
+
+def _chat_routes(router: APIRouter, state: ServerState) -> None:
     @router.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await _parse(request, state, ChatCompletionRequest)
@@ -93,11 +110,7 @@ def openai_router(state: ServerState) -> APIRouter:
         _admit(state)
         _check_fan_out(state, 1, req.n)
         parser, overrides, kwargs = _tool_setup(state, req)
-        try:
-            ids = state.tokenizer.encode_chat(template_messages(req.messages), req.add_generation_prompt,
-                                              **(req.chat_template_kwargs or {}), **kwargs)
-        except ChatTemplateError as e:
-            raise bad_request(str(e), "messages") from e
+        ids = _encode_chat(state, req, kwargs)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - len(ids))
@@ -106,21 +119,37 @@ def openai_router(state: ServerState) -> APIRouter:
         if req.stream:
             return _sse(request, state, _stream_chat(state, req, rid, jobs, len(ids), parser))
         outs = await _collect(request, state, jobs, rid)
-        choices = []
-        for i, o in enumerate(outs):
-            message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
-            if parser is not None:
-                content, calls, _ = parse_calls(parser, o.text)
-                if calls:
-                    calls = calls if req.parallel_tool_calls else calls[:1]
-                    message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
-                    finish = "tool_calls"
-            choices.append({"index": i, "message": message,
-                            "logprobs": chat_logprobs(state.tokenizer, o.token_ids, o.logprobs) if req.logprobs
-                            else None, "finish_reason": finish, "stop_reason": o.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": now(), "model": state.options.served_model_name,
-                "choices": choices, "usage": _usage([ids], outs).model_dump(exclude_none=True)}
+                "choices": _chat_choices(state, req, parser, outs),
+                "usage": _usage([ids], outs).model_dump(exclude_none=True)}
 
+
+def _encode_chat(state: ServerState, req: ChatCompletionRequest | TokenizeRequest, extra: dict) -> list[int]:
+    """The prompt's token ids through the chat template (a template error is the client's 400)."""
+    try:
+        return state.tokenizer.encode_chat(template_messages(req.messages), req.add_generation_prompt,
+                                           **(req.chat_template_kwargs or {}), **extra)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from e
+
+
+def _chat_choices(state: ServerState, req: ChatCompletionRequest, parser, outs: list[RequestOutput]) -> list[dict]:
+    choices = []
+    for i, o in enumerate(outs):
+        message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+        if parser is not None:
+            content, calls, _ = parse_calls(parser, o.text)
+            if calls:
+                calls = calls if req.parallel_tool_calls else calls[:1]
+                message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+                finish = "tool_calls"
+        choices.append({"index": i, "message": message,
+                        "logprobs": chat_logprobs(state.tokenizer, o.token_ids, o.logprobs) if req.logprobs
+                        else None, "finish_reason": finish, "stop_reason": o.stop_reason})
+    return choices
+
+
+def _token_routes(router: APIRouter, state: ServerState) -> None:
     @router.post("/tokenize")
     async def tokenize(request: Request):
         req = await _parse(request, state, TokenizeRequest)
@@ -129,11 +158,7 @@ def openai_router(state: ServerState) -> APIRouter:
         tk = state.tokenizer
         if req.messages is not None:
             tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
-            try:
-                ids = tk.encode_chat(template_messages(req.messages), req.add_generation_prompt,
-                                     **(req.chat_template_kwargs or {}), **tools)
-            except ChatTemplateError as e:
-                raise bad_request(str(e), "messages") from e
+            ids = _encode_chat(state, req, tools)
         else:
             ids = tk.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
@@ -148,8 +173,6 @@ def openai_router(state: ServerState) -> APIRouter:
         if bad := [t for t in req.tokens if t >= vocab]:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
-
-    return router
 
 
 def _check_loaded(state: ServerState) -> None:

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
 from kubellm.kernels import cpu_int4_gemm as k4
 
-
-@pytest.fixture(scope="module", autouse=True)
-def native():
-    if not k4.available():
-        reason = "the int4 GEMM needs a CPU with AVX512-BF16 (and the native kernels built)"
-        if os.environ.get("CI") and "avx512_bf16" in Path("/proc/cpuinfo").read_text():
-            pytest.fail(f"{reason}: this CI host has AVX512-BF16, so the kernel must load")
-        pytest.skip(reason)
+pytestmark = pytest.mark.usefixtures("native_int4")  # skip without it; fail under CI where the CPU has it
 
 
 def _case(m, n, k, group, seed=0, bias=False):

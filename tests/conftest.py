@@ -225,10 +225,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     tr.write_line(f"x86-64 levels of this CPU: {', '.join(cpu_extension.supported_levels()) or 'none'}")
     tr.write_line(f"library: {info['library'] or info['error'] or 'not loaded in this session'}")
     for name, (title, excuse, _) in NATIVE_SETS.items():
-        counts = _native_outcomes[name]
-        done = ", ".join(f"{n} {what}" for what, n in sorted(counts.items()) if n) or "none run"
         why_not = excuse()
         expectation = "required here" if why_not is None else f"not required: {why_not}"
+        if not _native_tests[name]:
+            tr.write_line(f"{title}: none selected in this run ({expectation})")
+            continue
+        counts = _native_outcomes[name]
+        done = ", ".join(f"{n} {what}" for what, n in sorted(counts.items()) if n) or "none run"
         exercised = ("not exercised" if not _ran(name) else "partly exercised" if counts["skipped"]
                      else "exercised")
         tr.write_line(f"{title}: {exercised.upper()} ({len(_native_tests[name])} tests: {done}; {expectation})")

@@ -152,7 +152,8 @@ def check_parity(section: Section, label: str, model: str, device: str, new_toke
     reference (the tensor-parallel check compares against it too), None when it could not run."""
     common = dict(max_model_len=512, kv_cache_memory=kv_cache_memory, seed=0)
     try:
-        reference = greedy(model, new_tokens, device="cpu", dtype="float32", attention_backend="torch", **common)
+        reference = greedy(model, new_tokens, device="cpu", dtype="float32", attention_backend="torch",
+                           layer_ops="torch", prepack_weights="off", **common)  # pure PyTorch everywhere
     except Exception as e:  # noqa: BLE001
         section.checks.append(Check("greedy parity", f"{label}: CPU float32 reference", False, "-", "-",
                                     f"the reference run failed: {type(e).__name__}: {e}"))

@@ -116,9 +116,10 @@ def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fix
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_mixtral",
                                      "tiny_gemma2", "tiny_gemma3"])
 def test_torch_reference_attention_backend_also_equals_transformers(fixture, request):
-    """`auto` uses the native CPU kernel where it builds; the plain-PyTorch backend must agree too."""
+    """`auto` uses the native CPU kernels where they build; the plain-PyTorch references everywhere (attention,
+    layer ops, unpacked weights) must agree too."""
     model_dir = request.getfixturevalue(fixture)
-    llm = _engine(model_dir, attention_backend="torch")
+    llm = _engine(model_dir, attention_backend="torch", layer_ops="torch", prepack_weights="off")
     assert type(llm.engine.runner.backend).__name__ == "TorchAttentionBackend"
     _run_and_compare(llm, model_dir, _prompts())
 

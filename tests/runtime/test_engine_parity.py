@@ -64,40 +64,23 @@ def _run_and_compare(llm: LLM, model_dir, prompts, max_new: int = MAX_NEW):
     return outs
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3(tiny_checkpoint_factory):
-    """Qwen3: per-head RMSNorm on q and k before rotary, no q/k/v bias."""
-    return tiny_checkpoint_factory("qwen3")
+def _tiny(arch: str, doc: str):
+    """A module fixture: the tiny checkpoint of ``arch`` (tests/tiny_checkpoints.py), built once per session."""
+
+    @pytest.fixture(scope="module")
+    def checkpoint(tiny_checkpoint_factory):
+        return tiny_checkpoint_factory(arch)
+
+    checkpoint.__doc__ = doc
+    return checkpoint
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_moe(tiny_checkpoint_factory):
-    """Qwen3-MoE: 8 experts, top-2 renormalised, layer 1 dense (mlp_only_layers); saved by transformers."""
-    return tiny_checkpoint_factory("qwen3_moe")
-
-
-@pytest.fixture(scope="module")
-def tiny_mixtral(tiny_checkpoint_factory):
-    """Mixtral: block_sparse_moe with w1/w2/w3 experts in every layer; saved by transformers."""
-    return tiny_checkpoint_factory("mixtral")
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma2(tiny_checkpoint_factory):
-    """Gemma 2: a 12-token window on layers 0 and 2, soft-capped attention and final logits."""
-    return tiny_checkpoint_factory("gemma2")
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma3(tiny_checkpoint_factory):
-    """Gemma 3: q/k norms, a 12-token window on layers 0 and 2, local and global rotary tables."""
-    return tiny_checkpoint_factory("gemma3")
-
-
-@pytest.fixture(scope="module")
-def tiny_phi3(tiny_checkpoint_factory):
-    """Phi-3: q/k/v and gate/up fused in the checkpoint."""
-    return tiny_checkpoint_factory("phi3")
+tiny_qwen3 = _tiny("qwen3", "Qwen3: per-head RMSNorm on q and k before rotary, no q/k/v bias.")
+tiny_qwen3_moe = _tiny("qwen3_moe", "Qwen3-MoE: 8 experts, top-2 renormalised, layer 1 dense; saved by transformers.")
+tiny_mixtral = _tiny("mixtral", "Mixtral: block_sparse_moe with w1/w2/w3 experts in every layer; saved by transformers.")
+tiny_gemma2 = _tiny("gemma2", "Gemma 2: a 12-token window on layers 0 and 2, soft-capped attention and final logits.")
+tiny_gemma3 = _tiny("gemma3", "Gemma 3: q/k norms, a 12-token window on layers 0 and 2, local and global rotary.")
+tiny_phi3 = _tiny("phi3", "Phi-3: q/k/v and gate/up fused in the checkpoint.")
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama3", "tiny_qwen2", "tiny_mistral",

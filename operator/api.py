@@ -871,7 +871,8 @@ def all_rules() -> dict[str, tuple[Rule, ...]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _now() -> datetime:
+def utc_now() -> datetime:
+    """Now, in UTC, to the second (condition times; status.py uses it too)."""
     return datetime.now(UTC).replace(microsecond=0)
 
 
@@ -980,13 +981,13 @@ class LLMDeploymentStatus(_Status):
         if existing is None:
             self.conditions = [*(self.conditions or ()), Condition(
                 type=type, status=status, reason=reason, message=message,
-                last_transition_time=now or _now(), observed_generation=observed_generation,
+                last_transition_time=now or utc_now(), observed_generation=observed_generation,
             )]  # fmt: skip
             return True
         before = existing.model_dump()
         if existing.status != status:
             existing.status = status
-            existing.last_transition_time = now or _now()
+            existing.last_transition_time = now or utc_now()
         existing.reason, existing.message, existing.observed_generation = reason, message, observed_generation
         return existing.model_dump() != before
 

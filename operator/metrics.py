@@ -1,7 +1,7 @@
 """The operator's own Prometheus metrics (``kubellm operator --metrics-port``), separate from the runtime's.
 
 They live in their own registry (:data:`REGISTRY`, with the process, platform and GC collectors), apart from
-the runtime's. :mod:`.handlers` feeds them:
+the runtime's. :mod:`.handlers` feeds them (the API errors come from :mod:`.kube`):
 
 * ``kubellm_operator_reconciles_total{result}``: reconciles by outcome: ``ok`` (children applied),
   ``invalid_spec`` (rejected, children left alone), ``error`` (failed; kopf retries it).

@@ -63,6 +63,7 @@ from kubellm.operator.api import (
     LLMDeploymentStatus,
     parse_quantity,
     ready_text,
+    utc_now,
 )
 
 LLMDEPLOYMENT_LABEL = render_mod.LABEL_LLMDEPLOYMENT  # kubellm.io/llmdeployment on every child and pod
@@ -120,10 +121,6 @@ class Problem:
 # --------------------------------------------------------------------------------------------------
 # Small helpers over raw Kubernetes dicts
 # --------------------------------------------------------------------------------------------------
-
-
-def _now() -> datetime:
-    return datetime.now(UTC).replace(microsecond=0)
 
 
 def _get(obj: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:
@@ -421,6 +418,199 @@ def _degraded_events(previous: LLMDeploymentStatus, status: LLMDeploymentStatus)
     return [Event("Warning", after.reason, after.message)]
 
 
+# One pure function per condition: each returns (status, reason, message).
+ConditionValue = tuple[ConditionStatus, str, str]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What the Deployment says about the rollout, with the replica count the LLMDeployment wants."""
+
+    exists: bool
+    desired: int
+    replicas: int
+    ready: int
+    updated: int
+    available: int
+    complete: bool  # every pod runs the current template and is available, as `kubectl rollout status` says
+    deadline_message: str | None  # the Deployment's ProgressDeadlineExceeded message, when it gave up
+
+    @property
+    def old_pods(self) -> int:
+        return max(self.replicas - self.updated, 0)
+
+
+def read_rollout(
+    ld: LLMDeployment, deployment: Mapping[str, Any] | None, hpa: Mapping[str, Any] | None
+) -> Rollout:
+    """Counts and completion from the Deployment; desired replicas from its spec, else the HPA (render leaves
+    replicas to the autoscaler), else the LLMDeployment's spec."""
+    dstatus = _get(deployment, "status", default={})
+    spec_replicas = _get(deployment, "spec", "replicas")
+    hpa_desired = _get(hpa, "status", "desiredReplicas")
+    if deployment is not None and spec_replicas is not None:
+        desired = _int(spec_replicas)
+    elif ld.spec.autoscaling.enabled and hpa_desired is not None:
+        desired = _int(hpa_desired)
+    else:
+        desired = ld.spec.replicas
+    replicas, ready = _int(dstatus.get("replicas")), _int(dstatus.get("readyReplicas"))
+    updated, available = _int(dstatus.get("updatedReplicas")), _int(dstatus.get("availableReplicas"))
+    d_generation = _generation(_get(deployment, "metadata", default={}))
+    d_observed = dstatus.get("observedGeneration")
+    caught_up = d_generation is None or (isinstance(d_observed, int) and d_observed >= d_generation)
+    complete = (
+        deployment is not None and caught_up and updated >= desired and replicas <= updated and available >= updated
+    )
+    progressing = _condition(deployment, "Progressing")
+    exceeded = bool(
+        progressing and progressing.get("status") == "False" and progressing.get("reason") == "ProgressDeadlineExceeded"
+    )
+    return Rollout(
+        exists=deployment is not None, desired=desired, replicas=replicas, ready=ready, updated=updated,
+        available=available, complete=complete,
+        deadline_message=(progressing.get("message") or "") if exceeded and progressing else None,
+    )  # fmt: skip
+
+
+def _was_rolling(previous: LLMDeploymentStatus) -> bool:
+    """The Progressing condition remembers a rollout between observations."""
+    c = previous.get_condition(ConditionType.PROGRESSING)
+    return c is not None and c.status == ConditionStatus.TRUE and c.reason in ("Rolling", "Creating")
+
+
+def rollout_events(ld: LLMDeployment, rollout: Rollout, *, starting: bool, was_rolling: bool) -> list[Event]:
+    generation, uri = _generation(ld.metadata), ld.spec.model.uri
+    if starting:
+        message = f"rolling out generation {generation}: {_plural(rollout.desired, 'replica')} of {uri}"
+        return [Event("Normal", "RolloutStarted", message)]
+    if was_rolling and rollout.complete:
+        message = f"generation {generation}: {_plural(rollout.desired, 'replica')} updated and available"
+        return [Event("Normal", "RolloutComplete", message)]
+    return []
+
+
+def degrading_problem(
+    ld: LLMDeployment, deployment: Mapping[str, Any] | None, live: list[Mapping[str, Any]], now: datetime
+) -> Problem | None:
+    """The most severe problem of the pods and the Deployment (its message lists several), or None."""
+    grace = readiness_grace_seconds(ld)
+    problems = [p for pod in sorted(live, key=_pod_name) for p in pod_problems(pod, now=now, readiness_grace=grace)]
+    progressing = _condition(deployment, "Progressing")
+    if progressing and progressing.get("status") == "False" and progressing.get("reason") == "ProgressDeadlineExceeded":
+        detail = progressing.get("message") or "progress deadline exceeded"
+        problems.append(Problem("ProgressDeadlineExceeded", f"Deployment: {detail}"))
+    replica_failure = _condition(deployment, "ReplicaFailure")
+    if replica_failure and replica_failure.get("status") == "True":
+        detail = replica_failure.get("message") or replica_failure.get("reason")
+        problems.append(Problem("ReplicaFailure", f"Deployment: {detail}"))
+    return _summarize(problems)
+
+
+def progressing_condition(rollout: Rollout, rolling: bool) -> ConditionValue:
+    if not rollout.exists:
+        return ConditionStatus.TRUE, "Creating", "waiting for the Deployment to be created"
+    if rollout.deadline_message is not None:
+        return ConditionStatus.FALSE, "ProgressDeadlineExceeded", rollout.deadline_message
+    if rolling:
+        message = f"{rollout.updated}/{rollout.desired} pods updated, {rollout.available} available"
+        if rollout.old_pods:
+            message += f", {_plural(rollout.old_pods, 'old pod')} left"
+        return ConditionStatus.TRUE, "Rolling", message
+    if not rollout.complete:
+        return ConditionStatus.TRUE, "Scaling", f"{rollout.available}/{rollout.desired} pods available"
+    return ConditionStatus.FALSE, "Complete", f"{_plural(rollout.desired, 'pod')} up to date and available"
+
+
+def ready_condition(rollout: Rollout, rolling: bool, problem: Problem | None) -> ConditionValue:
+    desired, ready = rollout.desired, rollout.ready
+    if not rollout.exists:
+        return ConditionStatus.FALSE, "NoReadyReplicas", "the Deployment does not exist yet"
+    if desired == 0:
+        return ConditionStatus.FALSE, "ScaledToZero", "scaled to zero replicas"
+    if ready == 0:
+        why = f": {problem.message}" if problem else ""
+        return ConditionStatus.FALSE, "NoReadyReplicas", f"0/{desired} replicas ready{why}"
+    if rolling and rollout.available < desired:
+        message = f"rollout in progress with {rollout.available}/{desired} replicas available"
+        return ConditionStatus.FALSE, "Rolling", message
+    if rolling:
+        return ConditionStatus.TRUE, "Rolling", f"{ready}/{desired} replicas ready, rollout in progress"
+    return ConditionStatus.TRUE, "Available", f"{ready}/{desired} replicas ready"
+
+
+def degraded_condition(problem: Problem | None) -> ConditionValue:
+    if problem is None:
+        return ConditionStatus.FALSE, "Healthy", ""
+    return ConditionStatus.TRUE, problem.reason, problem.message
+
+
+def model_loaded_condition(
+    ld: LLMDeployment, live: list[Mapping[str, Any]], desired: int, problem: Problem | None
+) -> ConditionValue:
+    loaded = [p for p in live if has_started(p)]
+    if loaded:
+        return ConditionStatus.TRUE, "Loaded", f"{len(loaded)}/{len(live)} pods have the model loaded"
+    if desired == 0 and not live:
+        return ConditionStatus.FALSE, "ScaledToZero", "no pods"
+    if problem and problem.reason not in ("ProgressDeadlineExceeded", "ReplicaFailure"):
+        return ConditionStatus.FALSE, problem.reason, problem.message
+    if live:
+        return ConditionStatus.FALSE, "ModelLoading", f"{_plural(len(live), 'pod')} loading {ld.spec.model.uri}"
+    return ConditionStatus.FALSE, "ModelLoading", "waiting for pods to be created"
+
+
+def draining_condition(ld: LLMDeployment, terminating: list[Mapping[str, Any]]) -> ConditionValue:
+    if not terminating:
+        return ConditionStatus.FALSE, "NoTerminatingPods", ""
+    names = ", ".join(sorted(_pod_name(p) for p in terminating))
+    message = (
+        f"{_plural(len(terminating), 'pod')} finishing in-flight requests "
+        f"(up to {ld.spec.rollout.drain_timeout_seconds}s): {names}"
+    )
+    return ConditionStatus.TRUE, "PodsTerminating", message
+
+
+def scaling(
+    ld: LLMDeployment, hpa: Mapping[str, Any] | None, previous: AutoscalingStatus | None
+) -> tuple[AutoscalingStatus | None, ConditionValue, list[Event]]:
+    """status.autoscaling, the ScalingActive condition and the scale Events."""
+    if not ld.spec.autoscaling.enabled:
+        return None, (ConditionStatus.FALSE, "AutoscalingDisabled", "spec.autoscaling.enabled is false"), []
+    autoscaling, condition = _autoscaling(ld, hpa)
+    events = _scale_events(previous, autoscaling)
+    prev_blocked = previous.blocked_reason if previous else None
+    if autoscaling.blocked_reason and hpa is not None and autoscaling.blocked_reason != prev_blocked:
+        events.append(Event("Warning", "AutoscalingBlocked", autoscaling.blocked_reason))
+    return autoscaling, condition, events
+
+
+def fail_conditions(
+    status: LLMDeploymentStatus,
+    previous: LLMDeploymentStatus,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: datetime,
+    *,
+    progressing: str | None = None,
+    once_per_generation: bool = False,
+) -> list[Event]:
+    """Ready=False and Degraded=True with ``reason`` (and Progressing=False when ``progressing`` gives its
+    message); the Warning Event unless the previous status already reported this message (for this
+    generation, with ``once_per_generation``)."""
+    before = previous.get_condition(ConditionType.READY)
+    already = before is not None and before.reason == reason and before.message == message
+    if once_per_generation:
+        already = already and previous.observed_generation == generation
+    _set(status, ConditionType.READY, (ConditionStatus.FALSE, reason, message), generation, now)
+    if progressing is not None:
+        _set(status, ConditionType.PROGRESSING, (ConditionStatus.FALSE, reason, progressing), generation, now)
+    _set(status, ConditionType.DEGRADED, (ConditionStatus.TRUE, reason, message), generation, now)
+    _order_conditions(status)
+    return [] if already else [Event("Warning", reason, message)]
+
+
 def observe(
     ld: LLMDeployment,
     deployment: Mapping[str, Any] | None,
@@ -442,218 +632,63 @@ def observe(
     ``reconcile_error`` is the message of the last failed attempt to apply the children (Ready and Progressing
     False, Degraded True, reason ReconcileFailed). ``service_name`` defaults to the LLMDeployment's name.
     """
-    now = now or _now()
+    now = now or utc_now()
     previous = _as_status(previous_status)
     status = previous.model_copy(deep=True)
-    events: list[Event] = []
     generation = _generation(ld.metadata)
-    new_generation = generation is not None and generation != previous.observed_generation
-    spec = ld.spec
     pods = [p for p in pods if isinstance(p, Mapping)]
     live = [p for p in pods if not is_terminating(p)]
     terminating = [p for p in pods if is_terminating(p)]
 
-    # Counts, from the Deployment.
-    dstatus = _get(deployment, "status", default={})
-    spec_replicas = _get(deployment, "spec", "replicas")
-    hpa_desired = _get(hpa, "status", "desiredReplicas")
-    if deployment is not None and spec_replicas is not None:
-        desired = _int(spec_replicas)
-    elif spec.autoscaling.enabled and hpa_desired is not None:  # render leaves replicas to the autoscaler
-        desired = _int(hpa_desired)
-    else:
-        desired = spec.replicas
-    replicas, ready = _int(dstatus.get("replicas")), _int(dstatus.get("readyReplicas"))
-    updated, available = _int(dstatus.get("updatedReplicas")), _int(dstatus.get("availableReplicas"))
-    d_generation = _generation(_get(deployment, "metadata", default={}))
-    d_observed = dstatus.get("observedGeneration")
-    caught_up = d_generation is None or (isinstance(d_observed, int) and d_observed >= d_generation)
-    complete = (
-        deployment is not None
-        and caught_up
-        and updated >= desired
-        and replicas <= updated
-        and available >= updated
-    )
-    d_progressing = _condition(deployment, "Progressing")
-    deadline_exceeded = bool(
-        d_progressing
-        and d_progressing.get("status") == "False"
-        and d_progressing.get("reason") == "ProgressDeadlineExceeded"
-    )
-
-    # Rollout state machine (the Progressing condition remembers a rollout between observations).
-    prev_progressing = previous.get_condition(ConditionType.PROGRESSING)
-    was_rolling = (
-        prev_progressing is not None
-        and prev_progressing.status == ConditionStatus.TRUE
-        and prev_progressing.reason in ("Rolling", "Creating")
-    )
+    rollout = read_rollout(ld, deployment, hpa)
+    was_rolling = _was_rolling(previous)
+    new_generation = generation is not None and generation != previous.observed_generation
     starting = new_generation and template_changed is not False and reconcile_error is None
-    rolling = starting or (not complete and not deadline_exceeded and (was_rolling or replicas > updated))
-    if starting:
-        events.append(
-            Event(
-                "Normal",
-                "RolloutStarted",
-                f"rolling out generation {generation}: {_plural(desired, 'replica')} of {spec.model.uri}",
-            )
-        )
-    elif was_rolling and complete and reconcile_error is None:
-        events.append(
-            Event(
-                "Normal",
-                "RolloutComplete",
-                f"generation {generation}: {_plural(desired, 'replica')} updated and available",
-            )
-        )
+    stalled = rollout.deadline_message is not None
+    rolling = starting or (not rollout.complete and not stalled and (was_rolling or rollout.replicas > rollout.updated))
+    events = [] if reconcile_error is not None else rollout_events(ld, rollout, starting=starting, was_rolling=was_rolling)
 
-    # Degraded.
-    grace = readiness_grace_seconds(ld)
-    problems = [
-        p for pod in sorted(live, key=_pod_name) for p in pod_problems(pod, now=now, readiness_grace=grace)
-    ]
-    if deadline_exceeded:
-        problems.append(
-            Problem(
-                "ProgressDeadlineExceeded",
-                f"Deployment: {d_progressing.get('message') or 'progress deadline exceeded'}",
-            )
-        )
-    replica_failure = _condition(deployment, "ReplicaFailure")
-    if replica_failure and replica_failure.get("status") == "True":
-        problems.append(
-            Problem(
-                "ReplicaFailure",
-                f"Deployment: {replica_failure.get('message') or replica_failure.get('reason')}",
-            )
-        )
-    pod_degraded = _summarize(problems)
-
-    # Conditions.
-    old_pods = max(replicas - updated, 0)
-    if deployment is None:
-        progressing = (ConditionStatus.TRUE, "Creating", "waiting for the Deployment to be created")
-    elif deadline_exceeded:
-        progressing = (ConditionStatus.FALSE, "ProgressDeadlineExceeded", d_progressing.get("message") or "")
-    elif rolling:
-        msg = f"{updated}/{desired} pods updated, {available} available"
-        progressing = (
-            ConditionStatus.TRUE,
-            "Rolling",
-            msg + (f", {_plural(old_pods, 'old pod')} left" if old_pods else ""),
-        )
-    elif not complete:
-        progressing = (ConditionStatus.TRUE, "Scaling", f"{available}/{desired} pods available")
-    else:
-        progressing = (
-            ConditionStatus.FALSE,
-            "Complete",
-            f"{_plural(desired, 'pod')} up to date and available",
-        )
-
-    if deployment is None:
-        ready_c = (ConditionStatus.FALSE, "NoReadyReplicas", "the Deployment does not exist yet")
-    elif desired == 0:
-        ready_c = (ConditionStatus.FALSE, "ScaledToZero", "scaled to zero replicas")
-    elif ready == 0:
-        why = f": {pod_degraded.message}" if pod_degraded else ""
-        ready_c = (ConditionStatus.FALSE, "NoReadyReplicas", f"0/{desired} replicas ready{why}")
-    elif rolling and available < desired:
-        ready_c = (
-            ConditionStatus.FALSE,
-            "Rolling",
-            f"rollout in progress with {available}/{desired} replicas available",
-        )
-    elif rolling:
-        ready_c = (ConditionStatus.TRUE, "Rolling", f"{ready}/{desired} replicas ready, rollout in progress")
-    else:
-        ready_c = (ConditionStatus.TRUE, "Available", f"{ready}/{desired} replicas ready")
-
-    degraded = (
-        (ConditionStatus.TRUE, pod_degraded.reason, pod_degraded.message)
-        if pod_degraded
-        else (ConditionStatus.FALSE, "Healthy", "")
-    )
-
-    loaded = [p for p in live if has_started(p)]
-    if loaded:
-        model_loaded = (
-            ConditionStatus.TRUE,
-            "Loaded",
-            f"{len(loaded)}/{len(live)} pods have the model loaded",
-        )
-    elif desired == 0 and not live:
-        model_loaded = (ConditionStatus.FALSE, "ScaledToZero", "no pods")
-    elif pod_degraded and pod_degraded.reason not in ("ProgressDeadlineExceeded", "ReplicaFailure"):
-        model_loaded = (ConditionStatus.FALSE, pod_degraded.reason, pod_degraded.message)
-    elif live:
-        model_loaded = (
-            ConditionStatus.FALSE,
-            "ModelLoading",
-            f"{_plural(len(live), 'pod')} loading {spec.model.uri}",
-        )
-    else:
-        model_loaded = (ConditionStatus.FALSE, "ModelLoading", "waiting for pods to be created")
-
-    if spec.autoscaling.enabled:
-        autoscaling, scaling_active = _autoscaling(ld, hpa)
-        events.extend(_scale_events(previous.autoscaling, autoscaling))
-        prev_blocked = previous.autoscaling.blocked_reason if previous.autoscaling else None
-        if autoscaling.blocked_reason and hpa is not None and autoscaling.blocked_reason != prev_blocked:
-            events.append(Event("Warning", "AutoscalingBlocked", autoscaling.blocked_reason))
-        status.autoscaling = autoscaling
-    else:
-        status.autoscaling = None
-        scaling_active = (ConditionStatus.FALSE, "AutoscalingDisabled", "spec.autoscaling.enabled is false")
-
-    if terminating:
-        names = ", ".join(sorted(_pod_name(p) for p in terminating))
-        draining = (
-            ConditionStatus.TRUE,
-            "PodsTerminating",
-            f"{_plural(len(terminating), 'pod')} finishing in-flight requests "
-            f"(up to {spec.rollout.drain_timeout_seconds}s): {names}",
-        )
-    else:
-        draining = (ConditionStatus.FALSE, "NoTerminatingPods", "")
-
+    problem = degrading_problem(ld, deployment, live, now)
+    status.autoscaling, scaling_active, scale_events = scaling(ld, hpa, previous.autoscaling)
+    events += scale_events
+    conditions = {
+        ConditionType.READY: ready_condition(rollout, rolling, problem),
+        ConditionType.PROGRESSING: progressing_condition(rollout, rolling),
+        ConditionType.DEGRADED: degraded_condition(problem),
+        ConditionType.MODEL_LOADED: model_loaded_condition(ld, live, rollout.desired, problem),
+        ConditionType.SCALING_ACTIVE: scaling_active,
+        ConditionType.DRAINING: draining_condition(ld, terminating),
+    }
+    failed = (ConditionType.READY, ConditionType.PROGRESSING, ConditionType.DEGRADED) if reconcile_error is not None else ()
+    for type_, value in conditions.items():
+        if type_ not in failed:
+            _set(status, type_, value, generation, now)
     if reconcile_error is not None:
-        ready_c = (ConditionStatus.FALSE, "ReconcileFailed", reconcile_error)
-        progressing = (ConditionStatus.FALSE, "ReconcileFailed", reconcile_error)
-        degraded = (ConditionStatus.TRUE, "ReconcileFailed", reconcile_error)
-        prev_ready = previous.get_condition(ConditionType.READY)
-        if (
-            prev_ready is None
-            or prev_ready.reason != "ReconcileFailed"
-            or prev_ready.message != reconcile_error
-        ):
-            events.append(Event("Warning", "ReconcileFailed", reconcile_error))
-
-    for type_, value in zip(
-        _CONDITION_ORDER,
-        (ready_c, progressing, degraded, model_loaded, scaling_active, draining),
-        strict=True,
-    ):
-        _set(status, type_, value, generation, now)
+        events += fail_conditions(
+            status, previous, "ReconcileFailed", reconcile_error, generation, now, progressing=reconcile_error
+        )
     _order_conditions(status)
 
-    mloaded_before = previous.get_condition(ConditionType.MODEL_LOADED)
-    if model_loaded[0] == ConditionStatus.TRUE and (
-        mloaded_before is None or mloaded_before.status != ConditionStatus.TRUE
+    loaded_before = previous.get_condition(ConditionType.MODEL_LOADED)
+    if conditions[ConditionType.MODEL_LOADED][0] == ConditionStatus.TRUE and (
+        loaded_before is None or loaded_before.status != ConditionStatus.TRUE
     ):
-        events.append(Event("Normal", "ModelLoaded", f"{spec.model.uri} is loaded and serving"))
+        events.append(Event("Normal", "ModelLoaded", f"{ld.spec.model.uri} is loaded and serving"))
     events.extend(_degraded_events(previous, status))
 
     # A failed reconcile leaves observedGeneration at the last generation whose children were applied, so the
     # rollout of this one is still announced once it is applied.
     if generation is not None and reconcile_error is None:
         status.observed_generation = generation
-    status.replicas, status.ready_replicas, status.updated_replicas = replicas, ready, updated
-    status.ready_text = ready_text(ready, desired)
+    status.replicas, status.ready_replicas, status.updated_replicas = rollout.replicas, rollout.ready, rollout.updated
+    status.ready_text = ready_text(rollout.ready, rollout.desired)
     status.selector = label_selector(deployment, ld)
     status.endpoint = endpoint(ld, service_name)
     return status, events
+
+
+def _metadata_generation(ld: LLMDeployment | Mapping[str, Any]) -> int | None:
+    return _generation(ld.metadata if isinstance(ld, LLMDeployment) else _get(ld, "metadata", default={}))
 
 
 def invalid_spec_status(
@@ -669,28 +704,28 @@ def invalid_spec_status(
     and Degraded True, all with reason InvalidSpec; the other conditions and counts keep their last values.
     A Warning Event InvalidSpec comes with it unless this generation was already reported with this message.
     """
-    now = now or _now()
-    metadata = ld.metadata if isinstance(ld, LLMDeployment) else _get(ld, "metadata", default={})
-    generation = _generation(metadata)
+    generation = _metadata_generation(ld)
     prev = _as_status(previous)
     status = prev.model_copy(deep=True)
-    before = prev.get_condition(ConditionType.READY)
-    already = (
-        before is not None
-        and before.reason == "InvalidSpec"
-        and before.message == message
-        and prev.observed_generation == generation
-    )
-    for type_, value in (
-        (ConditionType.READY, (ConditionStatus.FALSE, "InvalidSpec", message)),
-        (
-            ConditionType.PROGRESSING,
-            (ConditionStatus.FALSE, "InvalidSpec", "the spec was rejected; nothing was changed"),
-        ),
-        (ConditionType.DEGRADED, (ConditionStatus.TRUE, "InvalidSpec", message)),
-    ):
-        _set(status, type_, value, generation, now)
-    _order_conditions(status)
+    events = fail_conditions(
+        status, prev, "InvalidSpec", message, generation, now or utc_now(),
+        progressing="the spec was rejected; nothing was changed", once_per_generation=True,
+    )  # fmt: skip
     if generation is not None:
         status.observed_generation = generation
-    return status, ([] if already else [Event("Warning", "InvalidSpec", message)])
+    return status, events
+
+
+def reconcile_failed_status(
+    ld: LLMDeployment | Mapping[str, Any],
+    message: str,
+    previous: LLMDeploymentStatus | Mapping[str, Any] | None,
+    *,
+    now: datetime | None = None,
+) -> tuple[LLMDeploymentStatus, list[Event]]:
+    """Ready=False and Degraded=True, reason ReconcileFailed, when even observing failed (a bug or an unreadable
+    object); the rest of the status is kept. A Warning Event unless this message was already reported."""
+    prev = _as_status(previous)
+    status = prev.model_copy(deep=True)
+    events = fail_conditions(status, prev, "ReconcileFailed", message, _metadata_generation(ld), now or utc_now())
+    return status, events

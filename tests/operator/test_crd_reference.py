@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -162,35 +163,82 @@ def _is_condition_status(node: ast.AST) -> bool:
     )
 
 
+def _params(scope: ast.AST) -> list[str]:
+    args = getattr(scope, "args", None)
+    return [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)] if args else []
+
+
+def _reason_args(node: ast.AST) -> Iterator[tuple[str, ast.AST]]:
+    """``("condition" | "event", expression)`` for each reason ``node`` writes."""
+    if isinstance(node, ast.Tuple) and len(node.elts) == 3 and _is_condition_status(node.elts[0]):
+        yield "condition", node.elts[1]
+    elif isinstance(node, ast.Call):
+        name, args = _callee(node), node.args
+        if name == "Problem" and args:
+            yield "condition", args[0]
+        elif name == "set_condition" and len(args) >= 3:
+            yield "condition", args[2]
+        elif name == "Event" and len(args) >= 2:
+            yield "event", args[1]
+
+
+def _argument(call: ast.Call, function: ast.AST, param: str) -> ast.AST | None:
+    """The expression ``call`` passes for ``function``'s parameter ``param`` (None when it passes none)."""
+    for keyword in call.keywords:
+        if keyword.arg == param:
+            return keyword.value
+    positional = [a.arg for a in (*function.args.posonlyargs, *function.args.args)]
+    index = positional.index(param) if param in positional else len(call.args)
+    return call.args[index] if index < len(call.args) else None
+
+
 def reasons_in_source(source: str) -> tuple[set[str], set[str]]:
     """``(condition reasons, event reasons)`` a module writes as literals.
 
     Condition reasons: the middle of every ``(ConditionStatus.X, reason, message)`` triple, the first argument
     of ``Problem(reason, message)`` (Degraded), the third of ``set_condition(type, status, reason, ...)``.
     Event reasons: the second argument of ``Event(type, reason, message)``. Only CamelCase strings count
-    (a fallback message such as ``x.get("message") or "at the bounds"`` is not a reason)."""
-    conditions: set[str] = set()
-    events: set[str] = set()
+    (a fallback message such as ``x.get("message") or "at the bounds"`` is not a reason). A reason that is a
+    parameter of the function writing it (a helper such as ``fail(status, reason, message)``) is read from
+    what the module's calls of that function pass for it."""
+    found: dict[str, set[str]] = {"condition": set(), "event": set()}
     tree = ast.parse(source)
     scopes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)] or [tree]
+    functions = {s.name: s for s in scopes if isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef)}
+    local: dict[int, dict[str, list[ast.AST]]] = {}
     for scope in scopes:
-        assignments: dict[str, list[ast.AST]] = {}
+        assignments = local[id(scope)] = {}
         for node in ast.walk(scope):
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     if isinstance(target, ast.Name):
                         assignments.setdefault(target.id, []).append(node.value)
+
+    # (function, parameter, kind): reasons that arrive as arguments, followed to every call of the function.
+    passed: list[tuple[str, str, str]] = []
+    for scope in scopes:
+        params = _params(scope)
         for node in ast.walk(scope):
-            if isinstance(node, ast.Tuple) and len(node.elts) == 3 and _is_condition_status(node.elts[0]):
-                conditions |= _strings(node.elts[1], assignments)
-            elif isinstance(node, ast.Call):
-                name, args = _callee(node), node.args
-                if name == "Problem" and args:
-                    conditions |= _strings(args[0], assignments)
-                elif name == "set_condition" and len(args) >= 3:
-                    conditions |= _strings(args[2], assignments)
-                elif name == "Event" and len(args) >= 2:
-                    events |= _strings(args[1], assignments)
+            for kind, expr in _reason_args(node):
+                found[kind] |= _strings(expr, local[id(scope)])
+                if isinstance(expr, ast.Name) and expr.id in params and expr.id not in local[id(scope)]:
+                    passed.append((scope.name, expr.id, kind))
+    done: set[tuple[str, str, str]] = set()
+    while passed:
+        function_name, param, kind = item = passed.pop()
+        if item in done:
+            continue
+        done.add(item)
+        for scope in scopes:
+            params = _params(scope)
+            for node in ast.walk(scope):
+                if not (isinstance(node, ast.Call) and _callee(node) == function_name):
+                    continue
+                arg = _argument(node, functions[function_name], param)
+                found[kind] |= _strings(arg, local[id(scope)])
+                if isinstance(arg, ast.Name) and arg.id in params and arg.id not in local[id(scope)]:
+                    passed.append((scope.name, arg.id, kind))  # passed on again by the caller's caller
+    conditions, events = found["condition"], found["event"]
     return {r for r in conditions if _REASON.match(r)}, {r for r in events if _REASON.match(r)}
 
 
@@ -218,10 +266,24 @@ def f(x, hpa):
     status.set_condition("Ready", False, "SetReason", "m")
     events = [Event("Normal", other, "m"), status_mod.Event("Warning", "WarnReason", "m")]
     untouched = ("Something", "Else")
+
+def fail(status, reason, message, *, event=True):
+    status.set_condition("Ready", False, reason, message)
+    return [Event("Warning", reason, message)] if event else []
+
+def warn(status, why):
+    return fail(status, why, "m")
+
+def g(status, ok):
+    fail(status, "PassedReason", "m")
+    fail(status, message="m", reason="KeywordReason")
+    warn(status, "WarnedReason" if ok else "OtherWarnedReason")
+    fail(status, "m", "not a reason either")
 """
     conditions, events = reasons_in_source(source)
-    assert conditions == {"DefaultReason", "Literal", "ProblemReason", "SetReason"}
-    assert events == {"Up", "Down", "WarnReason"}
+    passed = {"PassedReason", "KeywordReason", "WarnedReason", "OtherWarnedReason"}
+    assert conditions == {"DefaultReason", "Literal", "ProblemReason", "SetReason"} | passed
+    assert events == {"Up", "Down", "WarnReason"} | passed
 
 
 def test_reason_extraction_finds_the_operators_reasons():

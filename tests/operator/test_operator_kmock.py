@@ -4,86 +4,48 @@ kmock keeps objects in memory and streams watch events, but it is not an API ser
 resourceVersions, label/field selectors (the operator also filters client-side, so that is fine), status
 subresource split, generation bumps, uids, defaulting, CRD schema validation, garbage collection or
 server-side-apply semantics (a PATCH is a plain recursive merge and 404s on a missing object). The emulator
-below adds just two behaviours every API server has: server-side apply creates a missing object, and
-``generateName`` gets a name (kopf's Events use it). The tests set ``uid`` and ``generation`` themselves
+(tests/kmock_cluster.py) adds just two behaviours every API server has: server-side apply creates a missing
+object, and ``generateName`` gets a name (kopf's Events use it). The tests set ``uid`` and ``generation`` themselves
 and simulate the Deployment and HPA controllers by patching their status in.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import kmock
-import kopf
 import kubernetes.config.kube_config
 import pydantic
 import pytest
 import pytest_asyncio
-import yaml
 
+from kmock_cluster import (  # noqa: F401  (re-exported: test_operator_rbac.py reads them here)
+    CLOSE,
+    DEPLOYMENTS,
+    EVENTS,
+    HPAS,
+    LD_PATH,
+    LD_RESOURCE,
+    NAME,
+    NS,
+    PDBS,
+    PODS,
+    SERVICES,
+    UID,
+    VERBS,
+    ApiServer,
+    create,
+    declare_resources,
+    start_operator,
+    until,
+    write_kubeconfig,
+)
 from kubellm.operator import api, handlers
-
-NS = "ml"
-NAME = "llama"
-UID = "0b8e1c1e-0000-4000-8000-000000000001"
-LD_RESOURCE = kmock.resource(api.GROUP, api.VERSION, api.PLURAL)
-DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
-SERVICES = kmock.resource("", "v1", "services")
-PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
-HPAS = kmock.resource("autoscaling", "v2", "horizontalpodautoscalers")
-PODS = kmock.resource("", "v1", "pods")
-EVENTS = kmock.resource("", "v1", "events")
-LD_PATH = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}"
-CLOSE = {"Connection": "close"}  # no keep-alive: kopf waits for the server's connection tasks at exit
-VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
-
-
-class ApiServer(kmock.KubernetesEmulator):
-    """kmock plus server-side apply creating missing objects and generateName."""
-
-    async def _handle(self, request: kmock.Request) -> Any:
-        if request.resource is not None and isinstance(request.data, dict):
-            if request.action == kmock.action.CREATE:
-                meta = request.data.setdefault("metadata", {})
-                if not meta.get("name") and meta.get("generateName"):
-                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:6]
-            elif request.action == kmock.action.UPDATE and "apply-patch" in request.headers.get(
-                "Content-Type", ""
-            ):
-                key = (request.resource, request.namespace, request.name)
-                async with self._lock:
-                    if key not in self._objects or self._objects[key].deleted:
-                        if key in self._objects:
-                            self._objects[key].create(request.data)
-                        else:
-                            self._objects[key] = request.data
-                        event = {"type": "ADDED", "object": self._objects[key].raw}
-                        await self._buses[request.resource].put(event)
-        return await super()._handle(request)
-
+from kubellm.operator.children import replicas_handover
+from kubellm.operator.kube import Kube, merge_patch_diff
 
 pytestmark = pytest.mark.kmock(cls=ApiServer)
-
-
-def declare_resources(server: kmock.KubernetesEmulator) -> None:
-    info = kmock.ResourceInfo
-    server.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs=VERBS)
-    server.resources[f"{api.GROUP}/{api.VERSION}/{api.PLURAL}"] = info(
-        kind=api.KIND, singular=api.SINGULAR, namespaced=True, verbs=VERBS, subresources={"status", "scale"}
-    )
-    for res, kind in (
-        ("apps/v1/deployments", "Deployment"),
-        ("v1/services", "Service"),
-        ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget"),
-        ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler"),
-        ("v1/pods", "Pod"),
-        ("v1/events", "Event"),
-    ):
-        server.resources[res] = info(kind=kind, namespaced=True, verbs=VERBS, subresources={"status"})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -95,52 +57,6 @@ def declare_resources(server: kmock.KubernetesEmulator) -> None:
 async def server(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
     declare_resources(kmock)
     return kmock
-
-
-def write_kubeconfig(server, path: Path, user: str = "test") -> Path:
-    """A kubeconfig pointing the official client (and so the operator) at the kmock server."""
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "kmock", "cluster": {"server": str(server.url).rstrip("/")}}],
-                "users": [{"name": user, "user": {"token": f"{user}-token"}}],
-                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": user}}],
-                "current-context": "kmock",
-            }
-        )
-    )
-    return path
-
-
-async def start_operator() -> tuple[kopf.Memo, asyncio.Event, asyncio.Task, set]:
-    """Run kopf with the kubellm handlers in this event loop; returns (memo, stop flag, runner, ignored tasks).
-
-    kopf.operator() waits 5 s at exit for "hung" tasks started after it (a fixture's own teardown task among
-    them) and then cancels them: run its parts directly and tell it which tasks are ours (add to ``ignored``).
-    """
-    settings = kopf.OperatorSettings()
-    settings.scanning.disabled = True
-    settings.watching.reconnect_backoff = 0.1
-    settings.posting.default_backoffs = [0.1]
-    memo = kopf.Memo()
-    stop, ready = asyncio.Event(), asyncio.Event()
-    ignored = set(asyncio.all_tasks())
-    tasks = await kopf.spawn_tasks(
-        registry=kopf.get_default_registry(),
-        settings=settings,
-        clusterwide=True,
-        standalone=True,
-        stop_flag=stop,
-        ready_flag=ready,
-        memo=memo,
-    )
-    runner = asyncio.create_task(kopf.run_tasks(tasks, ignored=ignored))
-    ignored.add(runner)
-    await asyncio.wait_for(ready.wait(), timeout=15)
-    await until(lambda: getattr(memo, "kubellm", None), "the startup handler to run")
-    return memo, stop, runner, ignored
 
 
 @pytest_asyncio.fixture
@@ -156,23 +72,6 @@ async def operator(server, tmp_path, monkeypatch):
     ignored.add(asyncio.current_task())
     stop.set()
     await asyncio.wait_for(runner, timeout=15)
-
-
-async def until(predicate: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
-    """Poll ``predicate`` until it returns something truthy (its value), or fail after ``timeout`` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    last_error: Exception | None = None
-    while asyncio.get_running_loop().time() < deadline:
-        try:
-            result = predicate()
-            if result:
-                return result
-        except (KeyError, LookupError, TypeError, ValueError, AttributeError) as e:
-            last_error = e
-        await asyncio.sleep(0.05)
-    raise AssertionError(
-        f"timed out waiting for {what}" + (f" (last error: {last_error!r})" if last_error else "")
-    )
 
 
 def live(server, resource) -> dict[str, dict]:
@@ -220,11 +119,6 @@ def llmdeployment(generation: int = 1, **spec: Any) -> dict:
         },
         "spec": {"model": {"uri": "hf://org/llama"}, **spec},
     }
-
-
-async def create(server, body: dict) -> None:
-    async with server.post(LD_PATH, json=body, headers=CLOSE) as resp:
-        assert resp.status < 300, await resp.text()
 
 
 async def patch(server, path: str, body: dict) -> None:
@@ -475,7 +369,7 @@ async def test_deletion_is_not_blocked_by_the_finalizer(server, operator):
     async with server.delete(f"{LD_PATH}/{NAME}", headers=CLOSE) as resp:
         assert resp.status < 300
     await until(lambda: server.objects[LD_RESOURCE, NS, NAME].deleted, "the LLMDeployment to be gone")
-    await until(lambda: not operator.pokes, "the observer to stop")
+    await until(lambda: not operator.objects, "the observer to stop")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -483,24 +377,52 @@ async def test_deletion_is_not_blocked_by_the_finalizer(server, operator):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_resource_paths():
-    assert handlers.resource_path("v1", "Service", "ml", "x") == "/api/v1/namespaces/ml/services/x"
-    assert (
-        handlers.resource_path("apps/v1", "Deployment", "ml", "x", "status")
-        == "/apis/apps/v1/namespaces/ml/deployments/x/status"
+@pytest.mark.asyncio
+async def test_api_access_finds_every_kind_by_discovery(server):
+    """No plural table: core, grouped, add-on and custom kinds resolve through the server's discovery, and the
+    requests land on the paths the API server serves (apply as application/apply-patch+yaml, forced)."""
+    server.resources["keda.sh/v1alpha1/scaledobjects"] = kmock.ResourceInfo(
+        kind="ScaledObject", namespaced=True, verbs=VERBS
     )
-    assert (
-        handlers.resource_path("autoscaling/v2", "HorizontalPodAutoscaler", "ml")
-        == "/apis/autoscaling/v2/namespaces/ml/horizontalpodautoscalers"
-    )
-    assert handlers.resource_path("keda.sh/v1alpha1", "ScaledObject", "ml", "x").endswith("/scaledobjects/x")
-    assert handlers.resource_path(api.API_VERSION, api.KIND, "ml", "x").endswith("/llmdeployments/x")
+    kube = await Kube.connect(handlers.FIELD_MANAGER, kubernetes.client.Configuration(host=str(server.url)))
+    try:
+        for api_version, kind, path in (
+            ("v1", "Service", "/api/v1/namespaces/ml/services/x"),
+            ("apps/v1", "Deployment", "/apis/apps/v1/namespaces/ml/deployments/x"),
+            ("autoscaling/v2", "HorizontalPodAutoscaler", "/apis/autoscaling/v2/namespaces/ml/horizontalpodautoscalers/x"),
+            ("keda.sh/v1alpha1", "ScaledObject", "/apis/keda.sh/v1alpha1/namespaces/ml/scaledobjects/x"),
+            (api.API_VERSION, api.KIND, f"/apis/{api.GROUP}/{api.VERSION}/namespaces/ml/{api.PLURAL}/x"),
+        ):  # fmt: skip
+            # (discovery is lazy and synchronous: off the loop that runs kmock)
+            resource = await asyncio.to_thread(kube.client.resources.get, api_version=api_version, kind=kind)
+            assert resource.path(name="x", namespace="ml") == path
+        assert await kube.serves("keda.sh/v1alpha1", "ScaledObject")
+        assert not await kube.serves("monitoring.coreos.com/v1", "ServiceMonitor")
+        assert await kube.list("monitoring.coreos.com/v1", "ServiceMonitor", NS, {}) == []  # not served: none
+
+        service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x", "namespace": NS}}
+        await kube.apply(service)
+        assert (await kube.get("v1", "Service", NS, "x"))["metadata"]["name"] == "x"
+        await create(server, llmdeployment())
+        await kube.patch_status(api.API_VERSION, api.KIND, NS, NAME, {"status": {"readyText": "0/1"}})
+        await kube.delete("v1", "Service", NS, "x")
+        assert await kube.get("v1", "Service", NS, "x") is None
+        await kube.delete("v1", "Service", NS, "x")  # gone already is fine
+    finally:
+        kube.close()
+    requests = [(r.method.value.upper(), r.url.path, dict(r.params), r.headers.get("Content-Type", "")) for r in server]
+    assert ("PATCH", f"/api/v1/namespaces/{NS}/services/x",
+            {"fieldManager": handlers.FIELD_MANAGER, "force": "true"}, "application/apply-patch+yaml") in requests
+    assert ("PATCH", f"{LD_PATH}/{NAME}/status", {}, "application/merge-patch+json") in requests
+    assert [m for m, path, _, _ in requests if path == f"/api/v1/namespaces/{NS}/services/x"] == [
+        "PATCH", "GET", "DELETE", "GET", "DELETE"
+    ]  # fmt: skip
 
 
 def test_merge_patch_diff_nulls_what_went_away():
     old = {"a": 1, "auto": {"x": 1, "blocked": "why"}, "gone": {"k": 1}, "same": [1]}
     new = {"a": 2, "auto": {"x": 1}, "same": [1], "added": True}
-    assert handlers.merge_patch_diff(old, new) == {
+    assert merge_patch_diff(old, new) == {
         "a": 2,
         "auto": {"blocked": None},
         "gone": None,
@@ -533,7 +455,7 @@ def _deployment(replicas_in_spec: bool, manager: str = "kubellm-operator", owns:
 
 def test_turning_autoscaling_on_parks_replicas_with_a_handover_manager_first():
     child, existing = _deployment(replicas_in_spec=False)
-    handover = handlers.replicas_handover(child, existing, "kubellm-operator")
+    handover = replicas_handover(child, existing, "kubellm-operator")
     assert handover == {"apiVersion": "apps/v1", "kind": "Deployment",
                         "metadata": {"name": "m", "namespace": "ns"}, "spec": {"replicas": 3}}
 
@@ -546,4 +468,4 @@ def test_no_replicas_handover_when_nothing_would_be_lost(case):
         child, existing = _deployment(replicas_in_spec=False, manager="kube-controller-manager")
     else:
         child, existing = _deployment(replicas_in_spec=False)[0], None
-    assert handlers.replicas_handover(child, existing, "kubellm-operator") is None
+    assert replicas_handover(child, existing, "kubellm-operator") is None

@@ -17,10 +17,13 @@ import kopf
 import kubernetes
 import prometheus_client.metrics
 import pytest
-import urllib3
+from kmock import KubernetesError
 from prometheus_client.parser import text_string_to_metric_families
 
+from kmock_cluster import ApiServer, declare_resources
 from kubellm.operator import api, handlers, metrics, render
+from kubellm.operator.kube import ApiError, Kube
+from kubellm.operator.tracking import OperatorState
 from kubellm.runtime.cli import build_parser
 
 NS, NAME = "ml", "llama"
@@ -28,14 +31,14 @@ LOG = logging.getLogger("test")
 
 
 class FakeKube:
-    """The part of handlers.Kube the handlers use, over a dict; ``fail_apply`` makes every apply fail."""
+    """The part of kube.Kube the handlers use, over a dict; ``fail_apply`` makes every apply fail."""
 
     field_manager = handlers.FIELD_MANAGER
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.body = body
         self.applied: list[dict[str, Any]] = []
-        self.fail_apply: handlers.ApiError | None = None
+        self.fail_apply: ApiError | None = None
 
     async def list(self, api_version, kind, namespace, selector) -> list[dict]:
         return []
@@ -49,11 +52,11 @@ class FakeKube:
     async def delete(self, api_version, kind, namespace, name) -> None:
         pass
 
-    async def get(self, path: str) -> dict[str, Any] | None:
-        return self.body if path.endswith(f"/{api.PLURAL}/{NAME}") else None
+    async def get(self, api_version, kind, namespace, name) -> dict[str, Any] | None:
+        return self.body if (api_version, kind, namespace, name) == (api.API_VERSION, api.KIND, NS, NAME) else None
 
-    async def merge_patch(self, path: str, patch) -> Any:
-        return None
+    async def patch_status(self, api_version, kind, namespace, name, patch) -> None:
+        pass
 
 
 def body(**spec: Any) -> dict[str, Any]:
@@ -67,7 +70,7 @@ def body(**spec: Any) -> dict[str, Any]:
 
 def state_for(kube: FakeKube) -> kopf.Memo:
     memo = kopf.Memo()
-    memo.kubellm = handlers.OperatorState(kube=kube, observe_interval=0.01, debounce=0.0)
+    memo.kubellm = OperatorState(kube=kube, observe_interval=0.01, debounce=0.0)
     return memo
 
 
@@ -99,7 +102,7 @@ def test_reconciles_are_counted_and_timed_by_result():
         assert kube.applied  # it did apply the children
         invalid = body(replicas=-1)
         await reconcile(state_for(FakeKube(invalid)), invalid)
-        kube.fail_apply = handlers.ApiError(500, "InternalError", "etcd timed out")
+        kube.fail_apply = ApiError(500, "InternalError", "etcd timed out")
         with pytest.raises(kopf.TemporaryError):
             await reconcile(memo, raw)
 
@@ -146,33 +149,27 @@ def test_observers_are_counted_while_they_run():
     assert stopped_after == managed_before
 
 
-class _Response:
-    def __init__(self, status: int, data: bytes = b"") -> None:
-        self.status, self.data, self.reason = status, data, "Reason"
-
-
-class _Pool:
-    """Answers with the next of ``answers`` (a status code, or an exception to raise)."""
-
-    def __init__(self, *answers: int | Exception) -> None:
-        self.answers = list(answers)
-
-    def request(self, *args: Any, **kwargs: Any) -> _Response:
-        answer = self.answers.pop(0)
-        if isinstance(answer, Exception):
-            raise answer
-        return _Response(answer, b'{"reason": "Boom", "message": "no"}')
-
-
-def test_api_errors_are_counted_by_method_and_code_but_not_found_is_not_an_error():
-    kube = handlers.Kube(kubernetes.client.Configuration(host="http://127.0.0.1:1"))
-    kube._pool = _Pool(500, 404, urllib3.exceptions.NewConnectionError(None, "refused"), 200)
+@pytest.mark.asyncio
+@pytest.mark.kmock(cls=ApiServer)  # server-side apply creates the object, then the PATCH is answered with 500
+async def test_api_errors_are_counted_by_method_and_code_but_not_found_is_not_an_error(kmock):
+    declare_resources(kmock)
+    kmock[lambda request: request.method.value.upper() == "PATCH"] << KubernetesError(
+        status=500, reason="InternalError", message="etcd timed out"
+    )
+    kube = await Kube.connect(handlers.FIELD_MANAGER, kubernetes.client.Configuration(host=str(kmock.url)))
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x", "namespace": NS}}
     before = {code: value("kubellm_operator_api_errors_total", method="PATCH", code=code) for code in ("500", "0")}
     not_found_before = value("kubellm_operator_api_errors_total", method="GET", code="404")
-    for method in ("PATCH", "GET", "PATCH"):
-        with pytest.raises(handlers.ApiError):
-            kube.request_sync(method, "/api/v1/namespaces/ml/services/x")
-    kube.request_sync("GET", "/api/v1/namespaces/ml/services/x")
+    try:
+        with pytest.raises(ApiError, match="500 InternalError: etcd timed out"):
+            await kube.apply(service)
+        assert await kube.get("v1", "Service", NS, "missing") is None  # 404: not an error
+        kube.client.client.configuration.host = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+        with pytest.raises(ApiError) as refused:
+            await kube.apply(service)
+        assert refused.value.status == 0
+    finally:
+        kube.close()
     assert value("kubellm_operator_api_errors_total", method="PATCH", code="500") == before["500"] + 1
     assert value("kubellm_operator_api_errors_total", method="PATCH", code="0") == before["0"] + 1
     assert value("kubellm_operator_api_errors_total", method="GET", code="404") == not_found_before == 0

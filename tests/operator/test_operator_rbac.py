@@ -22,7 +22,9 @@ import pytest_asyncio
 import test_operator_kmock as t
 from kmock._internal import parsing as kmock_parsing
 
-from kubellm.operator import api, handlers, rbac, render
+from kubellm.operator import api, children, handlers, rbac, render
+from kubellm.operator.children import apply_children
+from kubellm.operator.kube import ApiError, Kube
 
 pytestmark = pytest.mark.kmock(cls=t.ApiServer)
 
@@ -177,7 +179,7 @@ def stale_child(api_version: str, kind: str) -> dict[str, Any]:
         "metadata": {
             "name": "stale",
             "namespace": t.NS,
-            "labels": {handlers.LABEL: t.NAME},
+            "labels": {children.LABEL: t.NAME},
             "ownerReferences": [{"apiVersion": api.API_VERSION, "kind": api.KIND, "name": t.NAME, "uid": t.UID,
                                  "controller": True}],
         },
@@ -188,9 +190,17 @@ def exists(server, resource, name: str | None = None) -> bool:
     return any(t.owned_by_ld(obj) and (name is None or n == name) for n, obj in t.live(server, resource).items())
 
 
+def collection_path(server, api_version: str, kind: str) -> str:
+    """The path of a kind's objects in NS, from the resources the emulated API server serves."""
+    (resource,) = [r for r, info in server.resources.items()
+                   if info.kind == kind and (f"{r.group}/{r.version}" if r.group else r.version) == api_version]
+    prefix = f"/apis/{api_version}" if resource.group else f"/api/{api_version}"
+    return f"{prefix}/namespaces/{t.NS}/{resource.plural}"  # fmt: skip
+
+
 async def whole_life(server) -> None:
-    for api_version, kind in handlers.MANAGED_KINDS:
-        collection = handlers.resource_path(api_version, kind, t.NS)
+    for api_version, kind in children.MANAGED_KINDS:
+        collection = collection_path(server, api_version, kind)
         async with server.post(collection, json=stale_child(api_version, kind), headers=t.CLOSE) as resp:
             assert resp.status < 300, await resp.text()
     autoscaling = {"enabled": True, "backend": "keda", "minReplicas": 1, "maxReplicas": 3}
@@ -294,17 +304,35 @@ async def test_watching_listed_namespaces_works_with_roles_there_and_little_clus
     assert cluster_used == rbac.triples(cluster), describe(cluster_used)
 
 
-def test_every_kind_the_operator_may_own_can_be_applied_listed_and_deleted():
+async def discovered_plurals(server, kinds) -> dict[str, str]:
+    """The resource names the operator's client finds for ``kinds`` ((apiVersion, kind) pairs) by discovery."""
+    kube = await Kube.connect(handlers.FIELD_MANAGER, kubernetes.client.Configuration(host=str(server.url)))
+    try:
+        found = {}
+        for api_version, kind in kinds:  # discovery is synchronous: off the loop that runs kmock
+            resource = await asyncio.to_thread(kube.client.resources.get, api_version=api_version, kind=kind)
+            found[kind] = resource.name
+        return found
+    finally:
+        kube.close()
+
+
+@pytest.mark.asyncio
+async def test_every_kind_the_operator_may_own_can_be_applied_listed_and_deleted(server):
     granted = rbac.triples(rbac.namespaced_grants(keda=True, service_monitors=True))
-    for api_version, kind in handlers.MANAGED_KINDS:
+    plurals = await discovered_plurals(server, children.MANAGED_KINDS)
+    for api_version, kind in children.MANAGED_KINDS:
         group = api_version.rpartition("/")[0]
         for verb in rbac.CHILD_VERBS:
-            assert (group, handlers.plural(kind), verb) in granted, (kind, verb)
+            assert (group, plurals[kind], verb) in granted, (kind, verb)
 
 
-def test_optional_grants_are_the_optional_kinds():
+@pytest.mark.asyncio
+async def test_optional_grants_are_the_optional_kinds(server):
     optional = {g.resource for g in rbac.KEDA + rbac.SERVICE_MONITORS}
-    assert optional == {handlers.plural(kind) for kind in handlers.OPTIONAL_KINDS}
+    kinds = [(v, k) for v, k in children.MANAGED_KINDS if k in children.OPTIONAL_KINDS]
+    assert {k for _, k in kinds} == children.OPTIONAL_KINDS
+    assert optional == set((await discovered_plurals(server, kinds)).values())
 
 
 class RefusingKube:
@@ -317,7 +345,7 @@ class RefusingKube:
 
     def _check(self, kind: str) -> None:
         if kind in self.refused:
-            raise handlers.ApiError(403, "Forbidden", f"{kind} is not granted")
+            raise ApiError(403, "Forbidden", f"{kind} is not granted")
 
     async def list(self, api_version, kind, namespace, selector):
         self._check(kind)
@@ -340,17 +368,17 @@ def _children(monitoring: str, autoscaling: dict[str, Any] | None = None):
 def test_without_service_monitor_grants_auto_skips_the_service_monitor_and_enabled_fails_visibly():
     kube = RefusingKube("ServiceMonitor", "ScaledObject")
     ld, children = _children("Auto")
-    asyncio.run(handlers.apply_children(kube, ld, children))
+    asyncio.run(apply_children(kube, ld, children))
     assert "Deployment" in kube.applied and "ServiceMonitor" not in kube.applied
     ld, children = _children("Enabled")
-    with pytest.raises(handlers.ApiError, match="403"):
-        asyncio.run(handlers.apply_children(kube, ld, children))
+    with pytest.raises(ApiError, match="403"):
+        asyncio.run(apply_children(kube, ld, children))
 
 
 def test_without_keda_grants_a_keda_backend_fails_visibly_and_other_refusals_are_not_hidden():
     ld, children = _children("Disabled", {"enabled": True, "backend": "keda", "minReplicas": 1, "maxReplicas": 2})
-    with pytest.raises(handlers.ApiError, match="ScaledObject"):
-        asyncio.run(handlers.apply_children(RefusingKube("ScaledObject"), ld, children))
+    with pytest.raises(ApiError, match="ScaledObject"):
+        asyncio.run(apply_children(RefusingKube("ScaledObject"), ld, children))
     ld, children = _children("Disabled")
-    with pytest.raises(handlers.ApiError, match="Service"):
-        asyncio.run(handlers.apply_children(RefusingKube("Service"), ld, children))
+    with pytest.raises(ApiError, match="Service"):
+        asyncio.run(apply_children(RefusingKube("Service"), ld, children))

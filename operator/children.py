@@ -1,0 +1,145 @@
+"""The children of an LLMDeployment as the operator writes and reads them through :class:`.kube.Kube`.
+
+:func:`apply_children` applies what :func:`.render.render` produced with server-side apply and deletes the
+owned children that are no longer rendered; :func:`read_children` reads what :func:`.status.observe` needs.
+Children are found by the ``kubellm.io/llmdeployment`` label and kept only when they carry the
+LLMDeployment's owner reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kubellm.operator import api
+from kubellm.operator import render as render_mod
+from kubellm.operator.kube import ApiError, Kube, owned_by
+
+logger = logging.getLogger(__name__)
+
+LABEL = render_mod.LABEL_LLMDEPLOYMENT
+# Every kind the operator may own, so that a kind render stops producing is still found and deleted.
+MANAGED_KINDS: tuple[tuple[str, str], ...] = tuple(render_mod.CHILD_KINDS)
+# Kinds from add-ons (KEDA, the Prometheus operator) whose permissions the Helm chart grants only on request
+# (rbac.keda, rbac.serviceMonitors): a forbidden listing of them means "none of ours to clean up".
+OPTIONAL_KINDS = frozenset({"ScaledObject", "ServiceMonitor"})
+
+
+def template_id(deployment: Mapping[str, Any]) -> Any:
+    """What identifies a Deployment's pod template: render's spec-hash annotation, else the template itself."""
+    template = (deployment.get("spec") or {}).get("template") or {}
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    return annotations.get(render_mod.SPEC_HASH_ANNOTATION) or template
+
+
+REPLICAS_HANDOVER_MANAGER = "kubellm-operator-replicas-handover"
+
+
+def replicas_handover(child: Mapping[str, Any], existing: Mapping[str, Any] | None, field_manager: str):
+    """The apply that parks ``spec.replicas`` with a second field manager, or None if none is needed.
+
+    When autoscaling is switched on, the rendered Deployment stops carrying ``replicas``. If our field
+    manager still owns the field, server-side apply would *remove* it and the Deployment would fall back
+    to 1 replica until the autoscaler acts. Applying the current value under another manager first keeps
+    it; the HPA's next scale update then takes the field over from that manager.
+    """
+    if child.get("kind") != "Deployment" or "replicas" in (child.get("spec") or {}) or existing is None:
+        return None
+    owned = any(
+        entry.get("manager") == field_manager and "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {})
+        for entry in existing.get("metadata", {}).get("managedFields") or []
+    )
+    current = (existing.get("spec") or {}).get("replicas")
+    if not owned or current is None:
+        return None
+    meta = child["metadata"]
+    return {"apiVersion": child["apiVersion"], "kind": "Deployment",
+            "metadata": {"name": meta["name"], "namespace": meta.get("namespace")}, "spec": {"replicas": current}}
+
+
+async def apply_children(
+    kube: Kube,
+    ld: api.LLMDeployment,
+    children: list[dict[str, Any]],
+    note_template: Callable[[bool], None] | None = None,
+) -> bool | None:
+    """Apply ``children``, delete the owned ones no longer rendered; return whether the Deployment's pod
+    template changed (True for a new Deployment, None when no Deployment was rendered). ``note_template``
+    hears that answer as soon as the Deployment is applied, even if a later child fails."""
+    namespace = ld.namespace or "default"
+    uid = ld.metadata.get("uid")
+    kinds = list(MANAGED_KINDS) + [
+        (c["apiVersion"], c["kind"]) for c in children if (c["apiVersion"], c["kind"]) not in MANAGED_KINDS
+    ]
+    existing: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+    for api_version, kind in kinds:
+        try:
+            found = await kube.list(api_version, kind, namespace, {LABEL: render_mod.label_value(ld)})
+        except ApiError as e:
+            if not (e.status == 403 and kind in OPTIONAL_KINDS):
+                raise
+            logger.debug("may not list %s in %s: none of them are ours", kind, namespace)
+            found = []
+        for obj in found:
+            if owned_by(obj, uid):
+                existing[(kind, obj["metadata"]["name"])] = (api_version, obj)
+
+    template_changed: bool | None = None
+    rendered: set[tuple[str, str]] = set()
+    for child in children:
+        child = {
+            **child,
+            "metadata": {**child["metadata"], "namespace": child["metadata"].get("namespace") or namespace},
+        }
+        kind, child_name = child["kind"], child["metadata"]["name"]
+        rendered.add((kind, child_name))
+        before = existing.get((kind, child_name))
+        handover = replicas_handover(child, before[1] if before else None, kube.field_manager)
+        if handover is not None:
+            logger.info("handing spec.replicas of Deployment %s/%s to the autoscaler", namespace, child_name)
+            await kube.apply(handover, field_manager=REPLICAS_HANDOVER_MANAGER)
+        try:
+            applied = await kube.apply(child)
+        except ApiError as e:
+            # monitoring.serviceMonitor Auto means "when the Prometheus operator is there": an operator not
+            # allowed to manage ServiceMonitors (the chart's rbac.serviceMonitors off) counts as "not there".
+            if e.status == 403 and kind == "ServiceMonitor" and ld.spec.monitoring.service_monitor == "Auto":
+                logger.warning("not allowed to apply ServiceMonitor %s/%s, skipped: %s", namespace, child_name, e)
+                continue
+            raise
+        if kind == "Deployment":
+            template_changed = before is None or template_id(before[1]) != template_id(applied or {})
+            if note_template is not None:
+                note_template(template_changed)
+
+    for (kind, child_name), (api_version, _obj) in existing.items():
+        if (kind, child_name) not in rendered:
+            logger.info("deleting %s %s/%s: no longer rendered", kind, namespace, child_name)
+            await kube.delete(api_version, kind, namespace, child_name)
+    return template_changed
+
+
+async def read_children(
+    kube: Kube, ld: api.LLMDeployment
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[dict[str, Any]]]:
+    """The owned Deployment, the autoscaler's HPA and the Deployment's pods (terminating ones included)."""
+    namespace, name = ld.namespace or "default", render_mod.child_name(ld)
+    uid = ld.metadata.get("uid")
+    own = {LABEL: render_mod.label_value(ld)}
+    deployments = [d for d in await kube.list("apps/v1", "Deployment", namespace, own) if owned_by(d, uid)]
+    deployments.sort(key=lambda d: (d["metadata"]["name"] != name, d["metadata"]["name"]))
+    deployment = deployments[0] if deployments else None
+
+    hpa = None
+    if ld.spec.autoscaling.enabled:
+        # The HPA backend's HPA is ours; KEDA's belongs to the ScaledObject but carries its labels.
+        hpas = await kube.list("autoscaling/v2", "HorizontalPodAutoscaler", namespace, own)
+        hpas.sort(key=lambda h: h["metadata"]["name"])
+        hpa = hpas[0] if hpas else None
+        if hpa is None and ld.spec.autoscaling.backend == "keda":
+            hpa = await kube.get("autoscaling/v2", "HorizontalPodAutoscaler", namespace, f"keda-hpa-{name}")
+
+    selector = (deployment or {}).get("spec", {}).get("selector", {}).get("matchLabels") or own
+    pods = await kube.list("v1", "Pod", namespace, selector)
+    return deployment, hpa, pods

@@ -6,17 +6,17 @@
   ``InvalidSpec``) touches no child: the status says InvalidSpec, a Warning Event says why, and the handler
   returns (no retry: the next spec change runs it again). API errors raise ``kopf.TemporaryError`` with a
   backoff; anything unexpected is logged and retried the same way, and the status says ReconcileFailed.
-* **Observe** (``@kopf.daemon`` per LLMDeployment): reads the owned Deployment, the HPA and the pods, calls
-  :func:`.status.observe` and patches the status subresource when it changed, then posts the Events. It runs
-  every ``OBSERVE_INTERVAL`` seconds and at once (debounced) when an owned Deployment, HPA or pod changes
-  (``@kopf.on.event`` handlers poke it, found through the ``by_label`` index) or a reconcile finishes. It
-  observes a new generation only after the reconcile of that generation finished
+* **Observe** (``@kopf.daemon`` per LLMDeployment): :func:`.observer.observe_once` reads the owned Deployment,
+  the HPA and the pods, calls :func:`.status.observe`, patches the status subresource when it changed and
+  posts the Events. It runs every ``OBSERVE_INTERVAL`` seconds and at once (debounced) when an owned
+  Deployment, HPA or pod changes (``@kopf.on.event`` handlers poke it, found through the ``by_label`` index)
+  or a reconcile finishes. It observes a new generation only after the reconcile of that generation finished
   (:meth:`.tracking.Tracked.due`), so ``observedGeneration`` means "the children reflect this spec".
 
 kopf stores its progress and last-handled configuration in ``kubellm.io/*`` annotations (the status schema is
 structural, so kopf's default ``status.kopf`` would be pruned) and, because daemons need it, the finalizer
 ``kubellm.io/finalizer``. Only warnings and errors of kopf's own logs become Events. API access is
-:mod:`.kube`; what the operator remembers per object is :mod:`.tracking`.
+:mod:`.kube`, the status writes :mod:`.observer`, what the operator remembers per object :mod:`.tracking`.
 """
 
 from __future__ import annotations
@@ -24,20 +24,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 from pydantic import ValidationError
 
-from kubellm.operator import api, metrics
+from kubellm.operator import api, metrics, observer
 from kubellm.operator import render as render_mod
 from kubellm.operator import status as status_mod
-from kubellm.operator.children import LABEL, apply_children, read_children
-from kubellm.operator.kube import ApiError, Kube, merge_patch_diff
+from kubellm.operator.children import LABEL, apply_children
+from kubellm.operator.kube import ApiError, Kube
 from kubellm.operator.render import InvalidSpec, render
-from kubellm.operator.tracking import Key, OperatorState, Reconciled
+from kubellm.operator.tracking import Key, OperatorState, Reconciled, key_of
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,6 @@ ANNOTATION_PREFIX = api.GROUP  # kubellm.io/... annotations for kopf's bookkeepi
 FINALIZER = f"{api.GROUP}/finalizer"
 OBSERVE_INTERVAL = 15.0  # seconds between observations without a child event
 OBSERVE_DEBOUNCE = 0.5  # child events arriving within this window trigger one observation
-MAX_EVENT_MESSAGE = 1024
 
 
 def _state(memo: Any) -> OperatorState:
@@ -56,84 +54,8 @@ def _state(memo: Any) -> OperatorState:
     return state
 
 
-# --------------------------------------------------------------------------------------------------
-# Parsing, status writes, Events
-# --------------------------------------------------------------------------------------------------
-
-
-def describe_invalid(error: Exception) -> str:
-    """A one-line message for an invalid spec (pydantic errors as ``path: message``)."""
-    if isinstance(error, ValidationError):
-        parts = []
-        for err in error.errors():
-            loc = ".".join(str(p) for p in err.get("loc", ()))
-            msg = str(err.get("msg", "")).removeprefix("Value error, ")
-            parts.append(f"{loc}: {msg}" if loc else msg)
-        return "; ".join(parts) or str(error)
-    return str(error)
-
-
-def parse(body: Mapping[str, Any]) -> api.LLMDeployment:
-    """The LLMDeployment in ``body`` (its status is left out: only the spec can make it invalid)."""
-    return api.LLMDeployment.model_validate({k: v for k, v in body.items() if k != "status"})
-
-
 def _plain(body: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dict(body), default=str))
-
-
-def _key(body: Mapping[str, Any]) -> Key:
-    meta = body.get("metadata") or {}
-    return meta.get("namespace") or "default", meta.get("name") or ""
-
-
-def _post(body: Mapping[str, Any], events: list[status_mod.Event]) -> None:
-    for ev in events:
-        kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message[:MAX_EVENT_MESSAGE])
-
-
-async def _write_status(
-    kube: Kube, body: Mapping[str, Any], new: api.LLMDeploymentStatus, events: list[status_mod.Event]
-) -> bool:
-    """Patch the status subresource if ``new`` differs from the body's status; then post ``events``."""
-    namespace, name = _key(body)
-    try:
-        before = api.LLMDeploymentStatus.model_validate(body.get("status") or {}).to_k8s()
-    except ValidationError:
-        before = dict(body.get("status") or {})
-    after = new.to_k8s()
-    changed = before != after
-    if changed:
-        await kube.patch_status(api.API_VERSION, api.KIND, namespace, name, {"status": merge_patch_diff(before, after)})
-    _post(body, events)
-    return changed
-
-
-async def _fresh(kube: Kube, key: Key) -> dict[str, Any] | None:
-    body = await kube.get(api.API_VERSION, api.KIND, *key)
-    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-        return None
-    return body
-
-
-async def report_invalid(state: OperatorState, key: Key, message: str) -> None:
-    async with state.track(key).lock:
-        body = await _fresh(state.kube, key)
-        if body is not None:
-            new, events = status_mod.invalid_spec_status(body, message, body.get("status"))
-            await _write_status(state.kube, body, new, events)
-
-
-async def report_failure(state: OperatorState, key: Key, message: str) -> None:
-    """Best effort: Ready=False/ReconcileFailed when even observing failed (a bug or an unreadable object)."""
-    try:
-        async with state.track(key).lock:
-            body = await _fresh(state.kube, key)
-            if body is not None:
-                new, events = status_mod.reconcile_failed_status(body, message, body.get("status"))
-                await _write_status(state.kube, body, new, events)
-    except Exception:  # noqa: BLE001 - reporting a failure must not fail in turn
-        logger.exception("could not report the failure of %s/%s", *key)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,7 +68,7 @@ def _backoff(retry: int) -> float:
 
 
 def _validate(body: Mapping[str, Any], old: Mapping[str, Any] | None, state: OperatorState):
-    ld = parse(body)
+    ld = status_mod.parse(body)
     if old and old.get("spec"):
         try:
             old_spec = api.LLMDeploymentSpec.model_validate(old["spec"])
@@ -168,7 +90,7 @@ async def reconcile(
     with metrics.reconciling() as outcome:
         state = _state(memo)
         raw = _plain(body)
-        key = _key(raw)
+        key = key_of(raw)
         generation = raw["metadata"].get("generation")
         # Whether this generation changed the pod template is sticky across attempts: a retry (or a second
         # reconcile of the same generation) finds the template already applied, which is no reason to
@@ -189,11 +111,11 @@ async def reconcile(
         try:
             ld, children = _validate(raw, old if reason == kopf.Reason.UPDATE else None, state)
         except (ValidationError, InvalidSpec) as e:
-            message = describe_invalid(e)
+            message = status_mod.describe_invalid(e)
             logger.warning(f"invalid spec, children left as they are: {message}")
             state.track(key).reconciled = Reconciled(generation, invalid=message)
             try:
-                await report_invalid(state, key, message)
+                await observer.report_invalid(state, key, message)
             except ApiError as api_error:
                 raise kopf.TemporaryError(
                     f"could not report the invalid spec: {api_error}", delay=_backoff(retry)
@@ -220,34 +142,6 @@ async def reconcile(
 # --------------------------------------------------------------------------------------------------
 
 
-async def observe_once(state: OperatorState, key: Key) -> bool:
-    """One observation of one LLMDeployment; returns whether the status changed."""
-    tracked = state.track(key)
-    async with tracked.lock:
-        body = await _fresh(state.kube, key)
-        if body is None:
-            return False
-        due, rec = tracked.due(body["metadata"].get("generation"), time.monotonic(), 2 * state.observe_interval)
-        if not due:
-            return False
-        previous = body.get("status")
-        if rec is not None and rec.invalid is not None:
-            new, events = status_mod.invalid_spec_status(body, rec.invalid, previous)
-        else:
-            try:
-                ld = parse(body)
-            except ValidationError as e:
-                new, events = status_mod.invalid_spec_status(body, describe_invalid(e), previous)
-            else:
-                deployment, hpa, pods = await read_children(state.kube, ld)
-                new, events = status_mod.observe(
-                    ld, deployment, hpa, pods, previous,
-                    template_changed=rec.template_changed if rec else None,
-                    reconcile_error=rec.error if rec else None,
-                )  # fmt: skip
-        return await _write_status(state.kube, body, new, events)
-
-
 @kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, id="observe", cancellation_timeout=1.0)
 async def observe_daemon(name: str, namespace: str, memo: Any, stopped: Any, logger: Any, **_: Any) -> None:
     state = _state(memo)
@@ -260,7 +154,7 @@ async def observe_daemon(name: str, namespace: str, memo: Any, stopped: Any, log
             poke.clear()
             delay = state.observe_interval
             try:
-                await observe_once(state, key)
+                await observer.observe_once(state, key)
                 failures = 0
                 metrics.OBSERVATIONS.labels(result="ok").inc()
             except ApiError as e:
@@ -271,7 +165,7 @@ async def observe_daemon(name: str, namespace: str, memo: Any, stopped: Any, log
             except Exception as e:  # never let one object kill its observer
                 metrics.OBSERVATIONS.labels(result="error").inc()
                 logger.exception("observing failed unexpectedly")
-                await report_failure(state, key, f"internal error while observing: {type(e).__name__}: {e}")
+                await observer.report_failure(state, key, f"internal error while observing: {type(e).__name__}: {e}")
             try:
                 await asyncio.wait_for(poke.wait(), timeout=delay)
                 await asyncio.sleep(state.debounce)  # let a burst of child events settle

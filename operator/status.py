@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, NamedTuple
 
+from pydantic import ValidationError
+
 from kubellm.operator import render as render_mod
 from kubellm.operator.api import (
     QUEUE_DEPTH_METRIC,
@@ -116,6 +118,28 @@ class Problem:
 
     reason: str
     message: str
+
+
+# --------------------------------------------------------------------------------------------------
+# The spec, and the message an invalid one gets
+# --------------------------------------------------------------------------------------------------
+
+
+def parse(body: Mapping[str, Any]) -> LLMDeployment:
+    """The LLMDeployment in ``body`` (its status is left out: only the spec can make it invalid)."""
+    return LLMDeployment.model_validate({k: v for k, v in body.items() if k != "status"})
+
+
+def describe_invalid(error: Exception) -> str:
+    """A one-line InvalidSpec message for ``error`` (pydantic errors as ``path: message``)."""
+    if isinstance(error, ValidationError):
+        parts = []
+        for err in error.errors():
+            loc = ".".join(str(p) for p in err.get("loc", ()))
+            msg = str(err.get("msg", "")).removeprefix("Value error, ")
+            parts.append(f"{loc}: {msg}" if loc else msg)
+        return "; ".join(parts) or str(error)
+    return str(error)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,12 +9,20 @@ changed back): :meth:`Tracked.due`.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kubellm.operator import render as render_mod
 from kubellm.operator.kube import Kube
 
 Key = tuple[str, str]  # (namespace, name)
+
+
+def key_of(body: Mapping[str, Any]) -> Key:
+    """The key of an LLMDeployment body."""
+    meta = body.get("metadata") or {}
+    return meta.get("namespace") or "default", meta.get("name") or ""
 
 
 @dataclass

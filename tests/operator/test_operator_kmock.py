@@ -42,6 +42,7 @@ from kmock_cluster import (  # noqa: F401  (re-exported: test_operator_rbac.py r
     write_kubeconfig,
 )
 from kubellm.operator import api, handlers
+from kubellm.operator import status as status_mod
 from kubellm.operator.children import replicas_handover
 from kubellm.operator.kube import Kube, merge_patch_diff
 
@@ -433,7 +434,7 @@ def test_merge_patch_diff_nulls_what_went_away():
 def test_describe_invalid_names_the_field():
     with pytest.raises(pydantic.ValidationError) as e:
         api.LLMDeployment.model_validate(llmdeployment(replicas=-1))
-    assert handlers.describe_invalid(e.value).startswith("spec.replicas: ")
+    assert status_mod.describe_invalid(e.value).startswith("spec.replicas: ")
 
 
 def test_run_needs_exactly_one_namespace_scope():

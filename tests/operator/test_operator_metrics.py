@@ -21,7 +21,7 @@ from kmock import KubernetesError
 from prometheus_client.parser import text_string_to_metric_families
 
 from kmock_cluster import ApiServer, declare_resources
-from kubellm.operator import api, handlers, metrics, render
+from kubellm.operator import api, handlers, metrics, observer, render
 from kubellm.operator.kube import ApiError, Kube
 from kubellm.operator.tracking import OperatorState
 from kubellm.runtime.cli import build_parser
@@ -85,7 +85,7 @@ def value(name: str, **labels: str) -> float:
 @pytest.fixture(autouse=True)
 def no_events(monkeypatch):
     """kopf posts Events through the running operator's queue; there is none here."""
-    monkeypatch.setattr(handlers, "_post", lambda body, events: None)
+    monkeypatch.setattr(observer, "post", lambda body, events: None)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""The status writes of the operator, each made under the LLMDeployment's lock (:class:`.tracking.Tracked`).
+
+:func:`observe_once` is one pass of the observer daemon: read the LLMDeployment afresh, observe it only when
+its reconcile allows (:meth:`.tracking.Tracked.due`), read its children, compute the status
+(:func:`.status.observe`, or :func:`.status.invalid_spec_status`), patch the status subresource when it changed
+and post the Events. :func:`report_invalid` and :func:`report_failure` write the InvalidSpec and
+ReconcileFailed statuses the same way. An object being deleted is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from kubellm.operator import api
+from kubellm.operator import status as status_mod
+from kubellm.operator.children import read_children
+from kubellm.operator.kube import Kube, merge_patch_diff
+from kubellm.operator.tracking import Key, OperatorState, key_of
+
+logger = logging.getLogger(__name__)
+
+MAX_EVENT_MESSAGE = 1024
+
+
+def post(body: Mapping[str, Any], events: list[status_mod.Event]) -> None:
+    """Post ``events`` about ``body`` through kopf (which batches them with its own)."""
+    for ev in events:
+        kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message[:MAX_EVENT_MESSAGE])
+
+
+async def write_status(
+    kube: Kube, body: Mapping[str, Any], new: api.LLMDeploymentStatus, events: list[status_mod.Event]
+) -> bool:
+    """Patch the status subresource if ``new`` differs from the body's status; then post ``events``."""
+    try:
+        before = api.LLMDeploymentStatus.model_validate(body.get("status") or {}).to_k8s()
+    except ValidationError:
+        before = dict(body.get("status") or {})
+    after = new.to_k8s()
+    changed = before != after
+    if changed:
+        patch = {"status": merge_patch_diff(before, after)}
+        await kube.patch_status(api.API_VERSION, api.KIND, *key_of(body), patch)
+    post(body, events)
+    return changed
+
+
+async def fresh(kube: Kube, key: Key) -> dict[str, Any] | None:
+    """The LLMDeployment as the server has it now; None when it is gone or being deleted."""
+    body = await kube.get(api.API_VERSION, api.KIND, *key)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    return body
+
+
+async def observe_once(state: OperatorState, key: Key) -> bool:
+    """One observation of one LLMDeployment; returns whether the status changed."""
+    tracked = state.track(key)
+    async with tracked.lock:
+        body = await fresh(state.kube, key)
+        if body is None:
+            return False
+        due, rec = tracked.due(body["metadata"].get("generation"), time.monotonic(), 2 * state.observe_interval)
+        if not due:
+            return False
+        previous = body.get("status")
+        if rec is not None and rec.invalid is not None:
+            new, events = status_mod.invalid_spec_status(body, rec.invalid, previous)
+        else:
+            try:
+                ld = status_mod.parse(body)
+            except ValidationError as e:
+                new, events = status_mod.invalid_spec_status(body, status_mod.describe_invalid(e), previous)
+            else:
+                deployment, hpa, pods = await read_children(state.kube, ld)
+                new, events = status_mod.observe(
+                    ld, deployment, hpa, pods, previous,
+                    template_changed=rec.template_changed if rec else None,
+                    reconcile_error=rec.error if rec else None,
+                )  # fmt: skip
+        return await write_status(state.kube, body, new, events)
+
+
+async def report_invalid(state: OperatorState, key: Key, message: str) -> None:
+    """Ready=False/InvalidSpec with ``message`` (the reconcile handler rejected the spec)."""
+    async with state.track(key).lock:
+        body = await fresh(state.kube, key)
+        if body is not None:
+            new, events = status_mod.invalid_spec_status(body, message, body.get("status"))
+            await write_status(state.kube, body, new, events)
+
+
+async def report_failure(state: OperatorState, key: Key, message: str) -> None:
+    """Best effort: Ready=False/ReconcileFailed when even observing failed (a bug or an unreadable object)."""
+    try:
+        async with state.track(key).lock:
+            body = await fresh(state.kube, key)
+            if body is not None:
+                new, events = status_mod.reconcile_failed_status(body, message, body.get("status"))
+                await write_status(state.kube, body, new, events)
+    except Exception:  # noqa: BLE001 - reporting a failure must not fail in turn
+        logger.exception("could not report the failure of %s/%s", *key)

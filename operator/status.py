@@ -1,8 +1,9 @@
 """The status of an LLMDeployment, computed from its children: pure functions, no API calls.
 
 :func:`observe` turns what the operator read (the Deployment, the HorizontalPodAutoscaler, the pods) and the
-status it wrote last time into the new status and the Events to post. :func:`invalid_spec_status` does the
-same for a spec the operator rejected. Nothing here talks to Kubernetes or reads the clock unless ``now`` is
+status it wrote last time into the new status and the Events to post, one function per condition.
+:func:`invalid_spec_status` does the same for a spec the operator rejected, :func:`reconcile_failed_status`
+for an object even observing failed on; all three report a failure through :func:`fail_conditions`. Nothing here talks to Kubernetes or reads the clock unless ``now`` is
 left out, so every rule below is tested with plain dicts (tests/operator/test_status.py).
 
 Conditions (``lastTransitionTime`` moves only when a condition's status changes, see

@@ -42,6 +42,7 @@ from kmock_cluster import (  # noqa: F401  (re-exported: test_operator_rbac.py r
     write_kubeconfig,
 )
 from kubellm.operator import api, handlers
+from kubellm.operator import kube as kube_mod
 from kubellm.operator import status as status_mod
 from kubellm.operator.children import replicas_handover
 from kubellm.operator.kube import Kube, merge_patch_diff
@@ -418,6 +419,30 @@ async def test_api_access_finds_every_kind_by_discovery(server):
     assert [m for m, path, _, _ in requests if path == f"/api/v1/namespaces/{NS}/services/x"] == [
         "PATCH", "GET", "DELETE", "GET", "DELETE"
     ]  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_discovery_is_shared_by_threads_and_a_missing_kind_is_looked_for_again_later(server, monkeypatch):
+    kube = await Kube.connect(handlers.FIELD_MANAGER, kubernetes.client.Configuration(host=str(server.url)))
+    keda = ("keda.sh/v1alpha1", "ScaledObject")
+    try:
+        # Every miss re-reads discovery while other threads look kinds up: the cache must hold together.
+        monkeypatch.setattr(kube_mod, "REDISCOVER_AFTER", 0.0)
+        kinds = [("apps/v1", "Deployment"), ("v1", "Service"), keda, ("policy/v1", "PodDisruptionBudget")] * 8
+        assert await asyncio.gather(*(kube.list(v, k, NS, {}) for v, k in kinds)) == [[]] * len(kinds)
+
+        # A kind installed later is found once REDISCOVER_AFTER has passed since the last re-read, not before.
+        monkeypatch.setattr(kube_mod, "REDISCOVER_AFTER", 3600.0)
+        server.resources["keda.sh/v1alpha1/scaledobjects"] = kmock.ResourceInfo(
+            kind="ScaledObject", namespaced=True, verbs=VERBS
+        )
+        requests = len(list(server))
+        assert not await kube.serves(*keda)
+        assert len(list(server)) == requests  # a known miss costs no request
+        monkeypatch.setattr(kube_mod, "REDISCOVER_AFTER", 0.0)
+        assert await kube.serves(*keda)
+    finally:
+        kube.close()
 
 
 def test_merge_patch_diff_nulls_what_went_away():

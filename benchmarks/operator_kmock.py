@@ -1,6 +1,6 @@
 """Operator reconcile benchmark: the kubellm operator (kopf + handlers.py) in-process against kmock.
 
-Starts kmock (with the server-side-apply/generateName additions of tests/kmock_cluster.py) and
+Starts kmock (with the server-side-apply/generateName additions of operator/testing.py) and
 the operator in one event loop, creates N LLMDeployments from examples/llmdeployment-cpu.yaml (unique names
 and uids) as fast as the emulator accepts them, and measures:
 
@@ -28,19 +28,16 @@ import tracemalloc
 import uuid
 from pathlib import Path
 
+import kmock
+import kopf
+import kubernetes.config.kube_config
 import yaml
+from tqdm import tqdm
+
+from kubellm.operator import handlers  # noqa: F401  (the import registers the kopf handlers)
+from kubellm.operator import testing as t
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # kmock_cluster: the emulator set-up the operator tests use
-
-import kmock  # noqa: E402
-import kopf  # noqa: E402
-import kubernetes.config.kube_config  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import kmock_cluster as t  # noqa: E402
-from kubellm.operator import handlers  # noqa: E402, F401  (the import registers the kopf handlers)
-
 TEMPLATE = ROOT / "examples" / "llmdeployment-cpu.yaml"
 
 

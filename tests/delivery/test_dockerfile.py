@@ -284,11 +284,37 @@ def test_operator_image_has_every_module_the_operator_imports(dockerfile):
     assert not cli_imports, f"runtime/cli.py imports {cli_imports} at top level; the operator image lacks them"
     distributions = importlib.metadata.packages_distributions()
     missing = {}
-    for module in sorted(_third_party_imports(sorted((ROOT / "operator").glob("*.py")))):
+    runs = sorted(p for p in (ROOT / "operator").glob("*.py") if p.name != TEST_SUPPORT.name)
+    for module in sorted(_third_party_imports(runs)):
         dists = {canonicalize_name(d) for d in distributions.get(module, [module])}
         if not dists & installed:
             missing[module] = sorted(dists)
     assert not missing, f"operator/ imports modules the operator image does not install: {missing}"
+
+
+# kubellm.operator.testing: the kmock set-up the operator tests and benchmarks share (needs the dev extra).
+TEST_SUPPORT = ROOT / "operator" / "testing.py"
+
+
+def test_nothing_the_operator_runs_imports_its_test_support():
+    """The image leaves kmock out, which holds only while no other operator module (nor the CLI) imports
+    kubellm.operator.testing, lazily or not."""
+    assert TEST_SUPPORT.is_file()
+    importers = []
+    for path in [*(ROOT / "operator").glob("*.py"), *(ROOT / "runtime").rglob("*.py")]:
+        if path == TEST_SUPPORT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names] if node.level == 0 else [
+                    a.name for a in node.names if node.level == 1 and path.parent.name == "operator"]
+            if any(n in ("kubellm.operator.testing", "testing") for n in names):
+                importers.append(str(path.relative_to(ROOT)))
+    assert not importers, f"{importers} import the operator's test support (kmock is not in the image)"
+    assert "kmock" in _third_party_imports([TEST_SUPPORT])  # else the exclusion above is no longer needed
 
 
 def test_operator_image_requirements_match_pyproject(dockerfile):

@@ -4,7 +4,7 @@ kmock keeps objects in memory and streams watch events, but it is not an API ser
 resourceVersions, label/field selectors (the operator also filters client-side, so that is fine), status
 subresource split, generation bumps, uids, defaulting, CRD schema validation, garbage collection or
 server-side-apply semantics (a PATCH is a plain recursive merge and 404s on a missing object). The emulator
-(tests/kmock_cluster.py) adds just two behaviours every API server has: server-side apply creates a missing
+(operator/testing.py) adds just two behaviours every API server has: server-side apply creates a missing
 object, and ``generateName`` gets a name (kopf's Events use it). The tests set ``uid`` and ``generation`` themselves
 and simulate the Deployment and HPA controllers by patching their status in.
 """
@@ -20,7 +20,12 @@ import pydantic
 import pytest
 import pytest_asyncio
 
-from kmock_cluster import (  # noqa: F401  (re-exported: test_operator_rbac.py reads them here)
+from kubellm.operator import api, handlers
+from kubellm.operator import kube as kube_mod
+from kubellm.operator import status as status_mod
+from kubellm.operator.children import replicas_handover
+from kubellm.operator.kube import Kube, merge_patch_diff
+from kubellm.operator.testing import (  # noqa: F401  (re-exported: test_operator_rbac.py reads them here)
     CLOSE,
     DEPLOYMENTS,
     EVENTS,
@@ -41,11 +46,6 @@ from kmock_cluster import (  # noqa: F401  (re-exported: test_operator_rbac.py r
     until,
     write_kubeconfig,
 )
-from kubellm.operator import api, handlers
-from kubellm.operator import kube as kube_mod
-from kubellm.operator import status as status_mod
-from kubellm.operator.children import replicas_handover
-from kubellm.operator.kube import Kube, merge_patch_diff
 
 pytestmark = pytest.mark.kmock(cls=ApiServer)
 

@@ -20,9 +20,9 @@ import pytest
 from kmock import KubernetesError
 from prometheus_client.parser import text_string_to_metric_families
 
-from kmock_cluster import ApiServer, declare_resources
 from kubellm.operator import api, handlers, metrics, observer, render
 from kubellm.operator.kube import ApiError, Kube
+from kubellm.operator.testing import ApiServer, declare_resources
 from kubellm.operator.tracking import OperatorState
 from kubellm.runtime.cli import build_parser
 

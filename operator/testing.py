@@ -1,7 +1,9 @@
 """kmock, the kopf author's Kubernetes API emulator, set up for the kubellm operator: the emulator subclass,
 its resources, a kubeconfig pointing at it and kopf running the handlers in the caller's event loop.
 
-Shared by tests/operator/ and benchmarks/operator_kmock.py (which puts tests/ on sys.path to import it).
+Test support (as ``kopf.testing`` is kopf's), shared by tests/operator/ and benchmarks/operator_kmock.py. It needs
+the ``dev`` extra (kmock); nothing the operator runs imports it, and the operator image leaves kmock out
+(tests/delivery/test_dockerfile.py checks both).
 ``ApiServer`` adds to kmock just two behaviours every API server has: server-side apply creates a missing
 object, and ``generateName`` gets a name (kopf's Events use it).
 """

@@ -95,14 +95,17 @@ def write_kubeconfig(server, path: Path, user: str = "test") -> Path:
     return path
 
 
-async def start_operator() -> tuple[kopf.Memo, asyncio.Event, asyncio.Task, set]:
+async def start_operator(
+    *, clusterwide: bool = True, namespaces: list[str] | None = None, scanning: bool = False
+) -> tuple[kopf.Memo, asyncio.Event, asyncio.Task, set]:
     """Run kopf with the kubellm handlers in this event loop; returns (memo, stop flag, runner, ignored tasks).
+    ``scanning``: CRD and namespace scanning as ``kubellm operator`` has it (off: the tests declare resources).
 
     kopf.operator() waits 5 s at exit for "hung" tasks started after it (a fixture's own teardown task among
     them) and then cancels them: run its parts directly and tell it which tasks are ours (add to ``ignored``).
     """
     settings = kopf.OperatorSettings()
-    settings.scanning.disabled = True
+    settings.scanning.disabled = not scanning
     settings.watching.reconnect_backoff = 0.1
     settings.posting.default_backoffs = [0.1]
     memo = kopf.Memo()
@@ -111,7 +114,8 @@ async def start_operator() -> tuple[kopf.Memo, asyncio.Event, asyncio.Task, set]
     tasks = await kopf.spawn_tasks(
         registry=kopf.get_default_registry(),
         settings=settings,
-        clusterwide=True,
+        clusterwide=clusterwide,
+        namespaces=namespaces or [],
         standalone=True,
         stop_flag=stop,
         ready_flag=ready,

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import kmock
-import kopf
 import kubernetes.config.kube_config
 import pytest
 import pytest_asyncio
@@ -137,32 +136,16 @@ async def server(kmock: kmock.KubernetesEmulator, monkeypatch) -> kmock.Kubernet
     return kmock
 
 
-async def start_operator(clusterwide: bool, namespaces: list[str]):
-    """kopf with the kubellm handlers as ``kubellm operator`` runs them: CRD and namespace scanning on."""
-    settings = kopf.OperatorSettings()
-    settings.watching.reconnect_backoff = 0.1
-    settings.posting.default_backoffs = [0.1]
-    memo = kopf.Memo()
-    stop, ready = asyncio.Event(), asyncio.Event()
-    ignored = set(asyncio.all_tasks())
-    tasks = await kopf.spawn_tasks(
-        registry=kopf.get_default_registry(), settings=settings, clusterwide=clusterwide, namespaces=namespaces,
-        standalone=True, stop_flag=stop, ready_flag=ready, memo=memo,
-    )  # fmt: skip
-    runner = asyncio.create_task(kopf.run_tasks(tasks, ignored=ignored))
-    ignored.add(runner)
-    await asyncio.wait_for(ready.wait(), timeout=15)
-    await t.until(lambda: getattr(memo, "kubellm", None), "the startup handler to run")
-    return stop, runner, ignored
-
-
 async def run_operator(server, tmp_path, monkeypatch, scenario, *, clusterwide: bool) -> None:
     kubeconfig = t.write_kubeconfig(server, tmp_path / "kubeconfig")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
     monkeypatch.setattr(handlers, "OBSERVE_INTERVAL", 1.0)
     monkeypatch.setattr(handlers, "OBSERVE_DEBOUNCE", 0.05)
-    stop, runner, ignored = await start_operator(clusterwide, [] if clusterwide else [t.NS])
+    # CRD and namespace scanning on, as `kubellm operator` runs it
+    _, stop, runner, ignored = await t.start_operator(
+        clusterwide=clusterwide, namespaces=[] if clusterwide else [t.NS], scanning=True
+    )
     try:
         await scenario(server)
     finally:

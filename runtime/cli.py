@@ -89,6 +89,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             liveness_timeout=args.liveness_timeout, api_keys=api_keys_from(args.api_key),
                             tool_call_parser=args.tool_call_parser)
     config = EngineConfig(model=args.model, **engine_kwargs(args))
+    if config.node_rank > 0:  # a worker node of a multi-node group: its ranks only, no server
+        from kubellm.runtime import parallel
+
+        try:
+            return parallel.run_node(config)
+        except Exception as e:  # noqa: BLE001 - rank 0 gone or unreachable: one line, then the pod restarts
+            logging.getLogger("kubellm.parallel").error("node %d left the tensor-parallel group: %s",
+                                                        config.node_rank, e)
+            return 1
     admin_port = None if args.admin_port < 0 else args.admin_port
     return asyncio.run(run_server(config, options, args.host, args.port, admin_port=admin_port))
 

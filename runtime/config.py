@@ -62,6 +62,9 @@ class EngineConfig:
     prepack_weights: str = default("prepack_weights")  # auto | on | off: linear weights prepacked for oneDNN
     quantization: str = default("quantization")  # none | int8 (weight-only, per output channel; runtime/quantization.py)
     tensor_parallel_size: int = default("tensor_parallel_size")  # processes (ranks) each holding 1/N of every layer (runtime/parallel.py)
+    nnodes: int = default("nnodes")  # nodes (pods) the ranks span, tensor_parallel_size / nnodes on each
+    node_rank: int = default("node_rank")  # this node: 0 serves; the others only run their ranks
+    dist_init_addr: str | None = default("dist_init_addr")  # HOST:PORT of node 0's rendezvous (nnodes > 1)
     num_threads: int | None = default("num_threads")  # CPU intra-op threads; default: all cores torch sees
     speculative_ngram: int = default("speculative_ngram")  # prompt-lookup speculation: longest n-gram matched (0 = off; runtime/speculative.py)
     num_speculative_tokens: int = default("num_speculative_tokens")  # draft tokens verified per step, with speculation on
@@ -92,10 +95,36 @@ class EngineConfig:
         check_method(self.quantization)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        self._check_nodes()
         if self.device.startswith("cuda") and self.tensor_parallel_size > 1:
-            count = torch.cuda.device_count()
-            if count < self.tensor_parallel_size:
-                raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs as many GPUs; {count} visible")
+            count, local = torch.cuda.device_count(), self.ranks_per_node
+            if count < local:
+                raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} over {self.nnodes} node(s) needs "
+                                 f"{local} GPUs on each; {count} visible")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes); got node_rank {self.node_rank}, nnodes {self.nnodes}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
+                             f"{self.nnodes}: every node holds the same number of ranks")
+        if self.nnodes > 1:
+            host, _, port = (self.dist_init_addr or "").rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"nnodes {self.nnodes} needs dist_init_addr HOST:PORT (node 0's rendezvous), got "
+                                 f"{self.dist_init_addr!r}")
+
+    @property
+    def rendezvous(self) -> tuple[str, int]:
+        """Where the ranks meet: node 0's HOST:PORT with several nodes, else a free port on loopback (0)."""
+        if self.nnodes == 1:
+            return "127.0.0.1", 0
+        host, _, port = self.dist_init_addr.rpartition(":")
+        return host.strip("[]"), int(port)
 
 
 def _cpu_has_fast_bf16() -> bool:

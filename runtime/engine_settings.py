@@ -143,6 +143,24 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         doc="Tensor-parallel degree: each replica shards every layer across this many GPUs (in one pod).",
     ),
     EngineSetting(
+        "nnodes", int, 1, flag="--nnodes", ge=1,
+        help="nodes (pods) the --tensor-parallel-size ranks span, an equal share on each; node 0 serves HTTP "
+        "and hosts the rendezvous at --dist-init-addr (default %(default)s)",
+        doc="Nodes (pods) one replica spans. Above 1 the replica is a LeaderWorkerSet group: the leader pod "
+        "serves the API and holds tensor-parallel ranks 0..k-1, each worker pod the next k (k = "
+        "parallelism.tensor / nodes); one tensor-parallel group spans the pods.",
+    ),
+    EngineSetting(
+        "node_rank", int, 0, flag="--node-rank", metavar="R",
+        help="this node's index with --nnodes > 1: 0 serves the API; 1..N-1 only run their ranks and exit when "
+        "node 0 ends the group (default %(default)s)",
+    ),
+    EngineSetting(
+        "dist_init_addr", str, None, flag="--dist-init-addr", metavar="HOST:PORT",
+        help="with --nnodes > 1: where node 0 hosts the ranks' rendezvous (a TCP store); node 0 listens on PORT, "
+        "the other nodes connect to HOST:PORT",
+    ),
+    EngineSetting(
         "speculative_ngram", int, 0, flag="--speculative-ngram", metavar="N",
         help="prompt-lookup speculative decoding: draft tokens by matching the last N..2 tokens against the "
         "prompt and output so far, verified in one forward pass (0 = off, the default; 3-4 suits editing, "

@@ -44,6 +44,7 @@ class Group:
     _objects: object = None  # the gloo group of the step broadcast
     workers: list = dataclasses.field(default_factory=list)  # rank 0: the processes of ranks 1..N-1
     _store: object = None
+    _closed: bool = False  # rank 0 has ended the group
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (float32 sums for bf16/fp16 on CPU: gloo's own are slower)."""
@@ -75,9 +76,10 @@ class Group:
         return all(p.is_alive() for p in self.workers)
 
     def shutdown(self) -> None:
-        """Rank 0: tell the workers to exit and wait for them (then make sure)."""
-        if self.rank != 0 or self.size == 1 or not self.workers:
+        """Rank 0: tell every other rank to exit (other nodes' too) and wait for this node's (then make sure)."""
+        if self.rank != 0 or self.size == 1 or self._closed:
             return
+        self._closed = True
         try:
             self.broadcast((EXIT,))
         except Exception as e:  # noqa: BLE001 - a worker already gone: terminate the rest below
@@ -101,15 +103,17 @@ def _to_device(obj, device: str):
     return obj
 
 
-def _rank_device(device: str, rank: int) -> str:
+def _rank_device(device: str, local_rank: int) -> str:
     if device.startswith("cuda"):
-        torch.cuda.set_device(rank)
-        return f"cuda:{rank}"
+        torch.cuda.set_device(local_rank)
+        return f"cuda:{local_rank}"
     return device
 
 
-def join_group(store, rank: int, size: int, device: str) -> Group:
-    group = Group(rank=rank, size=size, device=_rank_device(device, rank), _store=store)
+def join_group(store, rank: int, size: int, device: str, local_rank: int | None = None) -> Group:
+    """Join as ``rank`` of ``size``; ``local_rank`` (default: ``rank``) picks this node's GPU."""
+    local = rank if local_rank is None else local_rank
+    group = Group(rank=rank, size=size, device=_rank_device(device, local), _store=store)
     group._objects = dist.ProcessGroupGloo(dist.PrefixStore("objects", store), rank, size, _COLLECTIVE_TIMEOUT)
     if device.startswith("cuda"):
         options = dist.ProcessGroupNCCL.Options()

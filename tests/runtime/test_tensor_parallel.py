@@ -166,3 +166,105 @@ def test_serve_with_two_ranks_answers_and_drains_cleanly(tiny_llama, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _serve_cmd(model_dir, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "kubellm.runtime.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
+            "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--num-threads", "1", *extra]
+
+
+def test_two_nodes_on_loopback_generate_what_one_rank_generates(tiny_llama, tmp_path):
+    """Multi-node tensor parallelism as a LeaderWorkerSet runs it, with two processes on loopback as the two
+    pods: the worker node starts first and waits for the leader's rendezvous (pods start in any order), the
+    leader serves what TP=1 generates through one group spanning both, and when the leader drains and exits the
+    worker node leaves with exit code 0."""
+    import openai
+
+    port, rendezvous = free_port(), free_port()
+    nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{rendezvous}"]
+    worker_log, leader_log = tmp_path / "node1.log", tmp_path / "node0.log"
+    with open(worker_log, "w") as wlog, open(leader_log, "w") as llog:
+        worker = subprocess.Popen(_serve_cmd(tiny_llama, *nodes, "--node-rank", "1"), stdout=wlog,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        time.sleep(2)  # the worker node is up before any leader exists
+        assert worker.poll() is None, worker_log.read_text()
+        leader = subprocess.Popen(
+            _serve_cmd(tiny_llama, *nodes, "--host", "127.0.0.1", "--port", str(port), "--admin-port", "0",
+                       "--served-model-name", "tiny"),
+            stdout=llog, stderr=subprocess.STDOUT, start_new_session=True)
+    logs = lambda: f"leader:\n{leader_log.read_text()}\nworker node:\n{worker_log.read_text()}"  # noqa: E731
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert leader.poll() is None and worker.poll() is None, logs()
+            try:
+                if httpx.get(url + "/health/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, logs()
+            time.sleep(0.2)
+        assert not [w for w in _children_of(leader.pid) if _running(w)], "node 0 must hold rank 0 only"
+        prompts = _prompts()[3:6]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        single = _engine(tiny_llama).generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                              use_tqdm=False)
+        for prompt, expected in zip(prompts, single, strict=True):
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.choices[0].text == expected.text, logs()
+        os.killpg(leader.pid, signal.SIGTERM)  # a rollout deletes the group's pods: the leader drains first
+        os.killpg(worker.pid, signal.SIGTERM)  # ignored: the worker node leaves when rank 0 ends the group
+        assert leader.wait(timeout=60) == 0, logs()
+        assert worker.wait(timeout=60) == 0, logs()
+    finally:
+        for proc in (leader, worker):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_a_worker_node_whose_leader_is_gone_exits_non_zero(tiny_llama, tmp_path):
+    """Node 1 of a group whose rank 0 dies mid-serving must not hang: it exits 1 with one clear line, so the
+    LeaderWorkerSet restarts the group."""
+    port, rendezvous = free_port(), free_port()
+    nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{rendezvous}"]
+    log_path = tmp_path / "node1.log"
+    with open(log_path, "w") as log:
+        leader = subprocess.Popen(_serve_cmd(tiny_llama, *nodes, "--host", "127.0.0.1", "--port", str(port),
+                                             "--admin-port", "0"), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        worker = subprocess.Popen(_serve_cmd(tiny_llama, *nodes, "--node-rank", "1"), stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and leader.poll() is None, log_path.read_text()
+            time.sleep(0.2)
+        os.killpg(leader.pid, signal.SIGKILL)
+        assert worker.wait(timeout=60) == 1, log_path.read_text()
+        assert "node 1 left the tensor-parallel group" in log_path.read_text()
+    finally:
+        for proc in (leader, worker):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tensor_parallel_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "must be a multiple of nnodes"),
+    ({"tensor_parallel_size": 2, "nnodes": 2}, "needs dist_init_addr HOST:PORT"),
+    ({"tensor_parallel_size": 2, "nnodes": 2, "dist_init_addr": "leader"}, "needs dist_init_addr HOST:PORT"),
+    ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank must be in"),
+])
+def test_bad_node_settings_are_refused_with_the_reason(kwargs, message):
+    from kubellm.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="unused", device="cpu", **kwargs)

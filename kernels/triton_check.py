@@ -44,6 +44,14 @@ def check(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, he
          lambda: decode.reference_paged_decode_attention(q, k_cache, v_cache, tables, context, scale)),
         ("prefill kernel", lambda: prefill.prefill_attention(*(t.to(device) for t in (pq, pk, pv)), scale),
          lambda: prefill.reference_prefill_attention(pq, pk, pv, scale)),
+        # The windowed, soft-capped variants (sliding-window layers, Gemma 2) are compiled separately.
+        ("paged decode kernel (window, soft cap)", lambda: decode.paged_decode_attention(
+            *(t.to(device) for t in (q, k_cache, v_cache, tables, context)), scale, window=21, softcap=5.0),
+         lambda: decode.reference_paged_decode_attention(q, k_cache, v_cache, tables, context, scale, window=21,
+                                                         softcap=5.0)),
+        ("prefill kernel (window, soft cap)", lambda: prefill.prefill_attention(
+            *(t.to(device) for t in (pq, pk, pv)), scale, window=21, softcap=5.0),
+         lambda: prefill.reference_prefill_attention(pq, pk, pv, scale, window=21, softcap=5.0)),
     ]
     for name, kernel, reference in cases:
         if reason := _compare(name, device, dtype, kernel, reference):

@@ -61,8 +61,6 @@ PLAIN = LayerOptions()
 class TorchAttentionBackend:
     """Reference paged attention in plain PyTorch; runs anywhere, used on CPU."""
 
-    handles_options = True  # _decode and _prefill honour LayerOptions
-
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
@@ -76,28 +74,18 @@ class TorchAttentionBackend:
         v_flat = v_cache.view(-1, kvh, d)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
-        # A backend whose kernels do not window or soft-cap hands such layers to the reference.
-        decode, prefill = self._decode, self._prefill
-        if not (opts.plain or self.handles_options):
-            decode, prefill = self._decode_ref, self._prefill_ref
         nd = meta.num_decodes
         if nd == q.shape[0]:  # a pure decode step: no output buffer to assemble
-            return decode(q, k_cache, v_cache, meta, opts)
+            return self._decode(q, k_cache, v_cache, meta, opts)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = decode(q[:nd], k_cache, v_cache, meta, opts)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, opts)
         for p in meta.prefills:
             s, e = p.start, p.start + p.num_tokens
-            out[s:e] = prefill(q[s:e], k[s:e], v[s:e], k_flat, v_flat, p, opts)
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_flat, v_flat, p, opts)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta, opts=PLAIN):
-        return self._decode_ref(q, k_cache, v_cache, meta, opts)
-
-    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts=PLAIN):
-        return self._prefill_ref(q, k, v, k_flat, v_flat, span, opts)
-
-    def _decode_ref(self, q, k_cache, v_cache, meta, opts: LayerOptions):
+    def _decode(self, q, k_cache, v_cache, meta, opts: LayerOptions = PLAIN):
         # Gather whole blocks (index_select on rows is several times faster than slot-wise indexing),
         # then per KV head two batched matmuls that read the gathered K/V in place through strides.
         b = q.shape[0]
@@ -121,7 +109,7 @@ class TorchAttentionBackend:
             out[:, h] = torch.bmm(probs.transpose(1, 2), values[:, :, h])  # [B, G, D]
         return out.view(b, self.num_heads, d)
 
-    def _prefill_ref(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts: LayerOptions):
+    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts: LayerOptions = PLAIN):
         if span.context_slots is not None:
             k = torch.index_select(k_flat, 0, span.context_slots)
             v = torch.index_select(v_flat, 0, span.context_slots)
@@ -161,31 +149,26 @@ class TorchAttentionBackend:
 
 class KernelAttentionBackend(TorchAttentionBackend):
     """Kernels with the CPU/Triton contract: decode reads K/V blocks in place from the pool; prefill is a
-    flash-style causal kernel over the chunk's keys (plus the cached context, gathered, for later chunks)."""
-
-    handles_options = False  # whether the kernels take window= and softcap= keyword arguments
+    flash-style causal kernel over the chunk's keys (plus the cached context, gathered, for later chunks). Both
+    take the layer's window and soft cap, and skip the key blocks a window leaves out."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, decode_kernel, prefill_kernel):
         super().__init__(num_heads, num_kv_heads, head_dim)
         self._decode_kernel, self._prefill_kernel = decode_kernel, prefill_kernel
 
     def _decode(self, q, k_cache, v_cache, meta, opts=PLAIN):
-        extra = {} if opts.plain else {"window": opts.window, "softcap": opts.softcap}
         return self._decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                   self.scale, **extra)
+                                   self.scale, window=opts.window, softcap=opts.softcap)
 
     def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts=PLAIN):
         if span.context_slots is not None:  # the kernel's causal offset is the mask the reference builds
             k = torch.index_select(k_flat, 0, span.context_slots)
             v = torch.index_select(v_flat, 0, span.context_slots)
-        extra = {} if opts.plain else {"window": opts.window, "softcap": opts.softcap}
-        return self._prefill_kernel(q, k, v, self.scale, **extra)
+        return self._prefill_kernel(q, k, v, self.scale, window=opts.window, softcap=opts.softcap)
 
 
 class NativeCpuAttentionBackend(KernelAttentionBackend):
     """The compiled CPU kernels (kernels/csrc)."""
-
-    handles_options = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         from kubellm.kernels.cpu_paged_attention import paged_decode_attention

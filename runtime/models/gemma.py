@@ -6,7 +6,7 @@
 - GeGLU MLP (gelu, tanh approximation);
 - query scale from ``query_pre_attn_scalar``, not the head size;
 - sliding-window attention on the layers ``layer_types`` marks (Gemma 2: every other layer; Gemma 3: five of
-  six), honoured by every attention backend (runtime/layers/attention.py: windowed layers run the reference);
+  six), honoured by every attention backend (runtime/layers/attention.py: the window is a kernel argument);
 - Gemma 2: attention logits and final logits soft-capped; Gemma 3: RMSNorm on each head of q and k, and
   separate rotary tables for local (``rope_local_base_freq``) and global layers (``rope_theta``, scaling).
 

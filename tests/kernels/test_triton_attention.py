@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_paged_attention import TOL, context_lens_for, make_case
+from test_cpu_paged_attention import GARBAGE_OFFSET, TOL, context_lens_for, make_case
 from test_cpu_prefill_attention import qkv_views
 
 from kubellm.kernels import triton_paged_attention as tpa
@@ -78,6 +78,71 @@ def test_prefill_refuses_fewer_keys_than_queries():
     q, k, v = qkv_views(5, 4, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="5 queries need at least as many keys, got 3"):
         tpp.prefill_attention(q, k[:3], v[:3], 0.25)
+
+
+# ---------------------------------------------------------------------------------- windows and soft caps
+
+
+def _forget_before_windows(kc, vc, bt, cl, window):
+    """The pool and tables as a windowed sequence may leave them: every token before its window NaN, and the
+    table entries of blocks wholly before it out-of-range ids (blocks given back to the pool). A kernel that
+    reads either, even masked, answers NaN or crashes."""
+    kc, vc, bt = kc.clone(), vc.clone(), bt.clone()
+    block_size = kc.shape[1]
+    for b, length in enumerate(cl.tolist()):
+        first = max(0, length - window)
+        for t in range(first):
+            kc[bt[b, t // block_size], t % block_size] = float("nan")
+            vc[bt[b, t // block_size], t % block_size] = float("nan")
+        bt[b, : first // block_size] = kc.shape[0] + GARBAGE_OFFSET
+    return kc, vc, bt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("window", "softcap"), [(1, None), (5, None), (16, None), (37, 2.0), (1000, None),
+                                                 (None, 1.5)])  # fmt: skip
+def test_decode_window_and_softcap_match_the_reference(dtype, window, softcap):
+    """Windows of one token, inside a block, aligned to tiles, across tiles and longer than the contexts; the
+    tokens before each window are never read (NaN there, garbage block ids before it)."""
+    lens = [70, 1, 17, 40]
+    q, kc, vc, bt, cl, _, _ = make_case(lens, 6, 2, 16, 4, dtype, seed=5)
+    q = (q.float() * 3).to(dtype)  # scores large enough for the caps to bite
+    ref = tpa.reference_paged_decode_attention(q, kc, vc, bt, cl, 0.25, window=window, softcap=softcap)
+    if window is None or window < 70:  # the options really change the answer (for the 70-token sequence)
+        plain = tpa.reference_paged_decode_attention(q, kc, vc, bt, cl, 0.25)
+        assert not torch.allclose(plain[0].float(), ref[0].float(), atol=1e-3)
+    if window is not None:
+        kc, vc, bt = _forget_before_windows(kc, vc, bt, cl, window)
+    out = tpa.paged_decode_attention(*_to(DEVICE, q, kc, vc, bt, cl), 0.25, block_n=16, window=window,
+                                     softcap=softcap).cpu()
+    assert torch.isfinite(out.float()).all(), "the kernel read a token before the window"
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("tokens", "context", "window", "softcap"), [
+    (40, 40, 1, None), (40, 40, 7, None), (20, 45, 16, None), (7, 45, 10, 2.0), (33, 33, 100, None),
+    (20, 20, None, 1.5), (1, 50, 5, None),
+])  # fmt: skip
+def test_prefill_window_and_softcap_match_the_reference(dtype, tokens, context, window, softcap):
+    """Windows of one key, inside a key tile, across several and longer than the context; whole prompts and
+    later chunks; keys before the first query's window are never read (NaN there)."""
+    g = torch.Generator().manual_seed(tokens + context)
+    q = (3 * torch.randn(tokens, 6, 16, generator=g)).to(dtype)
+    k = torch.randn(context, 2, 16, generator=g).to(dtype)
+    v = torch.randn(context, 2, 16, generator=g).to(dtype)
+    ref = tpp.reference_prefill_attention(q, k, v, 0.25, window=window, softcap=softcap)
+    if window is not None:
+        unseen = max(0, context - tokens - window + 1)  # before the first query's window
+        k, v = k.clone(), v.clone()
+        k[:unseen], v[:unseen] = float("nan"), float("nan")
+    out = tpp.prefill_attention(*_to(DEVICE, q, k, v), 0.25, block_m=16, block_n=16, window=window,
+                                softcap=softcap).cpu()
+    assert torch.isfinite(out.float()).all(), "the kernel read a key before the window"
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    if window is None or window < context:  # the options really change the answer
+        plain = tpp.reference_prefill_attention(q.float(), k.float().nan_to_num(), v.float().nan_to_num(), 0.25)
+        assert not torch.allclose(plain[-1], ref[-1].float(), atol=1e-3)
 
 
 # ------------------------------------------------------------------------------------------ start-up check

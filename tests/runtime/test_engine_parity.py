@@ -107,12 +107,12 @@ def test_torch_reference_attention_backend_also_equals_transformers(fixture, req
     _run_and_compare(llm, model_dir, _prompts())
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_mistral", "tiny_gemma3"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_mistral", "tiny_gemma2", "tiny_gemma3"])
 def test_triton_attention_backend_equals_transformers(fixture, request):
     """The CUDA path's kernels, run by Triton's interpreter on CPU here (compiled on a GPU): the same greedy
     tokens through chunked prefill over cached context, preemption and prefix hits. Mistral is MQA with
-    head_dim 32, llama GQA with head_dim 16; decode tiles span several 4-token KV blocks. Gemma 3 mixes
-    windowed layers (the reference) with a global layer (the kernels) in one model."""
+    head_dim 32, llama GQA with head_dim 16; decode tiles span several 4-token KV blocks. Gemma's windowed
+    and soft-capped layers run the kernels too (the window and cap are kernel arguments)."""
     model_dir = request.getfixturevalue(fixture)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = _engine(model_dir, attention_backend="triton", device=device)

@@ -18,6 +18,10 @@ What ``auto`` picks:
   pack; ``torch`` (torch's int8 GEMM for small steps) for the other CPU cases; ``triton`` on CUDA once its
   check passed; else ``dequantize`` per call.
 * int4 GEMM: ``triton`` on CUDA once its check passed, else ``dequantize``.
+* grouped 4-bit and 8-bit GEMMs (the forms pre-quantized checkpoints read into: per-group scales and zero
+  points; GGUF blocks through kernels/gguf_blocks.py): ``native`` (``cpu_int4_gemm``, ``cpu_grouped_int8_gemm``,
+  AVX512-BF16) for bfloat16 on CPUs that have them, for layers they can pack; else ``dequantize`` (the
+  reference, also what AVX2-only CPUs run).
 
 An explicit choice that cannot run here is a ValueError that says why.
 """
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubellm.kernels import cpu_extension, cpu_int8_gemm
+from kubellm.kernels import cpu_extension, cpu_grouped_int8_gemm, cpu_int4_gemm, cpu_int8_gemm
 from kubellm.runtime.layers.linear import can_pack
 
 log = logging.getLogger("kubellm.kernels")
@@ -83,6 +87,8 @@ class Loaded:
     int8_torch_gemm: bool = False  # torch._weight_int8pack_mm exists
     triton_int8: str | None = NOT_PROBED
     triton_int4: str | None = NOT_PROBED
+    grouped_int4_cpu_kernel: str | None = NOT_PROBED  # cpu_int4_gemm (AVX512-BF16)
+    grouped_int8_cpu_kernel: str | None = NOT_PROBED  # cpu_grouped_int8_gemm (AVX512-BF16)
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,8 @@ class KernelChoice:
     int8_gemm: str = "dequantize"  # native | triton | torch | dequantize
     int8_fallback: str = "dequantize"  # torch | dequantize: layers the native kernel cannot pack
     int4_gemm: str = "dequantize"  # triton | dequantize
+    grouped_int4_gemm: str = "dequantize"  # native | dequantize: 4-bit values, per-group scales and zero points
+    grouped_int8_gemm: str = "dequantize"  # native | dequantize: 8-bit values, per-group scales (and zeros)
 
     def int8_path(self, weight: torch.Tensor) -> str:
         """The int8 GEMM of one layer (``weight`` ``[out, in]``): the native kernel needs packable shapes."""
@@ -102,10 +110,23 @@ class KernelChoice:
             return self.int8_fallback
         return self.int8_gemm
 
+    def grouped_path(self, bits: int, out_features: int, in_features: int, group_size: int) -> str:
+        """The GEMM of one pre-quantized layer of ``bits``-bit values (4: ``cpu_int4_gemm``'s form, 5..8:
+        ``cpu_grouped_int8_gemm``'s) with ``group_size`` inputs per scale (-1 or ``in_features``: per channel)."""
+        group = in_features if group_size <= 0 else group_size
+        if bits == 4:
+            packable = out_features % 16 == 0 and group % 2 == 0 and in_features % group == 0
+            return self.grouped_int4_gemm if packable else "dequantize"
+        if 4 < bits <= 8:
+            packable = group % 2 == 0 and in_features % group == 0
+            return self.grouped_int8_gemm if packable else "dequantize"
+        raise ValueError(f"no grouped GEMM for {bits}-bit values (4..8)")
+
     def describe(self, quantization: str = "none") -> str:
-        gemm = {"int8": f", int8 GEMM {self.int8_gemm}", "int4": f", int4 GEMM {self.int4_gemm}"}
+        gemm = {"int8": f", int8 GEMM {self.int8_gemm}", "int4": f", int4 GEMM {self.int4_gemm}", "none": ""}
+        grouped = f", grouped 4-bit GEMM {self.grouped_int4_gemm}, 8-bit GEMM {self.grouped_int8_gemm}"
         return (f"attention {self.attention}, layer ops {self.layer_ops}, oneDNN prepacking "
-                f"{'on' if self.prepack else 'off'}{gemm.get(quantization, '')}")
+                f"{'on' if self.prepack else 'off'}{gemm.get(quantization, grouped)}")
 
 
 def cpu_head_size_ok(head_dim: int) -> bool:
@@ -124,7 +145,14 @@ def choose(settings: KernelSettings, target: Target, loaded: Loaded) -> KernelCh
         prepack=_prepack(settings.prepack, loaded, native_cpu),
         int8_gemm=int8_gemm, int8_fallback=int8_fallback,
         int4_gemm="triton" if target.cuda and loaded.triton_int4 is None else "dequantize",
+        grouped_int4_gemm=_native_bf16(target, loaded.grouped_int4_cpu_kernel),
+        grouped_int8_gemm=_native_bf16(target, loaded.grouped_int8_cpu_kernel),
     )
+
+
+def _native_bf16(target: Target, reason: str | None) -> str:
+    """A native AVX512-BF16 GEMM serves bfloat16 on CPU where it loaded; anything else dequantizes."""
+    return "native" if target.cpu and target.dtype == torch.bfloat16 and reason is None else "dequantize"
 
 
 def _attention(kind: str, target: Target, loaded: Loaded, native_cpu: bool) -> str:
@@ -201,6 +229,11 @@ def probe(settings: KernelSettings, target: Target) -> Loaded:
             found["int8_cpu_kernel"] = None if cpu_int8_gemm.available() else "no AVX512-BF16 int8 kernel in this build"
         if target.cuda:
             found["triton_int8"] = triton_gemm_reason("int8", target.device, target.dtype)
+    if target.cpu and target.dtype == torch.bfloat16 and (target.quantization != "none" or "cpu_kernels" in found):
+        # The formats a checkpoint brings (GGUF blocks, GPTQ...) are known only once it loads: check both here.
+        for field, module in (("grouped_int4_cpu_kernel", cpu_int4_gemm), ("grouped_int8_cpu_kernel",
+                                                                             cpu_grouped_int8_gemm)):
+            found[field] = None if module.available() else f"no AVX512-BF16 {module.__name__} in this build"
     if target.quantization == "int4" and target.cuda:
         found["triton_int4"] = triton_gemm_reason("int4", target.device, target.dtype)
     return Loaded(**found)
@@ -257,7 +290,8 @@ def decide(settings: KernelSettings, target: Target) -> KernelChoice:
 def load(choice: KernelChoice) -> None:
     """Load in this process what ``choice`` runs: a tensor-parallel rank runs rank 0's choice, and the CPU
     extension is loaded per process."""
-    native = choice.attention == "cpu" or choice.layer_ops == "native" or choice.int8_gemm == "native"
+    native = "native" in (choice.layer_ops, choice.int8_gemm, choice.grouped_int4_gemm, choice.grouped_int8_gemm) \
+        or choice.attention == "cpu"
     if native and (reason := _cpu_kernels_reason()):
         raise RuntimeError(f"the chosen kernels need kubellm's CPU kernels, which cannot load here: {reason}")
 

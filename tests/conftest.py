@@ -13,7 +13,7 @@ import tokenizers
 import torch
 
 import tiny_checkpoints  # tests/ is on sys.path: pyproject.toml's pytest `pythonpath`
-from kubellm.kernels import cpu_extension, cpu_int4_gemm, cpu_int8_gemm
+from kubellm.kernels import cpu_extension, cpu_grouped_int8_gemm, cpu_int4_gemm, cpu_int8_gemm
 
 # Safe-path mode for every Python process a test starts, as `make test` exports it: the working directory
 # (the repository root, with its operator/ folder) never goes on a child's sys.path.
@@ -110,7 +110,7 @@ def _expect_native_kernels() -> str | None:
 
 
 def _expect_native_int8() -> str | None:
-    """The int8 and int4 GEMMs exist only in builds for CPUs with AVX512-BF16 (-march=native on such a CPU)."""
+    """The int8, int4 and grouped 8-bit GEMMs exist only in builds for CPUs with AVX512-BF16 (-march=native on such a CPU)."""
     if "x86-64-v4-bf16" not in cpu_extension.supported_levels():
         return "this CPU lacks AVX512-BF16"
     march = os.environ.get(cpu_extension.MARCH_ENV, "").strip() or "native"
@@ -125,6 +125,8 @@ NATIVE_SETS: dict[str, tuple[str, Callable[[], str | None], Callable[[], bool]]]
                        cpu_extension.available),
     "native_int8": ("native int8 GEMM (AVX512-BF16)", _expect_native_int8, cpu_int8_gemm.available),
     "native_int4": ("native int4 GEMM (AVX512-BF16)", _expect_native_int8, cpu_int4_gemm.available),
+    "native_grouped_int8": ("native grouped 8-bit GEMM (AVX512-BF16)", _expect_native_int8,
+                            cpu_grouped_int8_gemm.available),
 }
 
 
@@ -158,6 +160,13 @@ def native_int8(native_kernels) -> None:
 def native_int4(native_kernels) -> None:
     """The native int4 GEMM (CPUs with AVX512-BF16 only); skip without it (fail under CI where the CPU has it)."""
     _require_native("native_int4")
+
+
+@pytest.fixture(scope="session")
+def native_grouped_int8(native_kernels) -> None:
+    """The native grouped 8-bit GEMM (CPUs with AVX512-BF16 only); skip without it (fail under CI where the CPU
+    has it)."""
+    _require_native("native_grouped_int8")
 
 
 _native_tests: dict[str, set[str]] = {name: set() for name in NATIVE_SETS}  # set -> collected node ids

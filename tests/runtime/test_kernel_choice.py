@@ -72,6 +72,41 @@ def test_int8_gemm_by_dtype_kernel_and_layer_shape():
     assert choose(AUTO, Target("mps", torch.float16), ALL_LOADED).int8_gemm == "dequantize"
 
 
+def test_grouped_gemms_are_native_for_bf16_on_cpu_where_they_load_and_the_layer_packs():
+    bf16 = Target("cpu", torch.bfloat16, 4, 2, 64, quantization="gptq")
+    grouped = Loaded(cpu_kernels=None, grouped_int4_cpu_kernel=None, grouped_int8_cpu_kernel=None)
+    choice = choose(AUTO, bf16, grouped)
+    assert (choice.grouped_int4_gemm, choice.grouped_int8_gemm) == ("native", "native")
+    assert choice.grouped_path(4, 576, 576, 32) == "native"
+    assert choice.grouped_path(4, 584, 576, 32) == "dequantize"  # the int4 kernel needs N % 16 == 0
+    assert choice.grouped_path(8, 584, 576, -1) == "native"  # per channel; any N
+    assert choice.grouped_path(6, 584, 576, 16) == "native"  # Q6_K's values are int8 with group 16
+    assert choice.grouped_path(8, 64, 100, 3) == "dequantize"  # an odd group
+    with pytest.raises(ValueError, match="3-bit"):
+        choice.grouped_path(3, 64, 64, 32)
+    assert "grouped 4-bit GEMM native, 8-bit GEMM native" in choice.describe("gptq")
+    for target, loaded in ((Target("cpu", torch.float32, quantization="gptq"), grouped),  # bf16 kernels only
+                           (bf16, Loaded(grouped_int4_cpu_kernel="no AVX512-BF16", grouped_int8_cpu_kernel="no")),
+                           (Target("cuda", torch.bfloat16, quantization="gptq"), grouped)):
+        other = choose(AUTO, target, loaded)
+        assert (other.grouped_int4_gemm, other.grouped_int8_gemm) == ("dequantize", "dequantize")
+        assert other.grouped_path(4, 576, 576, 32) == "dequantize"
+
+
+def test_probe_checks_the_grouped_kernels_for_bf16_on_cpu_only(monkeypatch):
+    from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm
+    from kubellm.runtime import kernel_choice
+
+    monkeypatch.setattr(cpu_int4_gemm, "available", lambda: True)
+    monkeypatch.setattr(cpu_grouped_int8_gemm, "available", lambda: False)
+    off = KernelSettings("torch", "torch", "off")
+    loaded = kernel_choice.probe(off, Target("cpu", torch.bfloat16, quantization="gptq"))
+    assert loaded.grouped_int4_cpu_kernel is None and "cpu_grouped_int8_gemm" in loaded.grouped_int8_cpu_kernel
+    for target in (Target("cpu", torch.float32, quantization="gptq"), Target("cpu", torch.bfloat16)):
+        skipped = kernel_choice.probe(off, target)
+        assert skipped.grouped_int4_cpu_kernel == skipped.grouped_int8_cpu_kernel == kernel_choice.NOT_PROBED
+
+
 def test_the_engine_passes_its_choice_down(tiny_llama):
     """One decision reaches the runner's attention backend, the model's layer-op switches and its linears."""
     from kubellm.kernels import cpu_extension

@@ -1,0 +1,115 @@
+"""Quantized CPU GEMMs against the bf16 linear they stand in for, at SmolLM2-135M's layer shapes.
+
+For each weight shape ``N x K`` (output x input) and row count M, the minimum over ``--calls`` timed calls
+(in interleaved rounds after warm-up, same process and threads) of:
+
+* ``bf16``: ``F.linear`` on the bf16 weight; ``bf16 packed``: the oneDNN-prepacked linear the engine runs;
+* ``int4 g32``: ``kernels/cpu_int4_gemm.py`` (4-bit, group 32 with zero points: GGUF Q4_1 / Q4_K, AWQ, GPTQ);
+* ``int8 g32 zp``: ``kernels/cpu_grouped_int8_gemm.py`` with group 32 and zero points (GGUF Q5_K, GPTQ 8-bit);
+  ``int8 g16``: group 16, symmetric (GGUF Q6_K); ``int8 ch``: one scale per channel (W8A16 channel);
+* ``fp8 ch``: ``kernels/cpu_fp8_gemm.py`` (e4m3, per-channel scales), where it exists.
+
+Ratios are ``best bf16 µs / kernel µs`` (above 1: the kernel is faster than both bf16 paths).
+
+    python benchmarks/quantized_gemm_cpu.py [--threads 2] [--calls 200] [--rows 1 8 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kubellm.kernels import cpu_grouped_int8_gemm as g8
+from kubellm.kernels import cpu_int4_gemm as k4
+from kubellm.runtime import host_malloc
+from kubellm.runtime.layers.linear import PackedLinear, can_pack
+
+SHAPES = ((576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536))  # q/o, k/v, qkv, up, gate_up, down
+
+
+def best_of(fns: dict, calls: int, rounds: int = 10) -> dict:
+    """Minimum seconds of one call of each of ``fns`` over ``calls`` calls, taken in ``rounds`` interleaved
+    rounds (each round calls every function in turn), after 10 warm-up calls each: on a shared machine a burst
+    of other load then hits every column, not one."""
+    for fn in fns.values():
+        for _ in range(10):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(max(1, calls // rounds)):
+                start = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def kernels_for(n: int, k: int):
+    """(name, callable of x) for each quantized kernel available here, on random weights of ``[n, k]``."""
+    out = []
+    if k4.available():
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        s, z = torch.rand(k // 32, n) * 0.01, torch.randint(0, 16, (k // 32, n)).float()
+        out.append(("int4 g32", lambda x, p=k4.pack(q), s=s, z=z: k4.int4_gemm(x, p, s, z, 32)))
+    if g8.available():
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        p = g8.pack(q)
+        for name, group, zp in (("int8 g32 zp", 32, True), ("int8 g16", 16, False), ("int8 ch", k, False)):
+            s = torch.rand(k // group, n) * 0.001
+            z = torch.randint(-128, 128, (k // group, n)).float() if zp else None
+            out.append((name, lambda x, p=p, s=s, z=z, g=group: g8.grouped_int8_gemm(x, p, s, z, g)))
+    try:
+        fp8 = importlib.import_module("kubellm.kernels.cpu_fp8_gemm")
+    except ImportError:
+        fp8 = None
+    if fp8 is not None and fp8.available():
+        w = (torch.randn(n, k) * 0.1).to(torch.float8_e4m3fn)
+        p = fp8.pack(w)
+        s = torch.rand(n) * 0.01
+        out.append(("fp8 ch", lambda x, p=p, s=s: fp8.fp8_gemm(x, p, s)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--calls", type=int, default=200, help="timed calls per cell (the minimum is reported)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    host_malloc.tune()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    rows = []
+    with torch.inference_mode():
+        for n, k in SHAPES:
+            linear = nn.Linear(k, n, bias=False).to(dtype)
+            packed = PackedLinear(linear) if can_pack("cpu", dtype) else linear
+            kernels = kernels_for(n, k)
+            for m in args.rows:
+                x = torch.randn(m, k).to(dtype)
+                fns = {"bf16": lambda x=x, w=linear.weight: F.linear(x, w), "bf16 packed": lambda x=x, p=packed: p(x)}
+                fns |= {name: lambda f=f, x=x: f(x) for name, f in kernels}
+                best = best_of(fns, args.calls)
+                cells = [(name, best[name]) for name, _ in kernels]
+                rows.append((f"{n}x{k}", m, best["bf16"], best["bf16 packed"], cells))
+    names = [name for name, _ in rows[0][4]] if rows else []
+    print(f"\nbfloat16 activations, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"min of {args.calls} calls; ratio = best bf16 / kernel\n")
+    print("| N x K | M | bf16 µs | bf16 packed µs | " + " | ".join(f"{n} µs | ratio" for n in names) + " |")
+    print("|---|---:|---:|---:|" + "---:|---:|" * len(names))
+    for shape, m, bf16, bf16_packed, cells in rows:
+        best = min(bf16, bf16_packed)
+        print(f"| {shape} | {m} | {bf16 * 1e6:.1f} | {bf16_packed * 1e6:.1f} | "
+              + " | ".join(f"{t * 1e6:.1f} | {best / t:.2f}x" for _, t in cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""Weight-only 8-bit GEMM on CPU with per-group scales and optional zero points: a native kernel
+(``csrc/grouped_int8_gemm_cpu.cpp``, AVX512-BF16) beside its PyTorch reference.
+
+``y = x @ ((q - z) * s).T`` (+ bias), group by group: ``x`` ``[M, K]`` bfloat16 (rows may be strided),
+``q`` ``[N, K]`` int8 (-128..127), ``scales`` and ``zeros`` ``[K / group, N]`` float32 (``zeros`` None:
+symmetric), ``bias`` ``[N]`` float32, ``y`` ``[M, N]`` bfloat16. ``group`` is any even divisor of ``K``
+(16, 32, 64, 128; ``K`` itself is one scale per channel). Products are exact (bf16 x int8 in bf16), sums float32.
+
+What reads into it: GPTQ 8-bit and compressed-tensors W8A16 (unsigned values ``u`` with zero ``z``: pass
+``q = u - 128`` and ``zeros = z - 128``), GGUF Q8_0 (group 32, no zeros), Q6_K (group 16, no zeros) and Q5_K
+(group 32, zeros) through :mod:`kubellm.kernels.gguf_blocks`. Act-order (``g_idx``) checkpoints need their
+inputs sorted by group first (permute ``q``'s columns once, ``x``'s per call).
+
+The kernel wants the weight packed once by :func:`pack` (``[ceil(N/16), K/2, 16, 2]`` int8, the last block
+padded with zero channels; any ``N``, even ``K``). It exists only in builds for CPUs with AVX512-BF16;
+:func:`available` says whether this process has it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kubellm.kernels.cpu_extension import available as extension_available
+
+__all__ = ["available", "grouped_int8_gemm", "pack", "packable", "reference_grouped_int8_gemm"]
+
+
+def available() -> bool:
+    return extension_available() and bool(torch.ops.kubellm_cpu.grouped_int8_gemm_available())
+
+
+def packable(q: torch.Tensor, group_size: int) -> bool:
+    k = q.shape[-1]
+    return q.dim() == 2 and group_size >= 2 and group_size % 2 == 0 and k % group_size == 0
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` int8 → ``[ceil(N/16), K/2, 16, 2]``: per block of 16 output channels and pair of inputs
+    (k, k+1), the 16 channels' pairs side by side (the kernel's operand order); missing channels are 0."""
+    n, k = q.shape
+    pad = -n % 16
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+    return q.to(torch.int8).view((n + pad) // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def grouped_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.kubellm_cpu.grouped_int8_gemm(x, packed, scales, zeros, group_size, bias)
+
+
+def reference_grouped_int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same product in float32 from the unpacked ``q`` (dequantizes the whole weight: tests and checks)."""
+    g = torch.arange(q.shape[1]) // group_size
+    w = q.float() if zeros is None else q.float() - zeros.t()[:, g]
+    y = x.float() @ (w * scales.t()[:, g]).T
+    return (y if bias is None else y + bias).to(x.dtype)

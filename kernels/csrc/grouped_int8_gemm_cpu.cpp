@@ -1,0 +1,225 @@
+// Weight-only 8-bit GEMM for CPUs with AVX512-BF16, with per-group scales and optional zero points (GPTQ 8-bit,
+// compressed-tensors W8A16, GGUF Q8_0 / Q6_K / Q5_K after kernels/gguf_blocks.py):
+//   y[m, n] = sum_g s[g, n] * (sum_{k in g} q[n, k] * x[m, k] - z[g, n] * sum_{k in g} x[m, k])  (+ bias[n])
+// with q int8 (-128..127), x and y bfloat16, s and z float32 (no z: symmetric, z = 0). One group (group = K)
+// is the per-channel case.
+//
+// Why: the 8-bit formats keep a scale per 16..128 inputs, which the per-channel int8 kernel cannot take. The
+// inner loop is the int8 kernel's (each int8 widened to bf16 in registers, exact; vdpbf16ps products, float32
+// sums) run per group, and the scale and zero point are applied once per group to the group's partial sum,
+// using the row's sum of x over the group (computed once per call, only when there are zero points).
+//
+// Layout (kernels/cpu_grouped_int8_gemm.py packs it once): [ceil(N/16)][K/2][16][2] int8, the int8 kernel's
+// order; the last block's missing channels are zero and never stored. Scales and zero points [K/group][N].
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define KUBELLM_GROUPED_INT8_GEMM 1
+#endif
+
+namespace kubellm_cpu {
+namespace {
+
+bool grouped_int8_gemm_available() {
+#ifdef KUBELLM_GROUPED_INT8_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef KUBELLM_GROUPED_INT8_GEMM
+constexpr int kMaxRowsG8 = 12;  // MR x NB group sums + MR x NB outputs + NB weights + a broadcast <= 32 zmm
+
+// 32 int8 = 16 channels' (q[k], q[k+1]) pairs → 16 lanes of bf16 pairs (exact: |q| <= 128 needs 8 bits).
+inline __m512i widen_int8_pairs(const int8_t* src) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// MR rows x NB blocks of 16 outputs; `tail` masks the channels of the last block that exist (0xFFFF: all).
+template <int MR, int NB, bool ZP>
+void micro_kernel_g8(const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
+                     const int8_t* w, int64_t w_block_stride, int64_t K2, int64_t group_pairs, const float* scales,
+                     const float* zeros, int64_t N, const float* bias, __mmask16 tail, c10::BFloat16* y,
+                     int64_t ldy) {
+  __m512 out[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NB; ++b) out[r][b] = _mm512_setzero_ps();
+  for (int64_t g = 0, kp0 = 0; kp0 < K2; ++g, kp0 += group_pairs) {
+    __m512 acc[MR][NB];
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    const int64_t kp1 = std::min(K2, kp0 + group_pairs);
+    for (int64_t kp = kp0; kp < kp1; ++kp) {
+      __m512i wv[NB];
+      for (int b = 0; b < NB; ++b) wv[b] = widen_int8_pairs(w + b * w_block_stride + kp * 32);
+      for (int r = 0; r < MR; ++r) {
+        const __m512i xb = _mm512_set1_epi32(x_pairs[r * x_pair_stride + kp]);
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xb, (__m512bh)wv[b]);
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const __mmask16 mask = b == NB - 1 ? tail : __mmask16(0xFFFF);
+      const __m512 s = _mm512_maskz_loadu_ps(mask, scales + g * N + b * 16);
+      if constexpr (ZP) {  // out += s * (acc - z * sum(x over the group))
+        const __m512 z = _mm512_maskz_loadu_ps(mask, zeros + g * N + b * 16);
+        for (int r = 0; r < MR; ++r)
+          out[r][b] = _mm512_fmadd_ps(_mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[r][b]), s,
+                                      out[r][b]);
+      } else {
+        for (int r = 0; r < MR; ++r) out[r][b] = _mm512_fmadd_ps(acc[r][b], s, out[r][b]);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const __mmask16 mask = b == NB - 1 ? tail : __mmask16(0xFFFF);
+    const __m512 bi = bias ? _mm512_maskz_loadu_ps(mask, bias + b * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r)
+      _mm256_mask_storeu_epi16(y + r * ldy + b * 16, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(out[r][b], bi)));
+  }
+}
+
+template <int NB, bool ZP>
+void rows_kernel_g8(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
+                    const int8_t* w, int64_t w_block_stride, int64_t K2, int64_t group_pairs, const float* scales,
+                    const float* zeros, int64_t N, const float* bias, __mmask16 tail, c10::BFloat16* y, int64_t ldy) {
+  switch (mr) {
+#define KUBELLM_ROWS_G8(R)                                                                                       \
+  case R:                                                                                                        \
+    micro_kernel_g8<R, NB, ZP>(x_pairs, x_pair_stride, xsum, groups, w, w_block_stride, K2, group_pairs, scales, \
+                               zeros, N, bias, tail, y, ldy);                                                    \
+    break;
+    KUBELLM_ROWS_G8(1) KUBELLM_ROWS_G8(2) KUBELLM_ROWS_G8(3) KUBELLM_ROWS_G8(4) KUBELLM_ROWS_G8(5)
+    KUBELLM_ROWS_G8(6) KUBELLM_ROWS_G8(7) KUBELLM_ROWS_G8(8) KUBELLM_ROWS_G8(9) KUBELLM_ROWS_G8(10)
+    KUBELLM_ROWS_G8(11) KUBELLM_ROWS_G8(12)
+#undef KUBELLM_ROWS_G8
+    default: TORCH_CHECK(false, "grouped_int8_gemm: bad row tile ", mr);
+  }
+}
+
+template <bool ZP>
+void run_g8(int nb, int mr, const int32_t* xr, int64_t x_pair_stride, const float* xs, int64_t groups,
+            const int8_t* w, int64_t w_block_stride, int64_t K2, int64_t group_pairs, const float* sp,
+            const float* zp, int64_t N, const float* bp, __mmask16 tail, c10::BFloat16* yr) {
+#define KUBELLM_NB_G8(B)                                                                                      \
+  rows_kernel_g8<B, ZP>(mr, xr, x_pair_stride, xs, groups, w, w_block_stride, K2, group_pairs, sp, zp, N, bp, \
+                        tail, yr, N)
+  switch (nb) {
+    case 4: KUBELLM_NB_G8(4); break;
+    case 3: KUBELLM_NB_G8(3); break;
+    case 2: KUBELLM_NB_G8(2); break;
+    default: KUBELLM_NB_G8(1); break;
+  }
+#undef KUBELLM_NB_G8
+}
+#endif
+
+at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& zeros, int64_t group_size,
+                             const c10::optional<at::Tensor>& bias) {
+#ifndef KUBELLM_GROUPED_INT8_GEMM
+  TORCH_CHECK(false, "grouped_int8_gemm needs a build with AVX512-BF16 (-march of a CPU that has it)");
+#else
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "x must be [M, K] bfloat16, rows contiguous");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == 16 && packed.size(3) == 2,
+              "packed must be a contiguous [ceil(N/16), K/2, 16, 2] int8 tensor");
+  const int64_t M = x.size(0), K = x.size(1), NBLK = packed.size(0), K2 = packed.size(1);
+  TORCH_CHECK(K == 2 * K2, "x has ", K, " columns, the weight ", 2 * K2);
+  TORCH_CHECK(group_size >= 2 && group_size % 2 == 0 && K % group_size == 0, "group_size (", group_size,
+              ") must be even and divide K (", K, ")");
+  TORCH_CHECK(x.stride(0) % 2 == 0, "x's row stride must be even (bf16 pairs)");
+  const int64_t groups = K / group_size;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous(),
+              "scales must be contiguous [K/group, N] float32");
+  const int64_t N = scales.size(1);
+  TORCH_CHECK((N + 15) / 16 == NBLK, "scales have ", N, " channels, the packed weight ", NBLK, " blocks of 16");
+  const bool zp = zeros.has_value() && zeros->defined();
+  if (zp)
+    TORCH_CHECK(zeros->dim() == 2 && zeros->size(0) == groups && zeros->size(1) == N &&
+                    zeros->scalar_type() == at::kFloat && zeros->is_contiguous(),
+                "zeros must be contiguous [K/group, N] float32, like scales");
+  const float* bias_p = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bias must be [N] float32");
+    bias_p = bias->const_data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const c10::BFloat16* xv = x.const_data_ptr<c10::BFloat16>();
+  at::Tensor xsum_t;  // per row and group, the sum of x (only the zero points need it)
+  if (zp) {
+    if (M * K <= 8192) {  // a plain loop for a few rows: ATen's fixed cost would show at batch 1
+      xsum_t = at::zeros({M, groups}, x.options().dtype(at::kFloat));
+      float* s = xsum_t.mutable_data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) s[m * groups + k / group_size] += static_cast<float>(xv[m * x.stride(0) + k]);
+    } else {
+      xsum_t = x.to(at::kFloat).reshape({M, groups, group_size}).sum(-1).contiguous();
+    }
+  }
+  const float* xsum = zp ? xsum_t.const_data_ptr<float>() : nullptr;
+  const auto* xp = reinterpret_cast<const int32_t*>(xv);
+  const int64_t x_pair_stride = x.stride(0) / 2;
+  const int8_t* wp = packed.const_data_ptr<int8_t>();
+  const float* sp = scales.const_data_ptr<float>();
+  const float* zpp = zp ? zeros->const_data_ptr<float>() : nullptr;
+  c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
+  const int64_t w_block_stride = K2 * 32, group_pairs = group_size / 2;
+  const __mmask16 last_tail = N % 16 ? __mmask16((1u << (N % 16)) - 1) : __mmask16(0xFFFF);
+  // As the int4 kernel: few rows, several 16-channel blocks per tile (independent dot-product chains); many
+  // rows, one block and up to kMaxRowsG8 rows per tile, so each weight slice is widened once for them all.
+  const int nb = M <= 2 ? 4 : M <= 6 ? 2 : 1;
+  const int64_t row_tile = nb == 1 ? kMaxRowsG8 : M;
+  at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t blk = it * nb;
+      const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
+      const __mmask16 tail = blk + n == NBLK ? last_tail : __mmask16(0xFFFF);
+      for (int64_t m0 = 0; m0 < M; m0 += row_tile) {
+        const int mr = static_cast<int>(std::min<int64_t>(row_tile, M - m0));
+        const int32_t* xr = xp + m0 * x_pair_stride;
+        const float* xs = zp ? xsum + m0 * groups : nullptr;
+        const int8_t* w = wp + blk * w_block_stride;
+        const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
+        const float* zb = zp ? zpp + blk * 16 : nullptr;
+        c10::BFloat16* yr = yp + m0 * N + blk * 16;
+        if (zp)
+          run_g8<true>(n, mr, xr, x_pair_stride, xs, groups, w, w_block_stride, K2, group_pairs, sp + blk * 16, zb, N,
+                       bp, tail, yr);
+        else
+          run_g8<false>(n, mr, xr, x_pair_stride, xs, groups, w, w_block_stride, K2, group_pairs, sp + blk * 16, zb,
+                        N, bp, tail, yr);
+      }
+    }
+  });
+  return y;
+#endif
+}
+
+}  // namespace
+}  // namespace kubellm_cpu
+
+TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
+  m.def(
+      "grouped_int8_gemm(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int group_size, Tensor? bias) "
+      "-> Tensor");
+  m.def("grouped_int8_gemm_available() -> bool", &kubellm_cpu::grouped_int8_gemm_available);  // not dispatched
+}
+
+TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) { m.impl("grouped_int8_gemm", &kubellm_cpu::grouped_int8_gemm); }

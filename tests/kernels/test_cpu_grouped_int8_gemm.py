@@ -1,0 +1,84 @@
+"""The native grouped 8-bit GEMM (per-group scales, optional zero points) against its float32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kubellm.kernels import cpu_grouped_int8_gemm as g8
+
+pytestmark = pytest.mark.usefixtures("native_grouped_int8")  # skip without it; fail under CI where the CPU has it
+
+
+def _case(m, n, k, group, seed=0, zeros=True, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(k // group, n, generator=g) * 0.002 + 0.0001
+    z = torch.randint(-128, 128, (k // group, n), generator=g).float() if zeros else None
+    b = torch.randn(n, generator=g) if bias else None
+    return x, q, scales, z, b
+
+
+def _check(x, q, scales, z, group, b=None):
+    out = g8.grouped_int8_gemm(x, g8.pack(q), scales, z, group, b)
+    ref = g8.reference_grouped_int8_gemm(x, q, scales, z, group, b)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 13, 40])
+@pytest.mark.parametrize(("n", "k", "group"), [(16, 128, 16), (48, 256, 32), (576, 576, 64), (80, 1536, 128),
+                                               (40, 96, 96)])
+@pytest.mark.parametrize("zeros", [True, False], ids=["zeros", "symmetric"])
+def test_matches_the_reference(m, n, k, group, zeros):
+    """Row tiles of 1..12 and their remainders, odd block counts, groups 16..128 and per channel (group = K)."""
+    _check(*_case(m, n, k, group, seed=m + n + k, zeros=zeros)[:4], group)
+
+
+@pytest.mark.parametrize("n", [1, 7, 17, 33, 50, 63])
+@pytest.mark.parametrize("m", [1, 5, 14])
+def test_output_counts_not_a_multiple_of_16(n, m):
+    """The last 16-channel block is padded by pack; its scales, zeros and bias are read masked (N of them)."""
+    x, q, scales, z, b = _case(m, n, 64, 32, seed=n, bias=True)
+    _check(x, q, scales, z, 32, b)
+
+
+def test_bias_and_strided_rows():
+    x, q, scales, z, b = _case(4, 32, 256, 32, bias=True)
+    wide = torch.zeros(4, 300, dtype=torch.bfloat16)
+    wide[:, :256] = x
+    out = g8.grouped_int8_gemm(wide[:, :256], g8.pack(q), scales, z, 32, b)
+    torch.testing.assert_close(out.float(), g8.reference_grouped_int8_gemm(x, q, scales, z, 32, b).float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_extreme_values_are_exact():
+    """-128 and 127 widen to bf16 exactly: a one-hot x reads back the weight column times its scale."""
+    q = torch.tensor([[-128, 127] * 16] * 16, dtype=torch.int8)
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    x[0, 1] = 1.0
+    out = g8.grouped_int8_gemm(x, g8.pack(q), torch.full((1, 16), 0.5), None, 32)
+    assert torch.equal(out, torch.full((1, 16), 63.5, dtype=torch.bfloat16))
+
+
+def test_pack_layout():
+    q = (torch.arange(20 * 4) % 256 - 128).to(torch.int8).view(20, 4)
+    p = g8.pack(q)
+    assert p.shape == (2, 2, 16, 2) and p.dtype == torch.int8
+    assert int(p[1, 1, 3, 0]) == int(q[19, 2]) and int(p[1, 1, 3, 1]) == int(q[19, 3])
+    assert not p[1, :, 4:].any()  # channels 20..31 do not exist
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    (lambda x, p, s, z: (x.float(), p, s, z, 32), "bfloat16"),
+    (lambda x, p, s, z: (x, p, s, z, 24), "group_size"),
+    (lambda x, p, s, z: (x, p, s[:1], z, 32), "scales"),
+    (lambda x, p, s, z: (x, p, s, z[:, :16], 32), "zeros"),
+    (lambda x, p, s, z: (x, p, s[:, :8].contiguous(), None, 32), "blocks of 16"),
+    (lambda x, p, s, z: (x[:, :128], p, s, z, 32), "columns"),
+])  # fmt: skip
+def test_bad_inputs_are_refused(bad, match):
+    x, q, scales, zeros, _ = _case(2, 32, 256, 32)
+    with pytest.raises(RuntimeError, match=match):
+        g8.grouped_int8_gemm(*bad(x, g8.pack(q), scales, zeros))

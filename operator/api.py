@@ -84,6 +84,9 @@ class ConditionType(StrEnum):
     MODEL_LOADED = "ModelLoaded"  # at least one pod has the model in memory
     SCALING_ACTIVE = "ScalingActive"  # the autoscaler is computing replica counts from the queue depth
     DRAINING = "Draining"  # old pods are finishing in-flight requests
+    # kstatus's abnormal-true pair (Flux health checks, kpt, cli-utils): derived from the conditions above.
+    RECONCILING = "Reconciling"  # the operator is still working towards the spec (rollout, scale, loading)
+    STALLED = "Stalled"  # no progress without a change (invalid spec, crash loop, progress deadline)
 
 
 class ConditionStatus(StrEnum):
@@ -880,7 +883,7 @@ class Condition(_Status):
     """An observation of one aspect of the deployment (the metav1.Condition shape)."""
 
     type: str = Field(max_length=316, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$")  # fmt: skip
-    """Ready, Progressing, Degraded, ModelLoaded, ScalingActive or Draining."""
+    """Ready, Progressing, Degraded, ModelLoaded, ScalingActive, Draining, Reconciling or Stalled."""
 
     status: ConditionStatus
     """True, False or Unknown."""
@@ -951,7 +954,7 @@ class LLMDeploymentStatus(_Status):
         default=None,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
-    """Ready, Progressing, Degraded, ModelLoaded, ScalingActive and Draining."""
+    """Ready, Progressing, Degraded, ModelLoaded, ScalingActive, Draining, and kstatus's Reconciling and Stalled."""
 
     def get_condition(self, type: str) -> Condition | None:
         return next((c for c in self.conditions or () if c.type == type), None)

@@ -12,7 +12,7 @@ Conditions (``lastTransitionTime`` moves only when a condition's status changes,
 * **Ready**: True when at least one pod is ready and either no rollout is in progress or the rollout keeps
   ``availableReplicas >= desired`` (a rollout with ``maxUnavailable: 0`` stays Ready). Reasons: ``Available``
   (True, no rollout), ``Rolling`` (True while a rollout keeps full capacity, False while it runs below it),
-  ``NoReadyReplicas`` (no pod ready, or no Deployment yet), ``ScaledToZero`` (desired replicas 0),
+  ``NoReadyReplicas`` (no pod ready, or no Deployment yet), ``ScaledToZero`` (True: desired replicas 0),
   ``InvalidSpec`` and ``ReconcileFailed`` (the spec could not be applied: whatever still runs is the old one).
 * **Progressing**: True while a rollout (``Rolling``) or a scale (``Scaling``: pods not yet available) is
   under way, or before the Deployment exists (``Creating``); False with ``Complete`` when every pod runs the
@@ -33,13 +33,18 @@ Conditions (``lastTransitionTime`` moves only when a condition's status changes,
   False with ``AutoscalingDisabled`` when spec.autoscaling is off. ``status.autoscaling.blockedReason`` says
   why the autoscaler cannot act.
 * **Draining**: True while terminating pods (``deletionTimestamp`` set) finish their in-flight requests.
+* **Stalled** and **Reconciling**, kstatus's abnormal-true pair (Flux health checks, kpt), derived from the
+  conditions above by :func:`set_kstatus_conditions` on every status write: Stalled is True when Degraded (or
+  Progressing) names a problem in :data:`STALLING_REASONS`, one that stays until something changes; Reconciling
+  is True otherwise while anything is under way or wrong (a failed reconcile being retried, a rollout or scale,
+  an unschedulable pod, pods loading). Both False: the object is settled.
 
 Fields: ``replicas``/``readyReplicas``/``updatedReplicas`` from the Deployment's status; ``readyText`` is
 ready/desired, desired being the Deployment's spec.replicas (the HPA's desiredReplicas, then spec.replicas,
 when the Deployment has none); ``selector`` the Deployment's matchLabels (render's selector before it
 exists); ``endpoint`` ``http://<service>.<namespace>.svc:<port>/v1``; ``observedGeneration`` the generation
-the status describes, held back while the reconcile of a newer one fails (so its rollout is announced once it
-is applied).
+the status describes, written by every path (observe, invalid spec, failed reconcile), so a waiter never reads a
+status written for an older spec as an answer about this one.
 
 Events: ``RolloutStarted`` / ``RolloutComplete``, ``ScaledUp`` / ``ScaledDown`` (the HPA's desired replicas
 changed since the last status), ``ModelLoaded``, and Warnings when Degraded turns True or changes reason
@@ -102,6 +107,15 @@ _CONDITION_ORDER = (
     ConditionType.MODEL_LOADED,
     ConditionType.SCALING_ACTIVE,
     ConditionType.DRAINING,
+    ConditionType.RECONCILING,
+    ConditionType.STALLED,
+)
+# Degraded reasons that stay until someone changes the spec or the cluster: kstatus's Stalled (Flux and kpt report
+# Failed at once instead of waiting out their timeout). Unschedulable and ReadinessProbeFailing can heal by
+# themselves (a node is added, a backend comes back) and a failed reconcile is retried with backoff: those keep
+# the object Reconciling.
+STALLING_REASONS = frozenset(
+    {"InvalidSpec", *DEGRADING_WAITING_REASONS, "OOMKilled", "ProgressDeadlineExceeded", "ReplicaFailure"}
 )
 
 
@@ -551,8 +565,8 @@ def ready_condition(rollout: Rollout, rolling: bool, problem: Problem | None) ->
     desired, ready = rollout.desired, rollout.ready
     if not rollout.exists:
         return ConditionStatus.FALSE, "NoReadyReplicas", "the Deployment does not exist yet"
-    if desired == 0:
-        return ConditionStatus.FALSE, "ScaledToZero", "scaled to zero replicas"
+    if desired == 0:  # True: zero pods is the state asked for (kstatus reads a False Ready as "in progress")
+        return ConditionStatus.TRUE, "ScaledToZero", "scaled to zero replicas"
     if ready == 0:
         why = f": {problem.message}" if problem else ""
         return ConditionStatus.FALSE, "NoReadyReplicas", f"0/{desired} replicas ready{why}"
@@ -608,6 +622,41 @@ def scaling(
     if autoscaling.blocked_reason and hpa is not None and autoscaling.blocked_reason != prev_blocked:
         events.append(Event("Warning", "AutoscalingBlocked", autoscaling.blocked_reason))
     return autoscaling, condition, events
+
+
+def stalled_condition(status: LLMDeploymentStatus) -> ConditionValue:
+    """kstatus's Stalled: True when Degraded (or Progressing) names a problem in :data:`STALLING_REASONS`."""
+    for type_, bad in ((ConditionType.DEGRADED, ConditionStatus.TRUE), (ConditionType.PROGRESSING, ConditionStatus.FALSE)):
+        c = status.get_condition(type_)
+        if c is not None and c.status == bad and c.reason in STALLING_REASONS:
+            return ConditionStatus.TRUE, c.reason, c.message
+    return ConditionStatus.FALSE, "NotStalled", ""
+
+
+def reconciling_condition(status: LLMDeploymentStatus, stalled: bool) -> ConditionValue:
+    """kstatus's Reconciling: True while the operator is still getting to the spec (a failed reconcile being
+    retried, a rollout or scale, a problem that may heal, pods loading); False once Stalled or done."""
+    if stalled:
+        return ConditionStatus.FALSE, "Stalled", "no progress without a change; see the Stalled condition"
+    ready, progressing, degraded = (
+        status.get_condition(t) for t in (ConditionType.READY, ConditionType.PROGRESSING, ConditionType.DEGRADED)
+    )
+    if ready is not None and ready.reason == "ReconcileFailed":
+        return ConditionStatus.TRUE, "ReconcileFailed", f"retrying: {ready.message}"
+    for c, busy in ((progressing, ConditionStatus.TRUE), (degraded, ConditionStatus.TRUE), (ready, ConditionStatus.FALSE)):
+        if c is not None and c.status == busy:
+            return ConditionStatus.TRUE, c.reason, c.message
+    return ConditionStatus.FALSE, "Reconciled", ""
+
+
+def set_kstatus_conditions(status: LLMDeploymentStatus, generation: int | None, now: datetime) -> None:
+    """Reconciling and Stalled from the other conditions, so Flux, kpt and kstatus-based tools read the same
+    answer as the conditions above (exactly one of the two is True unless the object is settled)."""
+    stalled = stalled_condition(status)
+    _set(status, ConditionType.STALLED, stalled, generation, now)
+    _set(status, ConditionType.RECONCILING, reconciling_condition(status, stalled[0] == ConditionStatus.TRUE),
+         generation, now)  # fmt: skip
+    _order_conditions(status)
 
 
 def fail_conditions(
@@ -667,7 +716,10 @@ def observe(
 
     rollout = read_rollout(ld, deployment, hpa)
     was_rolling = _was_rolling(previous)
-    new_generation = generation is not None and generation != previous.observed_generation
+    # A failed reconcile records its generation too (observedGeneration, for kstatus); Progressing=ReconcileFailed
+    # remembers that the rollout of that generation is still to be announced.
+    unannounced = (c := previous.get_condition(ConditionType.PROGRESSING)) is not None and c.reason == "ReconcileFailed"
+    new_generation = generation is not None and (generation != previous.observed_generation or unannounced)
     starting = new_generation and template_changed is not False and reconcile_error is None
     stalled = rollout.deadline_message is not None
     rolling = starting or (not rollout.complete and not stalled and (was_rolling or rollout.replicas > rollout.updated))
@@ -692,7 +744,7 @@ def observe(
         events += fail_conditions(
             status, previous, "ReconcileFailed", reconcile_error, generation, now, progressing=reconcile_error
         )
-    _order_conditions(status)
+    set_kstatus_conditions(status, generation, now)
 
     loaded_before = previous.get_condition(ConditionType.MODEL_LOADED)
     if conditions[ConditionType.MODEL_LOADED][0] == ConditionStatus.TRUE and (
@@ -701,9 +753,7 @@ def observe(
         events.append(Event("Normal", "ModelLoaded", f"{ld.spec.model.uri} is loaded and serving"))
     events.extend(_degraded_events(previous, status))
 
-    # A failed reconcile leaves observedGeneration at the last generation whose children were applied, so the
-    # rollout of this one is still announced once it is applied.
-    if generation is not None and reconcile_error is None:
+    if generation is not None:
         status.observed_generation = generation
     status.replicas, status.ready_replicas, status.updated_replicas = rollout.replicas, rollout.ready, rollout.updated
     status.ready_text = ready_text(rollout.ready, rollout.desired)
@@ -729,13 +779,14 @@ def invalid_spec_status(
     and Degraded True, all with reason InvalidSpec; the other conditions and counts keep their last values.
     A Warning Event InvalidSpec comes with it unless this generation was already reported with this message.
     """
-    generation = _metadata_generation(ld)
+    generation, now = _metadata_generation(ld), now or utc_now()
     prev = _as_status(previous)
     status = prev.model_copy(deep=True)
     events = fail_conditions(
-        status, prev, "InvalidSpec", message, generation, now or utc_now(),
+        status, prev, "InvalidSpec", message, generation, now,
         progressing="the spec was rejected; nothing was changed", once_per_generation=True,
     )  # fmt: skip
+    set_kstatus_conditions(status, generation, now)
     if generation is not None:
         status.observed_generation = generation
     return status, events
@@ -752,5 +803,9 @@ def reconcile_failed_status(
     object); the rest of the status is kept. A Warning Event unless this message was already reported."""
     prev = _as_status(previous)
     status = prev.model_copy(deep=True)
-    events = fail_conditions(status, prev, "ReconcileFailed", message, _metadata_generation(ld), now or utc_now())
+    generation, now = _metadata_generation(ld), now or utc_now()
+    events = fail_conditions(status, prev, "ReconcileFailed", message, generation, now)
+    set_kstatus_conditions(status, generation, now)
+    if generation is not None:
+        status.observed_generation = generation
     return status, events

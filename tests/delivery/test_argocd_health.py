@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-import lupa
-
+from gitops_health import ARGOCD_LUA as LUA
+from gitops_health import ROOT, argo_health
 from kubellm.operator import status as status_mod
 from kubellm.operator.api import LLMDeployment
 
-ROOT = Path(__file__).resolve().parents[2]
-LUA = ROOT / "charts" / "kubellm" / "files" / "argocd-health.lua"
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-
-
-def argo_health(obj: dict[str, Any]) -> tuple[str, str]:
-    """(status, message) as Argo CD computes them: the script's chunk run with the resource as ``obj``."""
-    lua = lupa.LuaRuntime(unpack_returned_tuples=True)
-    lua.globals().obj = lua.table_from(obj, recursive=True)
-    result = lua.execute(LUA.read_text())
-    return result["status"], result["message"]
 
 
 def ld(generation: int = 1, **spec: Any) -> LLMDeployment:

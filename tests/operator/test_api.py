@@ -321,7 +321,7 @@ T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 def test_condition_types():
     assert [t.value for t in api.ConditionType] == [
-        "Ready", "Progressing", "Degraded", "ModelLoaded", "ScalingActive", "Draining"
+        "Ready", "Progressing", "Degraded", "ModelLoaded", "ScalingActive", "Draining", "Reconciling", "Stalled"
     ]  # fmt: skip
 
 

@@ -154,6 +154,16 @@ async def simulate_deployment_status(server, deployment: dict, **status: int) ->
     await patch(server, path, {"status": status})
 
 
+def written_paths(patch: Any, prefix: str = "") -> list[str]:
+    """The JSON-pointer paths a merge patch (a dict) or JSON patch (a list of operations) writes."""
+    if isinstance(patch, list) and not prefix:
+        return [op["path"] for op in patch if op.get("op") != "test"]
+    if isinstance(patch, dict) and patch:
+        escaped = ((k.replace("~", "~0").replace("/", "~1"), v) for k, v in patch.items())
+        return [p for k, v in escaped for p in written_paths(v, f"{prefix}/{k}")]
+    return [prefix]
+
+
 def running_pod(name: str, labels: dict[str, str]) -> dict:
     return {
         "apiVersion": "v1",
@@ -360,6 +370,53 @@ async def test_failing_apply_reports_reconcile_failed_and_recovers(server, opera
     await until(lambda: condition(server, "Ready")["reason"] != "ReconcileFailed", "ReconcileFailed to clear")
     assert condition(server, "Degraded")["reason"] != "ReconcileFailed"
     await until(lambda: events(server, "RolloutStarted"), "the RolloutStarted Event after the recovery")
+
+
+@pytest.mark.asyncio
+async def test_the_operator_writes_only_status_finalizers_and_its_own_annotations(server, operator):
+    """GitOps tools own spec, labels and their annotations: every write the operator makes to the LLMDeployment
+    (create, update, an invalid spec, a failed apply, a recovery) touches status, the finalizer or kopf's
+    kubellm.io/ bookkeeping only."""
+    gitops_annotations = {
+        "argocd.argoproj.io/tracking-id": "models:kubellm.io/LLMDeployment:ml/llama",
+        "kustomize.toolkit.fluxcd.io/name": "models",
+    }
+    body = llmdeployment(replicas=1)
+    body["metadata"].update(annotations=dict(gitops_annotations), labels={"team": "ml"})
+    broken = {"on": False}
+    server[
+        lambda req: broken["on"] and req.method == "PATCH" and req.resource == PDBS
+    ] << kmock.KubernetesError(status=500, reason="InternalError", message="etcdserver: request timed out")
+    await create(server, body)
+    deployment = await until(lambda: [d for d in live(server, DEPLOYMENTS).values() if owned_by_ld(d)], "the Deployment")
+    await simulate_deployment_status(
+        server, deployment[0], replicas=1, readyReplicas=1, updatedReplicas=1, availableReplicas=1
+    )
+    await until(lambda: condition(server, "Ready"), "a status")
+    broken["on"] = True
+    await patch(server, f"{LD_PATH}/{NAME}", {"metadata": {"generation": 2}, "spec": {"dtype": "float16"}})
+    await until(lambda: condition(server, "Ready")["reason"] == "ReconcileFailed", "Ready=ReconcileFailed")
+    broken["on"] = False
+    await until(lambda: condition(server, "Ready")["reason"] != "ReconcileFailed", "the recovery")
+    await patch(server, f"{LD_PATH}/{NAME}", {"metadata": {"generation": 3}, "spec": {"replicas": -1}})
+    await until(lambda: condition(server, "Ready")["reason"] == "InvalidSpec", "Ready=InvalidSpec")
+    await until(lambda: ld_object(server)["status"].get("observedGeneration") == 3, "observedGeneration 3")
+
+    writes = [
+        r for r in server
+        if r.resource == LD_RESOURCE and r.method in ("POST", "PUT", "PATCH", "DELETE")
+        and r.headers.get("Authorization")  # the operator logs in with a token; this test's own requests do not
+    ]  # fmt: skip
+    assert any(r.subresource == "status" for r in writes) and any(r.subresource is None for r in writes)
+    allowed = ("/status/", "/metadata/finalizers", "/metadata/annotations/kubellm.io~1")
+    for r in writes:
+        assert r.method == "PATCH", (r.method, r.url)
+        for path in written_paths(r.data):
+            assert path.startswith(allowed[:1] if r.subresource == "status" else allowed[1:]), (path, r.url)
+    final = ld_object(server)["metadata"]
+    assert {k: v for k, v in final["annotations"].items() if not k.startswith("kubellm.io/")} == gitops_annotations
+    assert final["labels"] == {"team": "ml"}
+    assert ld_object(server)["spec"] == {"model": {"uri": "hf://org/llama"}, "replicas": -1, "dtype": "float16"}
 
 
 @pytest.mark.asyncio

@@ -182,8 +182,10 @@ def test_healthy_deployment_is_ready_with_all_fields():
     assert cond(status, "ModelLoaded") == ("True", "Loaded")
     assert cond(status, "ScalingActive") == ("False", "AutoscalingDisabled")
     assert cond(status, "Draining") == ("False", "NoTerminatingPods")
+    assert cond(status, "Reconciling") == ("False", "Reconciled")
+    assert cond(status, "Stalled") == ("False", "NotStalled")
     assert [c.type for c in status.conditions] == [
-        "Ready", "Progressing", "Degraded", "ModelLoaded", "ScalingActive", "Draining",
+        "Ready", "Progressing", "Degraded", "ModelLoaded", "ScalingActive", "Draining", "Reconciling", "Stalled",
     ]  # fmt: skip
     assert (status.replicas, status.ready_replicas, status.updated_replicas) == (2, 2, 2)
     assert status.ready_text == "2/2"
@@ -393,10 +395,14 @@ def test_first_observation_without_a_deployment():
     assert cond(status, "Ready") == ("True", "Available")
 
 
-def test_scaled_to_zero_is_not_ready():
+def test_scaled_to_zero_is_ready_with_no_model_loaded():
+    """Zero pods is the state asked for: Ready says so (kstatus and `kubectl wait` read a False Ready as "not
+    there yet"), ModelLoaded says nothing serves."""
     ld = make_ld(1, replicas=0)
     status, _ = observe(ld, make_deployment(0), None, [], None, now=T0)
-    assert cond(status, "Ready") == ("False", "ScaledToZero")
+    status, _ = observe(ld, make_deployment(0), None, [], status, now=T0)
+    assert cond(status, "Ready") == ("True", "ScaledToZero")
+    assert cond(status, "Reconciling") == ("False", "Reconciled")
     assert cond(status, "ModelLoaded") == ("False", "ScaledToZero")
 
 
@@ -538,7 +544,7 @@ def test_invalid_spec_status():
     assert cond(status, "Ready") == ("False", "InvalidSpec") and len(events) == 1
 
 
-def test_reconcile_error_is_reported_once_and_holds_back_observed_generation():
+def test_reconcile_error_is_reported_once_records_its_generation_and_announces_the_rollout_after():
     previous = steady()
     ld2 = make_ld(2, replicas=2, dtype="float16")
     pods = [make_pod("a"), make_pod("b")]
@@ -546,7 +552,9 @@ def test_reconcile_error_is_reported_once_and_holds_back_observed_generation():
     assert cond(status, "Ready") == ("False", "ReconcileFailed")
     assert cond(status, "Degraded") == ("True", "ReconcileFailed")
     assert [e.reason for e in events] == ["ReconcileFailed"]
-    assert status.observed_generation == 1
+    assert status.observed_generation == 2  # observed, not applied: the conditions say so
+    assert cond(status, "Reconciling") == ("True", "ReconcileFailed")  # retried with backoff, not stalled
+    assert cond(status, "Stalled") == ("False", "NotStalled")
     status, events = observe(ld2, make_deployment(2), None, pods, status, now=at(10), reconcile_error="boom")
     assert events == []
     # Fixed: the rollout of generation 2 is announced now.

@@ -25,30 +25,33 @@ end
 
 local ready = condition("Ready")
 local progressing = condition("Progressing")
-local degraded = condition("Degraded")
+local reconciling = condition("Reconciling")
+-- Stalled (kstatus) says a human must act; a status from an operator older than it has Degraded only.
+local stalled = condition("Stalled")
+if stalled == nil then
+  stalled = condition("Degraded")
+end
 
-if degraded ~= nil and degraded.status == "True" then
+if stalled ~= nil and stalled.status == "True" then
   hs.status = "Degraded"
-  hs.message = degraded.reason .. ": " .. (degraded.message or "")
+  hs.message = stalled.reason .. ": " .. (stalled.message or "")
   return hs
 end
-if progressing ~= nil and progressing.status == "False" and progressing.reason == "ProgressDeadlineExceeded" then
-  hs.status = "Degraded"
-  hs.message = progressing.message or "the rollout exceeded its progress deadline"
-  return hs
-end
-if ready ~= nil and ready.status == "False" and ready.reason == "ScaledToZero" then
+if ready ~= nil and ready.reason == "ScaledToZero" then
   hs.status = "Suspended"
   hs.message = ready.message or "scaled to zero replicas"
   return hs
 end
-if ready ~= nil and ready.status == "True" and (progressing == nil or progressing.status ~= "True") then
+local busy = (reconciling ~= nil and reconciling.status == "True") or (progressing ~= nil and progressing.status == "True")
+if ready ~= nil and ready.status == "True" and not busy then
   hs.status = "Healthy"
   hs.message = ready.message or ""
   return hs
 end
 hs.status = "Progressing"
-if progressing ~= nil and progressing.status == "True" then
+if reconciling ~= nil and reconciling.status == "True" then
+  hs.message = reconciling.reason .. ": " .. (reconciling.message or "")
+elseif progressing ~= nil and progressing.status == "True" then
   hs.message = progressing.message or progressing.reason
 elseif ready ~= nil then
   hs.message = ready.message or ready.reason

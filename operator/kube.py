@@ -11,6 +11,7 @@ Why this client and not an asyncio one: docs/architecture.md, "API access".
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import threading
 import time
@@ -191,6 +192,45 @@ class Kube:
         await self._call("PATCH", api_version, kind, lambda r: self.client.request(
             "patch", r.path(name=name, namespace=namespace) + "/status", body=dict(patch),
             content_type="application/merge-patch+json", serializer=_plain,
+            _request_timeout=REQUEST_TIMEOUT))  # fmt: skip
+
+    async def scale_from_zero(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Set the scale subresource to 1 replica if it is at 0; whether this call did it. The patch carries
+        the resourceVersion read, so it never overwrites a count someone else set in between."""
+
+        def run(r: Any) -> bool:
+            path = r.path(name=name, namespace=namespace) + "/scale"
+            scale = self.client.request("get", path, serializer=_plain, _request_timeout=REQUEST_TIMEOUT)
+            if (scale.get("spec") or {}).get("replicas", 0) != 0:
+                return False
+            patch = {"metadata": {"resourceVersion": scale["metadata"]["resourceVersion"]}, "spec": {"replicas": 1}}
+            self.client.request("patch", path, body=patch, content_type="application/merge-patch+json",
+                                serializer=_plain, _request_timeout=REQUEST_TIMEOUT)
+            return True
+
+        try:
+            return bool(await self._call("PATCH", api_version, kind, run))
+        except ApiError as e:
+            if e.status == 409 or e.not_found:  # someone scaled it meanwhile, or it is gone: nothing to wake
+                return False
+            raise
+
+    async def post_event(
+        self, about: Mapping[str, Any], type_: str, reason: str, message: str, *, component: str
+    ) -> None:
+        """Create a core/v1 Event about ``about`` (an object with apiVersion, kind and metadata)."""
+        meta = about["metadata"]
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta.get("namespace")},
+            "involvedObject": {"apiVersion": about["apiVersion"], "kind": about["kind"], "name": meta["name"],
+                               "namespace": meta.get("namespace"), "uid": meta.get("uid")},
+            "type": type_, "reason": reason, "message": message, "source": {"component": component},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }  # fmt: skip
+        await self._call("POST", "v1", "Event", lambda r: self.client.create(
+            r, body=event, namespace=meta.get("namespace"), serializer=_plain,
             _request_timeout=REQUEST_TIMEOUT))  # fmt: skip
 
 

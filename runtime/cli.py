@@ -217,6 +217,14 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_activator(args: argparse.Namespace) -> int:
+    from kubellm.operator.activator import run
+
+    run(args.host, args.port, upstream_template=args.upstream, hold_timeout=args.hold_timeout,
+        max_held=args.max_held)
+    return 0
+
+
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
@@ -308,6 +316,26 @@ def _add_operator(sub, parents: list[argparse.ArgumentParser]) -> None:
     o.set_defaults(func=cmd_operator)
 
 
+def _add_activator(sub, parents: list[argparse.ArgumentParser]) -> None:
+    from kubellm.operator.activator import DEFAULT_UPSTREAM
+
+    a = sub.add_parser("activator", parents=parents, help="hold requests for deployments scaled to zero and wake them",
+                       description="A reverse proxy that the Service of an LLMDeployment scaled to zero points at: "
+                                   "it holds each request, scales the Deployment from 0 to 1, and forwards the held "
+                                   "requests (streams pass through) once a pod is ready; 503 + Retry-After when "
+                                   "that takes longer than --hold-timeout. See docs/autoscaling.md.")
+    a.add_argument("--host", default="0.0.0.0")
+    a.add_argument("--port", type=int, default=8000)
+    a.add_argument("--upstream", default=DEFAULT_UPSTREAM,
+                   help="URL of a deployment's pods, formatted with {name}, {namespace} and {port} taken from the "
+                        f"request's Host name.namespace[:port] (default {DEFAULT_UPSTREAM})")
+    a.add_argument("--hold-timeout", type=float, default=300.0,
+                   help="seconds a request may wait for its deployment to start before it gets 503 (default 300)")
+    a.add_argument("--max-held", type=int, default=1000,
+                   help="requests held per deployment at most; more get 503 at once (default 1000)")
+    a.set_defaults(func=cmd_activator)
+
+
 def _add_crd(sub) -> None:
     c = sub.add_parser("crd", help="print the LLMDeployment CRD generated from the API types",
                        description="Generate the CustomResourceDefinition for LLMDeployment from the pydantic models "
@@ -372,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub, logging_flags)
     _add_serve(sub, logging_flags)
     _add_operator(sub, logging_flags)
+    _add_activator(sub, logging_flags)
     _add_crd(sub)
     _add_render(sub)
     _add_kernels(sub, logging_flags)

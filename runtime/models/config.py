@@ -9,6 +9,9 @@ from kubellm.runtime.models.registry import MODEL_CLASSES
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)  # what this runtime implements
 WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # sliding-window layers implemented
+# Architectures whose every layer applies config.json's sliding_window (transformers masks them all alike):
+# Mistral v0.1 (4096), Phi-3-mini-4k (2047), Mixtral when its config sets one.
+EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 
 # Multimodal checkpoints whose text tower we serve: (architecture, text architecture, text config defaults).
 # Hub configs of Gemma 3 list only what differs from transformers' Gemma3TextConfig defaults, copied here.
@@ -84,6 +87,9 @@ class ModelConfig:
     attention_bias: bool  # bias on q/k/v projections (Qwen2)
     sliding_window: int | None
     moe: MoEConfig | None = None
+    # The window every layer applies (EVERY_LAYER_WINDOWED with a window shorter than the context), or None.
+    # A query at position p sees keys p - window < j <= p, as transformers masks them.
+    attention_window: int | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # config.json, for family-specific fields
 
     @classmethod
@@ -119,9 +125,13 @@ class ModelConfig:
                                   "(rotary over the whole head only)")
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
         max_pos = cfg.get("max_position_embeddings") or 2048
-        if sliding is not None and sliding < max_pos and arch not in WINDOWED_ARCHITECTURES:
+        windows_all = sliding is not None and sliding < max_pos and arch in EVERY_LAYER_WINDOWED
+        if sliding is not None and sliding < max_pos and not windows_all and arch not in WINDOWED_ARCHITECTURES:
             raise CheckpointError(
-                f"sliding_window={sliding} shorter than the context ({max_pos}){where} is not supported yet")
+                f"sliding_window={sliding} shorter than the context ({max_pos}){where} is not supported yet "
+                f"for {arch} (served: {', '.join(EVERY_LAYER_WINDOWED + WINDOWED_ARCHITECTURES)})")
+        if windows_all and not (isinstance(sliding, int) and sliding > 0):
+            raise CheckpointError(f"sliding_window must be a positive integer, got {sliding!r}{where}")
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
             rope_theta = cfg["rope_parameters"].get("rope_theta")
@@ -142,6 +152,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             sliding_window=sliding,
             moe=MoEConfig.from_hf(cfg, arch, cfg["num_hidden_layers"], where),
+            attention_window=sliding if windows_all else None,
             raw=dict(cfg),
         )
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kubellm.kernels import cpu_layer_ops as ops
-from kubellm.runtime.layers.attention import Attention, AttentionMetadata
+from kubellm.runtime.layers.attention import Attention, AttentionMetadata, LayerOptions
 from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
@@ -61,7 +61,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim)
+        opts = LayerOptions(window=cfg.attention_window)  # Mistral v0.1, Phi-3 4k: every layer windowed
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, opts)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] → q [T, heads, D], k and v [T, kv heads, D] (before rotary; families add norms here)."""

@@ -83,9 +83,22 @@ tiny_gemma3 = _tiny("gemma3", "Gemma 3: q/k norms, a 12-token window on layers 0
 tiny_phi3 = _tiny("phi3", "Phi-3: q/k/v and gate/up fused in the checkpoint.")
 
 
+@pytest.fixture(scope="module")
+def tiny_mistral_window(tiny_checkpoint_factory):
+    """Mistral v0.1's layout: every layer windowed (12 tokens: three 4-token KV blocks)."""
+    return tiny_checkpoint_factory("mistral", sliding_window=12)
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3_window(tiny_checkpoint_factory):
+    """Phi-3-mini-4k's layout: every layer windowed, by one less than a block multiple (2047 there, 11 here)."""
+    return tiny_checkpoint_factory("phi3", sliding_window=11)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama3", "tiny_qwen2", "tiny_mistral",
                                      "tiny_llama_sharded", "tiny_qwen3", "tiny_phi3", "tiny_qwen3_moe",
-                                     "tiny_mixtral", "tiny_gemma2", "tiny_gemma3"])
+                                     "tiny_mixtral", "tiny_gemma2", "tiny_gemma3", "tiny_mistral_window",
+                                     "tiny_phi3_window"])
 def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     llm = _engine(model_dir)
@@ -97,7 +110,7 @@ def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fix
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_mixtral",
-                                     "tiny_gemma2", "tiny_gemma3"])
+                                     "tiny_gemma2", "tiny_gemma3", "tiny_mistral_window", "tiny_phi3_window"])
 def test_torch_reference_attention_backend_also_equals_transformers(fixture, request):
     """`auto` uses the native CPU kernels where they build; the plain-PyTorch references everywhere (attention,
     layer ops, unpacked weights) must agree too."""
@@ -192,13 +205,21 @@ def test_mixture_of_experts_with_two_tensor_parallel_ranks_equals_transformers(f
         llm.close()
 
 
-def test_gemma_windows_hold_for_prompts_far_longer_than_the_window(tiny_gemma2, tiny_gemma3):
+_BACKENDS = {"auto": {}, "torch": {"attention_backend": "torch", "layer_ops": "torch", "prepack_weights": "off"},
+             "triton": {"attention_backend": "triton", "device": "cuda" if torch.cuda.is_available() else "cpu"}}
+
+
+@pytest.mark.parametrize(("fixture", "backend"), [
+    ("tiny_gemma2", "auto"), ("tiny_gemma3", "auto"), ("tiny_mistral_window", "auto"), ("tiny_phi3_window", "auto"),
+    ("tiny_mistral_window", "torch"), ("tiny_phi3_window", "torch"), ("tiny_phi3_window", "triton"),
+])  # fmt: skip
+def test_windows_hold_for_prompts_far_longer_than_the_window(fixture, backend, request):
     """Long prompts (5-8 windows) beside short ones in one batch, chunked across many steps: a position outside
     its layer's window must never be attended, whichever step or block it sits in."""
+    model_dir = request.getfixturevalue(fixture)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (90, 3, 61, 14)]
-    for model_dir in (tiny_gemma2, tiny_gemma3):
-        _run_and_compare(_engine(model_dir, num_kv_blocks=96), model_dir, prompts)
+    _run_and_compare(_engine(model_dir, num_kv_blocks=96, **_BACKENDS[backend]), model_dir, prompts)
 
 
 def test_gemma3_with_two_tensor_parallel_ranks_equals_transformers(tiny_gemma3):

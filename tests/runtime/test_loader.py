@@ -130,10 +130,26 @@ def test_malformed_gemma_layout_is_a_clear_error(change, message):
         GemmaSettings.from_config(ModelConfig.from_hf({**_GEMMA3, **change}))
 
 
-def test_llama_family_sliding_windows_are_still_refused():
-    cfg = {**_GEMMA3, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
-    with pytest.raises(CheckpointError, match="sliding_window=4096 shorter than the context"):
-        ModelConfig.from_hf(cfg)
+@pytest.mark.parametrize(("arch", "window", "expected"), [
+    ("MistralForCausalLM", 4096, 4096),  # Mistral v0.1
+    ("Phi3ForCausalLM", 2047, 2047),  # Phi-3-mini-4k: transformers masks 2047 keys, the query's own included
+    ("MixtralForCausalLM", 4096, 4096),
+    ("MistralForCausalLM", 32768, None),  # no shorter than the context: never hides a key (Phi-3-128k too)
+    ("MistralForCausalLM", None, None),  # Mistral v0.2+
+])  # fmt: skip
+def test_every_layer_windows_of_mistral_phi3_and_mixtral_are_served(arch, window, expected):
+    cfg = ModelConfig.from_hf({**_GEMMA3, "architectures": [arch], "sliding_window": window})
+    assert cfg.attention_window == expected
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"architectures": ["LlamaForCausalLM"]}, "sliding_window=4096 shorter than the context .* for LlamaForCausalLM"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "not supported yet for Qwen2ForCausalLM"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window must be a positive integer"),
+])  # fmt: skip
+def test_other_sliding_windows_are_still_refused(change, message):
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_hf({**_GEMMA3, "sliding_window": 4096, **change})
 
 
 def test_unknown_architecture_is_named_in_the_error(broken):

@@ -5,8 +5,8 @@
 ``[M, K]`` bfloat16, ``q`` ``[N, K]`` unsigned 4-bit values (0..15; a symmetric format uses z = 8), ``scales``
 and ``zeros`` ``[K / group, N]`` float32, ``y`` ``[M, N]`` bfloat16. The form every 4-bit format reads into
 (runtime/prequantized.py: AWQ, GPTQ, compressed-tensors W4A16). The kernel wants the weight packed once by
-:func:`pack` (``N % 16 == 0``, ``K`` divisible by the group size, which is even). It exists only in builds for
-CPUs with AVX512-BF16; :func:`available` says whether this process has it.
+:func:`pack` (``[N/16, K/4, 16, 2]`` uint8; ``N % 16 == 0``, ``K`` divisible by the group size, a multiple of
+4). It exists only in builds for CPUs with AVX512-BF16; :func:`available` says whether this process has it.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ def available() -> bool:
 
 
 def packable(q: torch.Tensor, group_size: int) -> bool:
-    return q.dim() == 2 and q.shape[0] % 16 == 0 and group_size % 2 == 0 and q.shape[1] % group_size == 0
+    return q.dim() == 2 and q.shape[0] % 16 == 0 and group_size % 4 == 0 and q.shape[1] % group_size == 0
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` values 0..15 → ``[N/16, K/2, 16]`` bytes: per block of 16 output channels and pair of inputs
-    (k, k+1), each channel's byte holds q[k] in its low nibble and q[k+1] in its high one."""
+    """``[N, K]`` values 0..15 → ``[N/16, K/4, 16, 2]`` bytes: per block of 16 output channels and quad of
+    inputs k..k+3, channel i's byte j (0, 1) holds q[k + j] in its low nibble and q[k + 2 + j] in its high one
+    (so the low nibbles are the (k, k+1) pairs the kernel multiplies, the high ones the (k+2, k+3) pairs)."""
     n, k = q.shape
-    pairs = q.to(torch.uint8).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
-    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+    quads = q.to(torch.uint8).view(n // 16, 16, k // 4, 2, 2).permute(0, 2, 1, 4, 3)  # [.., i, j, low/high]
+    return (quads[..., 0] | (quads[..., 1] << 4)).contiguous()
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

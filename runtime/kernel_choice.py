@@ -115,7 +115,7 @@ class KernelChoice:
         ``cpu_grouped_int8_gemm``'s) with ``group_size`` inputs per scale (-1 or ``in_features``: per channel)."""
         group = in_features if group_size <= 0 else group_size
         if bits == 4:
-            packable = out_features % 16 == 0 and group % 2 == 0 and in_features % group == 0
+            packable = out_features % 16 == 0 and group % 4 == 0 and in_features % group == 0
             return self.grouped_int4_gemm if packable else "dequantize"
         if 4 < bits <= 8:
             packable = group % 2 == 0 and in_features % group == 0

@@ -14,12 +14,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+
+#include "gemm_tiles.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -164,14 +165,11 @@ at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   const c10::BFloat16* xv = x.const_data_ptr<c10::BFloat16>();
   at::Tensor xsum_t;  // per row and group, the sum of x (only the zero points need it)
   if (zp) {
-    if (M * K <= 8192) {  // a plain loop for a few rows: ATen's fixed cost would show at batch 1
-      xsum_t = at::zeros({M, groups}, x.options().dtype(at::kFloat));
-      float* s = xsum_t.mutable_data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) s[m * groups + k / group_size] += static_cast<float>(xv[m * x.stride(0) + k]);
-    } else {
-      xsum_t = x.to(at::kFloat).reshape({M, groups, group_size}).sum(-1).contiguous();
-    }
+    xsum_t = at::empty({M, groups}, x.options().dtype(at::kFloat));
+    float* s = xsum_t.mutable_data_ptr<float>();
+    at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+      tiles::bf16_group_sums(xv + m0 * x.stride(0), x.stride(0), m1 - m0, K, group_size, s + m0 * groups);
+    });
   }
   const float* xsum = zp ? xsum_t.const_data_ptr<float>() : nullptr;
   const auto* xp = reinterpret_cast<const int32_t*>(xv);
@@ -182,9 +180,9 @@ at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
   const int64_t w_block_stride = K2 * 32, group_pairs = group_size / 2;
   const __mmask16 last_tail = N % 16 ? __mmask16((1u << (N % 16)) - 1) : __mmask16(0xFFFF);
-  // As the int4 kernel: few rows, several 16-channel blocks per tile (independent dot-product chains); many
-  // rows, one block and up to kMaxRowsG8 rows per tile, so each weight slice is widened once for them all.
-  const int nb = M <= 2 ? 4 : M <= 6 ? 2 : 1;
+  // As the int4 kernel: few rows, several 16-channel blocks per tile (independent dot-product chains, as many
+  // as split evenly over the threads); many rows, one block and up to kMaxRowsG8 rows per tile, so each weight slice is widened once for them all.
+  const int nb = M <= 2 ? tiles::blocks_per_item(NBLK, 4) : M <= 6 ? tiles::blocks_per_item(NBLK, 2) : 1;
   const int64_t row_tile = nb == 1 ? kMaxRowsG8 : M;
   at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {

@@ -41,15 +41,29 @@ def test_bias_strided_rows_and_a_symmetric_zero():
 
 
 def test_pack_puts_pairs_in_nibbles():
-    q = torch.arange(32 * 4, dtype=torch.uint8).view(32, 4) % 16
+    q = torch.arange(32 * 8, dtype=torch.uint8).view(32, 8) % 16
     p = k4.pack(q)
-    assert p.shape == (2, 2, 16) and p.dtype == torch.uint8
-    assert int(p[1, 1, 3]) == int(q[19, 2]) | int(q[19, 3]) << 4
+    assert p.shape == (2, 2, 16, 2) and p.dtype == torch.uint8
+    # channel 19, inputs 4..7: byte j holds q[4 + j] (low nibble) and q[6 + j] (high nibble)
+    assert int(p[1, 1, 3, 0]) == int(q[19, 4]) | int(q[19, 6]) << 4
+    assert int(p[1, 1, 3, 1]) == int(q[19, 5]) | int(q[19, 7]) << 4
+
+
+def test_extreme_nibbles_and_zeros_are_exact():
+    """0 and 15 with zero points 0..15 (the +128 offset of the widening must cancel exactly)."""
+    q = torch.tensor([[0, 15, 15, 0] * 8] * 16, dtype=torch.uint8)
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    x[0, 1] = 1.0
+    x[0, 2] = 2.0
+    zeros = torch.arange(16.0).view(1, 16)
+    out = k4.int4_gemm(x, k4.pack(q), torch.full((1, 16), 0.5), zeros, 32)
+    assert torch.equal(out.float(), (45 - 3 * zeros) * 0.5)
 
 
 @pytest.mark.parametrize(("bad", "match"), [
     (lambda x, p, s, z: (x.float(), p, s, z, 128), "bfloat16"),
     (lambda x, p, s, z: (x, p, s, z, 96), "group_size"),
+    (lambda x, p, s, z: (x, p, s, z, 2), "multiple of 4"),
     (lambda x, p, s, z: (x, p, s[:1], z, 128), "scales and zeros"),
     (lambda x, p, s, z: (x[:, :128], p, s, z, 128), "columns"),
 ])  # fmt: skip

@@ -79,6 +79,7 @@ def test_grouped_gemms_are_native_for_bf16_on_cpu_where_they_load_and_the_layer_
     assert (choice.grouped_int4_gemm, choice.grouped_int8_gemm) == ("native", "native")
     assert choice.grouped_path(4, 576, 576, 32) == "native"
     assert choice.grouped_path(4, 584, 576, 32) == "dequantize"  # the int4 kernel needs N % 16 == 0
+    assert choice.grouped_path(4, 576, 576, 6) == "dequantize"  # and groups of a multiple of 4
     assert choice.grouped_path(8, 584, 576, -1) == "native"  # per channel; any N
     assert choice.grouped_path(6, 584, 576, 16) == "native"  # Q6_K's values are int8 with group 16
     assert choice.grouped_path(8, 64, 100, 3) == "dequantize"  # an odd group

@@ -647,6 +647,44 @@ class MonitoringSpec(KubeModel):
     (fail visibly without them); Disabled: never."""
 
 
+EPP_GRPC_PORT = 9002  # the endpoint picker's ext-proc gRPC port (the upstream EPP's default)
+
+
+class EndpointPickerRef(KubeModel):
+    """The endpoint picker (EPP) the gateway asks which pod takes each request: a Service in the
+    LLMDeployment's namespace serving Envoy's external-processing gRPC protocol, e.g. the EPP of the
+    llm-d inference scheduler (docs/gateway.md)."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    """Name of the EPP's Service."""
+
+    port: int = Field(default=EPP_GRPC_PORT, ge=1, le=65535)
+    """Service port of the EPP's gRPC ext-proc endpoint."""
+
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+    """What the gateway does when the EPP does not answer: FailClose refuses the request, FailOpen sends it to
+    a pod of the gateway's choosing."""
+
+
+class InferencePoolSpec(KubeModel):
+    """An InferencePool (inference.networking.k8s.io/v1, Gateway API Inference Extension) of the serving
+    pods, for an HTTPRoute to use as its backend instead of the Service."""
+
+    enabled: bool = False
+    """Create the InferencePool (named like the LLMDeployment; its CRD must be installed)."""
+
+    endpoint_picker_ref: EndpointPickerRef | None = None
+    """The endpoint picker of the pool. Most gateways refuse a pool without one (Accepted=False,
+    EndpointPickerRefMissing)."""
+
+
+class GatewaySpec(KubeModel):
+    """Gateway API integration."""
+
+    inference_pool: InferencePoolSpec = _sub(InferencePoolSpec)
+    """Model-aware load balancing through the Gateway API Inference Extension."""
+
+
 class LLMDeploymentSpec(KubeModel):
     """The desired state of an LLMDeployment."""
 
@@ -720,6 +758,9 @@ class LLMDeploymentSpec(KubeModel):
 
     monitoring: MonitoringSpec = _sub(MonitoringSpec)
     """Prometheus integration."""
+
+    gateway: GatewaySpec = _sub(GatewaySpec)
+    """Gateway API integration (InferencePool)."""
 
     k8s_rules: ClassVar[tuple[Rule, ...]] = (
         Rule(

@@ -21,9 +21,27 @@ logger = logging.getLogger(__name__)
 LABEL = render_mod.LABEL_LLMDEPLOYMENT
 # Every kind the operator may own, so that a kind render stops producing is still found and deleted.
 MANAGED_KINDS: tuple[tuple[str, str], ...] = tuple(render_mod.CHILD_KINDS)
-# Kinds from add-ons (KEDA, the Prometheus operator) whose permissions the Helm chart grants only on request
-# (rbac.keda, rbac.serviceMonitors): a forbidden listing of them means "none of ours to clean up".
-OPTIONAL_KINDS = frozenset({"ScaledObject", "ServiceMonitor"})
+# Kinds from add-ons (KEDA, the Prometheus operator, the Gateway API Inference Extension) whose permissions the
+# Helm chart grants only on request: a forbidden listing of them means "none of ours to clean up".
+# Per kind: (what installs its CRD, the chart value granting it, the spec change that does without it).
+ADDONS: dict[str, tuple[str, str, str]] = {
+    "ScaledObject": ("KEDA", "rbac.keda", "autoscaling.backend: hpa"),
+    "ServiceMonitor": ("the Prometheus operator", "rbac.serviceMonitors", "monitoring.serviceMonitor: Auto"),
+    "InferencePool": ("the Gateway API Inference Extension CRDs (v1.0 or later)", "rbac.inferencePools",
+                      "gateway.inferencePool.enabled: false"),
+}  # fmt: skip
+OPTIONAL_KINDS = frozenset(ADDONS)
+
+
+def addon_hint(kind: str, error: ApiError) -> str | None:
+    """What to do when applying an add-on kind failed because its CRD is absent (404) or the operator may not
+    manage it (403); None for other kinds and errors."""
+    if kind not in ADDONS or error.status not in (403, 404):
+        return None
+    installer, value, instead = ADDONS[kind]
+    if error.status == 404:
+        return f"the {kind} CRD is not installed: install {installer}, or set {instead}"
+    return f"the operator may not manage {kind}s: install the chart with {value}=true, or set {instead}"
 
 
 def template_id(deployment: Mapping[str, Any]) -> Any:
@@ -107,6 +125,8 @@ async def apply_children(
             if e.status == 403 and kind == "ServiceMonitor" and ld.spec.monitoring.service_monitor == "Auto":
                 logger.warning("not allowed to apply ServiceMonitor %s/%s, skipped: %s", namespace, child_name, e)
                 continue
+            if (hint := addon_hint(kind, e)) is not None:
+                raise ApiError(e.status, e.reason, f"{e.message}; {hint}", "PATCH", f"{kind} {child_name}") from e
             raise
         if kind == "Deployment":
             template_changed = before is None or template_id(before[1]) != template_id(applied or {})

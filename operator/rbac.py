@@ -56,14 +56,18 @@ NAMESPACED: Grants = (
           "child HPA (backend hpa); the observer reads KEDA's HPA by name; kopf watches them"),
 )  # fmt: skip
 
-# Namespaced too, granted only when the chart is asked to (rbac.keda, rbac.serviceMonitors): without them the
-# operator still runs, and LLMDeployments that need these kinds say so in their status.
+# Namespaced too, granted only when the chart is asked to (rbac.keda, rbac.serviceMonitors, rbac.inferencePools):
+# without them the operator still runs, and LLMDeployments that need these kinds say so in their status.
 KEDA: Grants = (
     Grant("keda.sh", "scaledobjects", CHILD_VERBS, "child ScaledObject (autoscaling.backend keda)"),
 )
 SERVICE_MONITORS: Grants = (
     Grant("monitoring.coreos.com", "servicemonitors", CHILD_VERBS,
           "child ServiceMonitor (monitoring.serviceMonitor Enabled, or Auto with the Prometheus operator)"),
+)  # fmt: skip
+INFERENCE_POOLS: Grants = (
+    Grant("inference.networking.k8s.io", "inferencepools", CHILD_VERBS,
+          "child InferencePool (gateway.inferencePool.enabled, the Gateway API Inference Extension)"),
 )  # fmt: skip
 
 # Cluster-scoped, whatever the operator watches.
@@ -78,9 +82,10 @@ NAMESPACE_DISCOVERY: Grants = (
 )
 
 
-def namespaced_grants(*, keda: bool, service_monitors: bool) -> Grants:
+def namespaced_grants(*, keda: bool, service_monitors: bool, inference_pools: bool = False) -> Grants:
     """What the operator needs in each namespace it watches."""
-    return NAMESPACED + (KEDA if keda else ()) + (SERVICE_MONITORS if service_monitors else ())
+    return (NAMESPACED + (KEDA if keda else ()) + (SERVICE_MONITORS if service_monitors else ())
+            + (INFERENCE_POOLS if inference_pools else ()))  # fmt: skip
 
 
 def cluster_grants(*, all_namespaces: bool) -> Grants:

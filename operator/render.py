@@ -2,11 +2,12 @@
 
 :func:`render` returns every child manifest in apply order (Service, Deployment, PodDisruptionBudget, then
 the HorizontalPodAutoscaler or KEDA ScaledObject when autoscaling is enabled, then the ServiceMonitor when
-monitoring asks for one). Each child kind has its own ``render_<kind>`` function; the optional ones return
-None when the spec does not call for that child, so the operator can delete a child it owns that is no
-longer rendered (:data:`CHILD_KINDS` lists every kind it may own). Specs the API server accepts but that
-cannot be rendered raise :class:`InvalidSpec` with a message for humans; the operator turns it into a
-condition. ``kubellm render -f FILE`` (:func:`main`) prints the same objects as multi-document YAML.
+monitoring asks for one, then the InferencePool when gateway.inferencePool asks for one). Each child kind has
+its own ``render_<kind>`` function; the optional ones return None when the spec does not call for that child,
+so the operator can delete a child it owns that is no longer rendered (:data:`CHILD_KINDS` lists every kind
+it may own). Specs the API server accepts but that cannot be rendered raise :class:`InvalidSpec` with a
+message for humans; the operator turns it into a condition. ``kubellm render -f FILE`` (:func:`main`) prints
+the same objects as multi-document YAML.
 
 Decisions worth knowing (each has its constant below):
 
@@ -80,6 +81,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_LLMDEPLOYMENT = "kubellm.io/llmdeployment"
 SPEC_HASH_ANNOTATION = "kubellm.io/spec-hash"
 
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"  # Gateway API Inference Extension, GA
 # Every kind the operator may own, in apply order (render() leaves out the ones a spec does not need).
 CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("v1", "Service"),
@@ -88,6 +90,7 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    (INFERENCE_POOL_API_VERSION, "InferencePool"),
 )
 
 MAX_NAME_LENGTH = 63  # DNS-1035 label (Service names) and label values
@@ -834,6 +837,46 @@ def render_service_monitor(
 
 
 # --------------------------------------------------------------------------------------------------
+# InferencePool (Gateway API Inference Extension)
+# --------------------------------------------------------------------------------------------------
+
+
+def render_inference_pool(ld: api.LLMDeployment) -> dict[str, Any] | None:
+    """The inference.networking.k8s.io/v1 InferencePool of the serving pods, or None unless
+    gateway.inferencePool.enabled.
+
+    It selects the pods the Service selects and targets the runtime's port, where the endpoint picker
+    also scrapes /metrics (docs/gateway.md maps the metric names it reads). v1, not v1alpha2
+    (inference.networking.x-k8s.io): v1 is the API every conformant gateway serves since the extension's
+    v1.0, and v1alpha2 is deprecated and gone from its CRDs.
+    """
+    validate(ld)
+    pool = ld.spec.gateway.inference_pool
+    if not pool.enabled:
+        return None
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(ld)},
+        "targetPorts": [{"number": api.RUNTIME_PORT}],
+        "appProtocol": "http",
+    }
+    if pool.endpoint_picker_ref is not None:
+        epp = pool.endpoint_picker_ref
+        spec["endpointPickerRef"] = {
+            "group": "",
+            "kind": "Service",
+            "name": epp.name,
+            "port": {"number": epp.port},
+            "failureMode": epp.failure_mode,
+        }
+    return {
+        "apiVersion": INFERENCE_POOL_API_VERSION,
+        "kind": "InferencePool",
+        "metadata": _metadata(ld),
+        "spec": spec,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
 # Everything
 # --------------------------------------------------------------------------------------------------
 
@@ -858,6 +901,7 @@ def render(
         render_hpa(ld),
         render_scaled_object(ld, prometheus_url=prometheus_url),
         render_service_monitor(ld, service_monitor_available=service_monitor_available),
+        render_inference_pool(ld),
     ]
     return [c for c in children if c is not None]
 

@@ -43,9 +43,10 @@ CASES: dict[str, dict[str, Any]] = {
     "namespaces": {"watchNamespaces": ["ml", "team-a"]},
     "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "keda": {"rbac": {"keda": True}},
+    "inference-pools": {"rbac": {"inferencePools": True}},
     "everything": {
         "watchNamespaces": ["ml"],
-        "rbac": {"keda": True, "serviceMonitors": True},
+        "rbac": {"keda": True, "serviceMonitors": True, "inferencePools": True},
         "metrics": {"port": 9100, "serviceMonitor": {"enabled": True, "interval": "15s", "scrapeTimeout": "5s"}},
         "operator": {
             "image": {"repository": "registry.example:5000/kubellm/operator", "tag": "dev", "pullPolicy": "Always"},
@@ -167,6 +168,7 @@ def test_rendered_objects_are_valid(rendered, case):
         ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "/operator/image/pullPolicy"),
         ({"operator": {"resources": {"limits": {"memory": "lots"}}}}, "/operator/resources/limits/memory"),
         ({"rbac": {"keda": "yes"}}, "/rbac/keda"),
+        ({"rbac": {"inferencePools": 1}}, "/rbac/inferencePools"),
         ({"metrics": {"port": 8080}}, "/metrics/port"),
         ({"metrics": {"port": 0}}, "/metrics/port"),
         ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),
@@ -375,7 +377,8 @@ def test_rbac_grants_exactly_what_the_operator_uses(rendered, case):
         assert not [d for d in docs if d["apiVersion"].startswith("rbac.authorization.k8s.io/")]
         assert not of_kind(docs, "ServiceAccount")
         return
-    namespaced = rbac.namespaced_grants(keda=values["rbac"]["keda"], service_monitors=values["rbac"]["serviceMonitors"])
+    namespaced = rbac.namespaced_grants(keda=values["rbac"]["keda"], service_monitors=values["rbac"]["serviceMonitors"],
+                                        inference_pools=values["rbac"]["inferencePools"])
     namespaces = values["watchNamespaces"]
     cluster_role, cluster_binding = the(docs, "ClusterRole"), the(docs, "ClusterRoleBinding")
     assert cluster_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
@@ -402,9 +405,11 @@ def test_optional_grants_follow_the_values(rendered):
         docs = rendered[case]
         return {r for role in of_kind(docs, "ClusterRole") + of_kind(docs, "Role") for _, r, _ in granted(role)}
 
-    assert {"scaledobjects", "servicemonitors"}.isdisjoint(resources("defaults"))
-    assert "scaledobjects" in resources("keda") and "servicemonitors" not in resources("keda")
-    assert {"scaledobjects", "servicemonitors"} <= resources("everything")
+    optional = {"scaledobjects", "servicemonitors", "inferencepools"}
+    assert optional.isdisjoint(resources("defaults"))
+    assert resources("keda") & optional == {"scaledobjects"}
+    assert resources("inference-pools") & optional == {"inferencepools"}
+    assert optional <= resources("everything")
 
 
 # --------------------------------------------------------------------------------------------------

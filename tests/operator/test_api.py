@@ -45,6 +45,7 @@ FULL_DEFAULTS = {
     "service": {"type": "ClusterIP", "port": 80},
     "monitoring": {"serviceMonitor": "Auto"},
     "auth": {},
+    "gateway": {"inferencePool": {"enabled": False}},
 }
 
 
@@ -106,12 +107,23 @@ def test_round_trip_camel_case():
         "service": {"type": "LoadBalancer", "port": 8080},
         "monitoring": {"serviceMonitor": "Disabled"},
         "auth": {"apiKeySecretRef": {"name": "keys", "key": "api-key"}},
+        "gateway": {"inferencePool": {"enabled": True, "endpointPickerRef": {"name": "qwen-epp", "port": 9002,
+                                                                            "failureMode": "FailOpen"}}},
     }
     spec = api.LLMDeploymentSpec.model_validate(full)
     assert spec.to_k8s() == full
     assert spec.model_dump(mode="json", exclude_none=True) == full  # camelCase is the default dump
     assert spec.engine.max_model_len == 8192 and spec.resources.gpu.resource_name == "nvidia.com/gpu"
     assert api.LLMDeploymentSpec.model_validate(spec.to_k8s()) == spec
+
+
+def test_inference_pool_endpoint_picker_gets_its_defaults():
+    spec = api.LLMDeploymentSpec.model_validate(
+        {"model": {"uri": "smollm2"}, "gateway": {"inferencePool": {"enabled": True, "endpointPickerRef": {"name": "e"}}}}
+    )
+    assert spec.to_k8s()["gateway"] == {
+        "inferencePool": {"enabled": True, "endpointPickerRef": {"name": "e", "port": 9002, "failureMode": "FailClose"}}
+    }
 
 
 def test_snake_case_input_is_accepted():

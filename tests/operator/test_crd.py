@@ -23,7 +23,7 @@ from kubellm.operator import api, crd
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / f"{api.CRD_NAME}.yaml"
 EXAMPLES = ROOT / "examples"
-MY_EXAMPLES = ("cpu", "7b-bf16", "int4", "tp2", "autoscaled", "api-keys")
+MY_EXAMPLES = ("cpu", "7b-bf16", "int4", "tp2", "autoscaled", "api-keys", "inferencepool")
 
 
 @functools.cache
@@ -465,6 +465,12 @@ SCHEMA_INVALID = [
     ("secret name not a DNS name", {"auth": {"apiKeySecretRef": {"name": "Keys_1"}}}),
     ("secret ref without a name", {"auth": {"apiKeySecretRef": {"key": "k"}}}),
     ("toleration with unknown effect", {"tolerations": [{"key": "k", "effect": "NoRun"}]}),
+    ("endpoint picker without a name", {"gateway": {"inferencePool": {"enabled": True, "endpointPickerRef": {}}}}),
+    ("endpoint picker name not a Service name",
+     {"gateway": {"inferencePool": {"endpointPickerRef": {"name": "EPP.svc"}}}}),
+    ("endpoint picker port 0", {"gateway": {"inferencePool": {"endpointPickerRef": {"name": "e", "port": 0}}}}),
+    ("unknown failure mode", {"gateway": {"inferencePool": {"endpointPickerRef": {"name": "e", "failureMode": "Open"}}}}),
+    ("inferencePool as a boolean", {"gateway": {"inferencePool": True}}),
 ]
 
 

@@ -372,6 +372,38 @@ async def test_failing_apply_reports_reconcile_failed_and_recovers(server, opera
     await until(lambda: events(server, "RolloutStarted"), "the RolloutStarted Event after the recovery")
 
 
+INFERENCE_POOLS = kmock.resource("inference.networking.k8s.io", "v1", "inferencepools")
+
+
+@pytest.mark.asyncio
+async def test_inference_pool_without_its_crd_says_what_to_install_and_is_applied_once_installed(
+    server, operator, monkeypatch
+):
+    monkeypatch.setattr(kube_mod, "REDISCOVER_AFTER", 0.0)  # see the CRD at the next retry, not 30 s later
+    pool = {"inferencePool": {"enabled": True, "endpointPickerRef": {"name": "llama-epp"}}}
+    await create(server, llmdeployment(replicas=1, gateway=pool))
+    await until(lambda: condition(server, "Ready")["reason"] == "ReconcileFailed", "Ready=ReconcileFailed")
+    message = condition(server, "Ready")["message"]
+    assert "the InferencePool CRD is not installed: install the Gateway API Inference Extension CRDs" in message
+    assert "or set gateway.inferencePool.enabled: false" in message
+    assert any(owned_by_ld(d) for d in live(server, DEPLOYMENTS).values())  # the pods are served all the same
+
+    server.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
+        kind="InferencePool", namespaced=True, verbs=VERBS
+    )
+    await until(lambda: live(server, INFERENCE_POOLS).get(NAME), "the InferencePool")
+    await until(lambda: condition(server, "Ready")["reason"] != "ReconcileFailed", "ReconcileFailed to clear")
+    applied = live(server, INFERENCE_POOLS)[NAME]
+    assert owned_by_ld(applied)
+    assert applied["spec"]["selector"]["matchLabels"] == live(server, SERVICES)[NAME]["spec"]["selector"]
+    assert applied["spec"]["endpointPickerRef"]["name"] == "llama-epp"
+
+    # Turned off: the owned pool is deleted like any child no longer rendered.
+    await patch(server, f"{LD_PATH}/{NAME}", {"metadata": {"generation": 2},
+                                              "spec": {"gateway": {"inferencePool": {"enabled": False}}}})  # fmt: skip
+    await until(lambda: NAME not in live(server, INFERENCE_POOLS), "the InferencePool to go")
+
+
 @pytest.mark.asyncio
 async def test_the_operator_writes_only_status_finalizers_and_its_own_annotations(server, operator):
     """GitOps tools own spec, labels and their annotations: every write the operator makes to the LLMDeployment

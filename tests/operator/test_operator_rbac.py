@@ -2,7 +2,7 @@
 
 The operator (kopf + handlers.py, in-process, scanning on as in production) runs through a life cycle against
 kmock (see test_operator_kmock.py) that makes it use every kind it may own: create with KEDA and a
-ServiceMonitor, switch to the HPA backend without monitoring (the ScaledObject and ServiceMonitor are deleted),
+ServiceMonitor and an InferencePool, switch to the HPA backend without monitoring or pool (those three are deleted),
 clean up stale owned children of every kind, delete. Every recorded request (kopf's and the operator's own
 client's) is turned into the RBAC check the API server would make; each must be granted, and each grant must
 have been needed, in both watch modes (every namespace, a list of namespaces).
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.kmock(cls=t.ApiServer)
 
 SCALED_OBJECTS = kmock.resource("keda.sh", "v1alpha1", "scaledobjects")
 SERVICE_MONITORS = kmock.resource("monitoring.coreos.com", "v1", "servicemonitors")
+INFERENCE_POOLS = kmock.resource("inference.networking.k8s.io", "v1", "inferencepools")
 APPLY = "application/apply-patch+yaml"
 
 
@@ -100,7 +101,8 @@ def test_checks_follow_the_api_servers_rules():
 
 
 def declare_everything(server: kmock.KubernetesEmulator) -> None:
-    """test_operator_kmock's resources plus KEDA, the Prometheus operator and CRDs (kopf watches them)."""
+    """test_operator_kmock's resources plus KEDA, the Prometheus operator, the InferencePool and CRDs (kopf
+    watches them)."""
     t.declare_resources(server)
     info = kmock.ResourceInfo
     server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
@@ -109,6 +111,9 @@ def declare_everything(server: kmock.KubernetesEmulator) -> None:
     server.resources["keda.sh/v1alpha1/scaledobjects"] = info(kind="ScaledObject", namespaced=True, verbs=t.VERBS)
     server.resources["monitoring.coreos.com/v1/servicemonitors"] = info(
         kind="ServiceMonitor", namespaced=True, verbs=t.VERBS
+    )
+    server.resources["inference.networking.k8s.io/v1/inferencepools"] = info(
+        kind="InferencePool", namespaced=True, verbs=t.VERBS
     )
 
 
@@ -187,19 +192,23 @@ async def whole_life(server) -> None:
         async with server.post(collection, json=stale_child(api_version, kind), headers=t.CLOSE) as resp:
             assert resp.status < 300, await resp.text()
     autoscaling = {"enabled": True, "backend": "keda", "minReplicas": 1, "maxReplicas": 3}
-    await t.create(server, t.llmdeployment(autoscaling=autoscaling, monitoring={"serviceMonitor": "Enabled"}))
+    await t.create(server, t.llmdeployment(autoscaling=autoscaling, monitoring={"serviceMonitor": "Enabled"},
+                                           gateway={"inferencePool": {"enabled": True}}))  # fmt: skip
     await t.until(lambda: exists(server, SCALED_OBJECTS, t.NAME), "the ScaledObject")
     await t.until(lambda: exists(server, SERVICE_MONITORS, t.NAME), "the ServiceMonitor")
+    await t.until(lambda: exists(server, INFERENCE_POOLS, t.NAME), "the InferencePool")
     await t.until(lambda: not exists(server, t.DEPLOYMENTS, "stale"), "the stale children to go")
     await t.until(lambda: t.condition(server, "Ready"), "a status")
 
     await t.patch(server, f"{t.LD_PATH}/{t.NAME}", {
         "metadata": {"generation": 2},
-        "spec": {"autoscaling": {"backend": "hpa"}, "monitoring": {"serviceMonitor": "Disabled"}},
+        "spec": {"autoscaling": {"backend": "hpa"}, "monitoring": {"serviceMonitor": "Disabled"},
+                 "gateway": {"inferencePool": {"enabled": False}}},
     })  # fmt: skip
     await t.until(lambda: exists(server, t.HPAS, t.NAME), "the HPA")
     await t.until(lambda: not exists(server, SCALED_OBJECTS), "the ScaledObject to go")
     await t.until(lambda: not exists(server, SERVICE_MONITORS), "the ServiceMonitor to go")
+    await t.until(lambda: not exists(server, INFERENCE_POOLS), "the InferencePool to go")
     await t.until(lambda: t.events(server), "an Event")
     await delete(server)
 
@@ -257,7 +266,7 @@ def triples_of(checks_: set[Check] | list[Check]) -> set[tuple[str, str, str]]:
 
 @pytest.mark.asyncio
 async def test_watching_every_namespace_needs_exactly_the_cluster_role(server, tmp_path, monkeypatch):
-    namespaced = rbac.namespaced_grants(keda=True, service_monitors=True)
+    namespaced = rbac.namespaced_grants(keda=True, service_monitors=True, inference_pools=True)
     cluster = rbac.cluster_grants(all_namespaces=True)
     denied = authorize(server, namespaced, cluster, namespaces=None)
     try:
@@ -272,13 +281,14 @@ async def test_watching_every_namespace_needs_exactly_the_cluster_role(server, t
 async def test_watching_listed_namespaces_works_with_roles_there_and_little_cluster_wide(
     server, tmp_path, monkeypatch
 ):
-    """Without the optional grants, even with KEDA and the Prometheus operator installed: the operator is
-    refused only what the chart deliberately leaves out, and serves the LLMDeployment all the same."""
+    """Without the optional grants, even with KEDA, the Prometheus operator and the InferencePool CRD installed:
+    the operator is refused only what the chart deliberately leaves out, and serves the LLMDeployment all the
+    same."""
     namespaced = rbac.namespaced_grants(keda=False, service_monitors=False)
     cluster = rbac.cluster_grants(all_namespaces=False)
     denied = authorize(server, namespaced, cluster, namespaces={t.NS})
     await run_operator(server, tmp_path, monkeypatch, short_life, clusterwide=False)
-    optional = rbac.triples(rbac.KEDA + rbac.SERVICE_MONITORS)
+    optional = rbac.triples(rbac.KEDA + rbac.SERVICE_MONITORS + rbac.INFERENCE_POOLS)
     assert triples_of(denied) <= optional, describe(set(denied))
     assert {c.namespace for c in denied} == {t.NS}
     recorded = recorded_checks(server)
@@ -302,7 +312,7 @@ async def discovered_plurals(server, kinds) -> dict[str, str]:
 
 @pytest.mark.asyncio
 async def test_every_kind_the_operator_may_own_can_be_applied_listed_and_deleted(server):
-    granted = rbac.triples(rbac.namespaced_grants(keda=True, service_monitors=True))
+    granted = rbac.triples(rbac.namespaced_grants(keda=True, service_monitors=True, inference_pools=True))
     plurals = await discovered_plurals(server, children.MANAGED_KINDS)
     for api_version, kind in children.MANAGED_KINDS:
         group = api_version.rpartition("/")[0]
@@ -312,7 +322,7 @@ async def test_every_kind_the_operator_may_own_can_be_applied_listed_and_deleted
 
 @pytest.mark.asyncio
 async def test_optional_grants_are_the_optional_kinds(server):
-    optional = {g.resource for g in rbac.KEDA + rbac.SERVICE_MONITORS}
+    optional = {g.resource for g in rbac.KEDA + rbac.SERVICE_MONITORS + rbac.INFERENCE_POOLS}
     kinds = [(v, k) for v, k in children.MANAGED_KINDS if k in children.OPTIONAL_KINDS]
     assert {k for _, k in kinds} == children.OPTIONAL_KINDS
     assert optional == set((await discovered_plurals(server, kinds)).values())
@@ -365,3 +375,13 @@ def test_without_keda_grants_a_keda_backend_fails_visibly_and_other_refusals_are
     ld, children = _children("Disabled")
     with pytest.raises(ApiError, match="Service"):
         asyncio.run(apply_children(RefusingKube("Service"), ld, children))
+
+
+def test_without_inference_pool_grants_an_enabled_pool_fails_naming_the_chart_value():
+    spec = {"model": {"uri": "hf://org/llama"}, "gateway": {"inferencePool": {"enabled": True}}}
+    ld = api.LLMDeployment.model_validate({**t.llmdeployment(), "spec": spec})
+    kube = RefusingKube("InferencePool")
+    with pytest.raises(ApiError, match="install the chart with rbac.inferencePools=true, or set "
+                                       "gateway.inferencePool.enabled: false"):  # fmt: skip
+        asyncio.run(apply_children(kube, ld, render.render(ld)))
+    assert "Deployment" in kube.applied  # listing the pools was refused too: read as "none of ours"

@@ -1,6 +1,7 @@
 """Rendering LLMDeployments into child manifests: every built-in kind validated against the upstream OpenAPI
 schemas (kubernetes-validate, strict: unknown fields fail), the CRD kinds (KEDA ScaledObject, ServiceMonitor)
-checked structurally, plus the behaviours the operator relies on."""
+checked structurally, the InferencePool against its vendored upstream schema and CEL rules, plus the behaviours
+the operator relies on."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from test_crd import cel_violations, to_json_schema  # how tests/operator/test_crd.py admits our own CRD
 
-from kubellm.operator import api, render
+from kubellm.operator import api, crd, render
 from kubellm.operator.render import InvalidSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +28,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("llmdeployment-*.yaml"))
 # oldest release still in upstream support) and the newest schemas kubernetes-validate bundles.
 K8S_VERSIONS = ("1.31", "1.37")
 UID = "6f1c2a8e-3b5d-4c7e-9f10-2a3b4c5d6e7f"
+DATA = Path(__file__).parent / "data"
 BUILT_IN = {("v1", "Service"), ("apps/v1", "Deployment"), ("policy/v1", "PodDisruptionBudget"),
             ("autoscaling/v2", "HorizontalPodAutoscaler")}  # fmt: skip
 
@@ -184,6 +188,31 @@ def check_service_monitor(ld: api.LLMDeployment, sm: dict[str, Any], children: d
         assert spec["namespaceSelector"] == {"matchNames": [ld.namespace]}
 
 
+INFERENCE_POOL_SCHEMA = yaml.safe_load((DATA / "inferencepool-v1.schema.yaml").read_text())
+_INFERENCE_POOL_VALIDATOR = jsonschema.Draft202012Validator(to_json_schema(INFERENCE_POOL_SCHEMA))
+
+
+def inference_pool_errors(pool: dict[str, Any]) -> list[str]:
+    """What an API server with the upstream InferencePool CRD would refuse: schema errors (unknown fields
+    included) and broken CEL rules, after the CRD's defaults."""
+    pool = crd.apply_defaults(INFERENCE_POOL_SCHEMA, copy.deepcopy(pool))
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+              for e in _INFERENCE_POOL_VALIDATOR.iter_errors(pool)]  # fmt: skip
+    return errors + [f"{path}: {message}" for path, _, message in cel_violations(INFERENCE_POOL_SCHEMA, pool)]
+
+
+def check_inference_pool(ld: api.LLMDeployment, pool: dict[str, Any], children: dict[str, dict]) -> None:
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert inference_pool_errors(pool) == []
+    # The pool's members are exactly the Service's endpoints, on the port the runtime listens on.
+    assert pool["spec"]["selector"] == {"matchLabels": children["Service"]["spec"]["selector"]}
+    template = children["Deployment"]["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    (container,) = template["spec"]["containers"]
+    (http,) = [p for p in container["ports"] if p["name"] == render.PORT_NAME]
+    assert pool["spec"]["targetPorts"] == [{"number": http["containerPort"]}]
+
+
 def check_all(ld: api.LLMDeployment, manifests: list[dict[str, Any]]) -> None:
     children = by_kind(manifests)
     for m in manifests:
@@ -195,6 +224,8 @@ def check_all(ld: api.LLMDeployment, manifests: list[dict[str, Any]]) -> None:
             check_scaled_object(ld, m)
         elif m["kind"] == "ServiceMonitor":
             check_service_monitor(ld, m, children)
+        elif m["kind"] == "InferencePool":
+            check_inference_pool(ld, m, children)
         else:
             raise AssertionError(f"unexpected kind {m['kind']}")
     order = [(m["apiVersion"], m["kind"]) for m in manifests]
@@ -262,6 +293,8 @@ FULL = merged(
         "podAnnotations": {"example.com/owner": "search-team", "note": "anything: goes here"},
         "service": {"type": "LoadBalancer", "port": 8080},
         "auth": {"apiKeySecretRef": {"name": "llama-keys", "key": "keys"}},
+        "gateway": {"inferencePool": {"enabled": True, "endpointPickerRef": {"name": "llama-epp", "port": 9003,
+                                                                            "failureMode": "FailOpen"}}},
     },
 )  # fmt: skip
 
@@ -291,6 +324,8 @@ def _cases() -> list[tuple[str, dict[str, Any], bool]]:
     cases.append(("full", FULL, True))
     cases.append(("full-nodeport", merged(FULL, {"service": {"type": "NodePort"}, "replicas": 0}), True))
     cases.append(("minimal", {"model": {"uri": "smollm2"}}, False))
+    cases.append(("pool-without-epp", {"model": {"uri": "smollm2"}, "gateway": {"inferencePool": {"enabled": True}}},
+                  False))
     return cases
 
 
@@ -315,7 +350,7 @@ def test_names_fit_everywhere(name, namespace):
 
 def test_matrix_covers_what_it_claims():
     ids = [c[0] for c in CASES]
-    assert len([i for i in ids if i.startswith("example-")]) == 2 * len(EXAMPLES) == 12
+    assert len([i for i in ids if i.startswith("example-")]) == 2 * len(EXAMPLES) == 14
     kinds = set()
     for _, spec, available in CASES:
         kinds |= {m["kind"] for m in render.render(make(spec), service_monitor_available=available)}
@@ -915,6 +950,57 @@ def test_service_monitor_modes(mode, available, expected):
     if sm:
         assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s",
                                             "scrapeTimeout": "10s"}]  # fmt: skip
+
+
+def test_inference_pool_only_when_enabled():
+    epp = {"name": "epp"}
+    for gateway in ({}, {"inferencePool": {}}, {"inferencePool": {"enabled": False, "endpointPickerRef": epp}}):
+        ld = make({"model": {"uri": "smollm2"}, "gateway": gateway})
+        assert render.render_inference_pool(ld) is None
+        assert "InferencePool" not in [m["kind"] for m in render.render(ld)]
+    ld = make({"model": {"uri": "smollm2"}, "gateway": {"inferencePool": {"enabled": True, "endpointPickerRef": epp}}})
+    assert [m["kind"] for m in render.render(ld)][-1] == "InferencePool"
+
+
+def test_inference_pool_selects_the_serving_pods_and_names_the_endpoint_picker():
+    ld = make({"model": {"uri": "smollm2"}, "service": {"port": 8080},
+               "gateway": {"inferencePool": {"enabled": True, "endpointPickerRef": {"name": "qwen-epp"}}}},
+              name="qwen", namespace="ml")  # fmt: skip
+    pool = render.render_inference_pool(ld)
+    check_all(ld, render.render(ld))
+    assert pool["metadata"]["name"] == "qwen" and pool["metadata"]["namespace"] == "ml"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": render.selector_labels(ld)},
+        "targetPorts": [{"number": 8000}],  # the pods' port, not the Service's 8080
+        "appProtocol": "http",
+        "endpointPickerRef": {"group": "", "kind": "Service", "name": "qwen-epp", "port": {"number": 9002},
+                              "failureMode": "FailClose"},
+    }  # fmt: skip
+    # Without an endpoint picker the field is left out (the upstream API allows it; most gateways then refuse).
+    ld = make({"model": {"uri": "smollm2"}, "gateway": {"inferencePool": {"enabled": True}}})
+    assert "endpointPickerRef" not in render.render_inference_pool(ld)["spec"]
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "error"),
+    [
+        ("unknown field", {"spec": {"targetPort": 8000}}, "spec: Additional properties"),
+        ("no target ports", {"spec": {"targetPorts": []}}, "spec.targetPorts"),
+        ("duplicate ports", {"spec": {"targetPorts": [{"number": 8000}, {"number": 8000}]}},
+         "port number must be unique"),
+        ("service EPP without port", {"spec": {"endpointPickerRef": {"name": "epp"}}}, "port is required"),
+        ("unknown failure mode", {"spec": {"endpointPickerRef": {"name": "e", "port": {"number": 1},
+                                                                  "failureMode": "Retry"}}}, "Retry"),
+        ("selector expressions", {"spec": {"selector": {"matchExpressions": []}}}, "Additional properties"),
+    ],
+)  # fmt: skip
+def test_vendored_inference_pool_schema_refuses_broken_pools(case, change, error):
+    """The check the render tests rely on can fail: what the upstream CRD refuses, it refuses."""
+    ld = make({"model": {"uri": "smollm2"}, "gateway": {"inferencePool": {"enabled": True}}})
+    pool = render.render_inference_pool(ld)
+    assert inference_pool_errors(pool) == []
+    broken = merged(pool, change)
+    assert any(error in e for e in inference_pool_errors(broken)), (case, inference_pool_errors(broken))
 
 
 def test_default_children():

@@ -80,6 +80,11 @@ every verb, and tests/delivery/test_chart.py checks that the two agree.
   resources: [servicemonitors]
   verbs: [list, create, patch, delete]
 {{- end }}
+{{- if .Values.rbac.inferencePools }}
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [list, create, patch, delete]
+{{- end }}
 {{- end -}}
 
 {{/* What kopf reads cluster-wide: CRDs always; namespaces when it serves a list of them. */}}

@@ -1,6 +1,7 @@
 """Start-up self-checks for the Triton kernels: compile them for the model's shapes and dtype on the serving
 device, run each once on a small random case and compare with its PyTorch reference (:func:`check` for
-attention, :func:`check_int8_gemm` and :func:`check_int4_gemm` for ``--quantization``).
+attention, :func:`check_int8_gemm` and :func:`check_int4_gemm` for ``--quantization``, :func:`check_grouped_gemm`
+and :func:`check_fp8_gemm` for pre-quantized checkpoints).
 
 It costs one compile and a few milliseconds, and turns a kernel that fails to build or computes wrong on this
 GPU / driver / Triton version into a logged fallback to the reference backend (``auto``) or a clear start-up
@@ -100,3 +101,47 @@ def check_int4_gemm(device: str, dtype: torch.dtype) -> str | None:
                     lambda: triton_int4_gemm.int4_gemm(*(t.to(device) for t in (x, packed, scales)), 128,
                                                        bias.to(device)),
                     lambda: triton_int4_gemm.reference_int4_gemm(x, packed, scales, 128, bias), relative=True)
+
+
+def check_grouped_gemm(device: str, dtype: torch.dtype, bits: int) -> str | None:
+    """The grouped 4- or 8-bit GEMM (pre-quantized checkpoints) against its reference on ``device``, with and
+    without zero points (two compiled variants), act-order permuted; None when both match."""
+    from kubellm.kernels import triton_grouped_gemm as grouped
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 256, generator=gen).to(dtype)  # four groups of 64, partial row and column tiles
+    packed = torch.randint(-2**31, 2**31, (256 * bits // 32, 72), generator=gen, dtype=torch.int64).to(torch.int32)
+    scales = torch.rand(4, 72, generator=gen) / (10 if bits == 4 else 500)
+    zeros = torch.randint(0, 1 << bits, (4, 72), generator=gen).float()
+    perm, bias = torch.randperm(256, generator=gen), torch.randn(72, generator=gen)
+    for name, z in ((f"grouped {bits}-bit GEMM", zeros), (f"grouped {bits}-bit GEMM (symmetric)", None)):
+        args = (packed, scales, z, perm, bias)
+        reason = _compare(name, device, dtype,
+                          lambda a=args: grouped.grouped_gemm(x.to(device), *(None if t is None else t.to(device)
+                                                                             for t in a), 64, bits),
+                          lambda a=args: grouped.reference_grouped_gemm(x, *a, 64, bits), relative=True)
+        if reason:
+            return reason
+    return None
+
+
+def check_fp8_gemm(device: str, dtype: torch.dtype) -> str | None:
+    """The FP8 weight GEMM against its reference on ``device`` for per-tensor, per-channel and 128x128 block
+    scales (three compiled variants); None when all match."""
+    from kubellm.kernels import triton_fp8_gemm as fp8
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(20, 320, generator=gen).to(dtype)  # a partial last block column, partial tiles
+    weight = torch.randint(0, 256, (136, 320), generator=gen, dtype=torch.uint8)
+    weight[weight.bitwise_and(0x7F) == 0x7F] = 0  # no NaN codes in a check of finite math
+    bias = torch.randn(136, generator=gen)
+    cases = (("per tensor", torch.tensor(0.01), None), ("per channel", torch.rand(136, generator=gen) / 50, None),
+             ("128x128 blocks", torch.rand(2, 3, generator=gen) / 50, (128, 128)))
+    for label, scale, block in cases:
+        reason = _compare(f"FP8 GEMM ({label})", device, dtype,
+                          lambda s=scale, b=block: fp8.fp8_gemm(x.to(device), weight.to(device), s.to(device),
+                                                                bias.to(device), b),
+                          lambda s=scale, b=block: fp8.reference_fp8_gemm(x, weight, s, bias, b), relative=True)
+        if reason:
+            return reason
+    return None

@@ -20,8 +20,14 @@ What ``auto`` picks:
 * int4 GEMM: ``triton`` on CUDA once its check passed, else ``dequantize``.
 * grouped 4-bit and 8-bit GEMMs (the forms pre-quantized checkpoints read into: per-group scales and zero
   points; GGUF blocks through kernels/gguf_blocks.py): ``native`` (``cpu_int4_gemm``, ``cpu_grouped_int8_gemm``,
-  AVX512-BF16) for bfloat16 on CPUs that have them, for layers they can pack; else ``dequantize`` (the
-  reference, also what AVX2-only CPUs run).
+  AVX512-BF16) for bfloat16 on CPUs that have them, for layers they can pack; ``triton``
+  (``triton_grouped_gemm``, 5..8-bit values packed as 8-bit) on CUDA once its checks passed, for layers it can
+  pack; else ``dequantize`` (the reference, also what AVX2-only CPUs run).
+* FP8 weight GEMM (e4m3, per-tensor / per-channel / block scales): ``triton`` (``triton_fp8_gemm``) on CUDA
+  once its check passed, else ``dequantize``.
+
+The Triton GEMMs for pre-quantized checkpoints are checked on CUDA when ``Target.quantization`` names a
+pre-quantized method (:data:`PREQUANTIZED`): the loader sets it from the checkpoint before deciding.
 
 An explicit choice that cannot run here is a ValueError that says why.
 """
@@ -40,6 +46,7 @@ from kubellm.runtime.layers.linear import can_pack
 log = logging.getLogger("kubellm.kernels")
 
 NOT_PROBED = "not probed"  # what a Loaded field holds when no setting could pick that kernel
+PREQUANTIZED = ("awq", "gptq", "compressed-tensors", "fp8", "gguf")  # quantizations a checkpoint brings
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,9 @@ class Loaded:
     triton_int4: str | None = NOT_PROBED
     grouped_int4_cpu_kernel: str | None = NOT_PROBED  # cpu_int4_gemm (AVX512-BF16)
     grouped_int8_cpu_kernel: str | None = NOT_PROBED  # cpu_grouped_int8_gemm (AVX512-BF16)
+    triton_grouped_int4: str | None = NOT_PROBED  # triton_grouped_gemm, bits=4
+    triton_grouped_int8: str | None = NOT_PROBED  # triton_grouped_gemm, bits=8
+    triton_fp8: str | None = NOT_PROBED  # triton_fp8_gemm
 
 
 @dataclass(frozen=True)
@@ -101,8 +111,9 @@ class KernelChoice:
     int8_gemm: str = "dequantize"  # native | triton | torch | dequantize
     int8_fallback: str = "dequantize"  # torch | dequantize: layers the native kernel cannot pack
     int4_gemm: str = "dequantize"  # triton | dequantize
-    grouped_int4_gemm: str = "dequantize"  # native | dequantize: 4-bit values, per-group scales and zero points
-    grouped_int8_gemm: str = "dequantize"  # native | dequantize: 8-bit values, per-group scales (and zeros)
+    grouped_int4_gemm: str = "dequantize"  # native | triton | dequantize: 4-bit values, per-group scales, zeros
+    grouped_int8_gemm: str = "dequantize"  # native | triton | dequantize: 8-bit values, per-group scales (zeros)
+    fp8_gemm: str = "dequantize"  # triton | dequantize: e4m3 weights with their scales
 
     def int8_path(self, weight: torch.Tensor) -> str:
         """The int8 GEMM of one layer (``weight`` ``[out, in]``): the native kernel needs packable shapes."""
@@ -114,6 +125,11 @@ class KernelChoice:
         """The GEMM of one pre-quantized layer of ``bits``-bit values (4: ``cpu_int4_gemm``'s form, 5..8:
         ``cpu_grouped_int8_gemm``'s) with ``group_size`` inputs per scale (-1 or ``in_features``: per channel)."""
         group = in_features if group_size <= 0 else group_size
+        if 4 <= bits <= 8 and (self.grouped_int4_gemm if bits == 4 else self.grouped_int8_gemm) == "triton":
+            from kubellm.kernels import triton_grouped_gemm  # imports triton: only where its check passed
+
+            packable = triton_grouped_gemm.packable(4 if bits == 4 else 8, out_features, in_features, group)
+            return "triton" if packable else "dequantize"
         if bits == 4:
             packable = out_features % 16 == 0 and group % 4 == 0 and in_features % group == 0
             return self.grouped_int4_gemm if packable else "dequantize"
@@ -124,7 +140,8 @@ class KernelChoice:
 
     def describe(self, quantization: str = "none") -> str:
         gemm = {"int8": f", int8 GEMM {self.int8_gemm}", "int4": f", int4 GEMM {self.int4_gemm}", "none": ""}
-        grouped = f", grouped 4-bit GEMM {self.grouped_int4_gemm}, 8-bit GEMM {self.grouped_int8_gemm}"
+        grouped = (f", grouped 4-bit GEMM {self.grouped_int4_gemm}, 8-bit GEMM {self.grouped_int8_gemm}, "
+                   f"FP8 GEMM {self.fp8_gemm}")
         return (f"attention {self.attention}, layer ops {self.layer_ops}, oneDNN prepacking "
                 f"{'on' if self.prepack else 'off'}{gemm.get(quantization, grouped)}")
 
@@ -145,14 +162,18 @@ def choose(settings: KernelSettings, target: Target, loaded: Loaded) -> KernelCh
         prepack=_prepack(settings.prepack, loaded, native_cpu),
         int8_gemm=int8_gemm, int8_fallback=int8_fallback,
         int4_gemm="triton" if target.cuda and loaded.triton_int4 is None else "dequantize",
-        grouped_int4_gemm=_native_bf16(target, loaded.grouped_int4_cpu_kernel),
-        grouped_int8_gemm=_native_bf16(target, loaded.grouped_int8_cpu_kernel),
+        grouped_int4_gemm=_grouped(target, loaded.grouped_int4_cpu_kernel, loaded.triton_grouped_int4),
+        grouped_int8_gemm=_grouped(target, loaded.grouped_int8_cpu_kernel, loaded.triton_grouped_int8),
+        fp8_gemm="triton" if target.cuda and loaded.triton_fp8 is None else "dequantize",
     )
 
 
-def _native_bf16(target: Target, reason: str | None) -> str:
-    """A native AVX512-BF16 GEMM serves bfloat16 on CPU where it loaded; anything else dequantizes."""
-    return "native" if target.cpu and target.dtype == torch.bfloat16 and reason is None else "dequantize"
+def _grouped(target: Target, cpu_reason: str | None, triton_reason: str | None) -> str:
+    """A native AVX512-BF16 GEMM serves bfloat16 on CPU where it loaded, the Triton one CUDA where its check
+    passed; anything else dequantizes."""
+    if target.cpu and target.dtype == torch.bfloat16 and cpu_reason is None:
+        return "native"
+    return "triton" if target.cuda and triton_reason is None else "dequantize"
 
 
 def _attention(kind: str, target: Target, loaded: Loaded, native_cpu: bool) -> str:
@@ -236,6 +257,10 @@ def probe(settings: KernelSettings, target: Target) -> Loaded:
             found[field] = None if module.available() else f"no AVX512-BF16 {module.__name__} in this build"
     if target.quantization == "int4" and target.cuda:
         found["triton_int4"] = triton_gemm_reason("int4", target.device, target.dtype)
+    if target.quantization in PREQUANTIZED and target.cuda:
+        for field, method in (("triton_grouped_int4", "grouped4"), ("triton_grouped_int8", "grouped8"),
+                              ("triton_fp8", "fp8")):
+            found[field] = triton_gemm_reason(method, target.device, target.dtype)
     return Loaded(**found)
 
 
@@ -263,14 +288,18 @@ def triton_attention_reason(target: Target) -> str | None:
 
 @functools.cache
 def triton_gemm_reason(method: str, device: str, dtype: torch.dtype) -> str | None:
-    """Why the Triton GEMM for ``method`` cannot run on ``device`` (its start-up check, once per process)."""
+    """Why the Triton GEMM for ``method`` (int8, int4, grouped4, grouped8, fp8) cannot run on ``device`` (its
+    start-up check, once per process)."""
     try:
         from kubellm.kernels import triton_check
     except ImportError as e:  # no triton in this image
         reason = str(e)
     else:
-        check = triton_check.check_int8_gemm if method == "int8" else triton_check.check_int4_gemm
-        reason = check(device, dtype)
+        checks = {"int8": triton_check.check_int8_gemm, "int4": triton_check.check_int4_gemm,
+                  "grouped4": functools.partial(triton_check.check_grouped_gemm, bits=4),
+                  "grouped8": functools.partial(triton_check.check_grouped_gemm, bits=8),
+                  "fp8": triton_check.check_fp8_gemm}
+        reason = checks[method](device, dtype)
     if reason:
         log.warning("%s layers dequantize per call (slower; the memory saving holds): %s", method, reason)
     return reason

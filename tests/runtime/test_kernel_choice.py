@@ -108,6 +108,47 @@ def test_probe_checks_the_grouped_kernels_for_bf16_on_cpu_only(monkeypatch):
         assert skipped.grouped_int4_cpu_kernel == skipped.grouped_int8_cpu_kernel == kernel_choice.NOT_PROBED
 
 
+TRITON_QUANT = Loaded(triton_attention=None, triton_grouped_int4=None, triton_grouped_int8=None, triton_fp8=None)
+
+
+def test_pre_quantized_gemms_are_triton_on_cuda_where_their_checks_passed_and_the_layer_packs():
+    cuda = Target("cuda", torch.bfloat16, quantization="awq")
+    choice = choose(AUTO, cuda, TRITON_QUANT)
+    assert (choice.grouped_int4_gemm, choice.grouped_int8_gemm, choice.fp8_gemm) == ("triton",) * 3
+    assert choice.grouped_path(4, 584, 576, 32) == "triton"  # any N (the CPU kernel wants N % 16 == 0)
+    assert choice.grouped_path(4, 64, 576, -1) == "triton"  # per channel
+    assert choice.grouped_path(6, 64, 576, 16) == "triton"  # Q6_K's int8 values, packed as 8-bit
+    assert choice.grouped_path(4, 64, 100, -1) == "dequantize"  # K not a whole number of 8-value words
+    assert choice.grouped_path(8, 64, 96, 12) == "dequantize"  # a group the K tile cannot fit
+    assert "grouped 4-bit GEMM triton, 8-bit GEMM triton, FP8 GEMM triton" in choice.describe("awq")
+    failed = Loaded(triton_grouped_int4="bad", triton_grouped_int8="bad", triton_fp8="bad")
+    for target, loaded in ((cuda, failed), (Target("cpu", torch.bfloat16, quantization="awq"), TRITON_QUANT)):
+        other = choose(AUTO, target, loaded)
+        assert (other.grouped_int4_gemm, other.grouped_int8_gemm, other.fp8_gemm) == ("dequantize",) * 3
+
+
+def test_probe_checks_the_pre_quantized_triton_gemms_on_cuda_for_those_methods_only(monkeypatch):
+    from kubellm.runtime import kernel_choice
+
+    asked = []
+    monkeypatch.setattr(kernel_choice, "triton_gemm_reason", lambda method, *a: asked.append(method) or None)
+    monkeypatch.setattr(kernel_choice, "triton_attention_reason", lambda target: None)
+    loaded = kernel_choice.probe(AUTO, Target("cuda", torch.bfloat16, quantization="gptq"))
+    assert asked == ["grouped4", "grouped8", "fp8"]
+    assert loaded.triton_grouped_int4 is loaded.triton_grouped_int8 is loaded.triton_fp8 is None
+    for quantization in ("none", "int4"):
+        asked.clear()
+        skipped = kernel_choice.probe(AUTO, Target("cuda", torch.bfloat16, quantization=quantization))
+        assert "grouped4" not in asked and skipped.triton_fp8 == kernel_choice.NOT_PROBED
+
+
+@pytest.mark.parametrize("method", ["grouped4", "grouped8", "fp8"])
+def test_the_pre_quantized_triton_checks_run_for_real_under_the_interpreter(method):
+    from kubellm.runtime import kernel_choice
+
+    assert kernel_choice.triton_gemm_reason(method, "cpu", torch.float32) is None
+
+
 def test_the_engine_passes_its_choice_down(tiny_llama):
     """One decision reaches the runner's attention backend, the model's layer-op switches and its linears."""
     from kubellm.kernels import cpu_extension

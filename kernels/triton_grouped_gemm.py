@@ -1,0 +1,211 @@
+"""Weight-only 4-bit and 8-bit GEMM with per-group scales and zero points in Triton (CUDA), beside its
+plain-PyTorch reference: the GPU kernel for pre-quantized checkpoints (AWQ, GPTQ 4/8-bit with act-order,
+compressed-tensors W4A16/W8A16, GGUF's 4/8-bit forms).
+
+Math: ``y = x @ ((q - z) * s).T (+ bias)`` where, for output ``n`` and input ``k`` of group ``g(k)``,
+``q[n, k]`` is an unsigned ``BITS``-bit value, ``z = zeros[g, n]`` and ``s = scales[g, n]``.
+
+Layouts (what :func:`pack` writes from a ``QuantizedWeight`` of runtime/prequantized.py):
+
+* ``packed`` int32 ``[K * BITS / 32, N]``: word ``[j, n]`` holds inputs ``k = j * P .. j * P + P - 1`` of output
+  ``n`` (``P = 32 / BITS`` values per word), input ``j * P + i`` in bits ``i * BITS .. i * BITS + BITS - 1``
+  (low bits first). The same words as GPTQ v1's ``qweight``; a column of 32 / BITS inputs per word keeps a
+  K tile's loads contiguous along N (coalesced) and each word is widened in registers.
+* ``scales`` float32 ``[K / group, N]``; ``zeros`` float32 ``[K / group, N]`` or None, which means the
+  symmetric zero ``2^(BITS-1)`` (8 for 4 bits, 128 for 8). Float zeros take GGUF's non-integer ones.
+* ``group``: inputs per scale, a multiple of 16 (32, 64, 128...) dividing ``K``, or ``K`` (per channel).
+* ``perm`` int64 ``[K]`` or None: act-order (GPTQ ``desc_act``, compressed-tensors ``actorder: group``).
+  :func:`pack` sorts the inputs by their group (``g_idx``) once, so groups are contiguous in ``packed``;
+  :func:`grouped_gemm` then reads ``x[:, perm]`` (the same permutation on both sides: the sum is unchanged).
+
+Entry point, for the loader through runtime/kernel_choice.py (``grouped_int4_gemm`` / ``grouped_int8_gemm`` =
+``triton``)::
+
+    w = pack(quantized_weight, bits)              # once, at load
+    y = grouped_gemm(x, w.packed, w.scales, w.zeros, w.perm, bias, w.group, w.bits)
+
+``x`` ``[M, K]`` bf16, fp16 or fp32 (rows may be strided), ``bias`` ``[N]`` (any float dtype), ``y`` ``[M, N]``
+in ``x``'s dtype with float32 accumulation. Each program computes a BLOCK_M x BLOCK_N tile of ``y``; per K tile
+(inside one group) it loads the words, shifts each input's value out, subtracts the zero point (exact in bf16
+for integer zeros: |q - z| <= 255), runs ``tl.dot`` against ``x``'s tile and scales the partial sum once.
+Under ``TRITON_INTERPRET=1`` (CPU tensors: the tests) every tile is float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kubellm.kernels.triton_dot import dot_options
+
+__all__ = ["GroupedWeight", "grouped_gemm", "pack", "packable", "reference_grouped_gemm", "unpack"]
+
+
+@dataclass(frozen=True)
+class GroupedWeight:
+    """One layer packed for :func:`grouped_gemm` (field meanings in the module docstring)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    perm: torch.Tensor | None
+    group: int
+    bits: int
+
+
+def packable(bits: int, out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether :func:`pack` takes a layer: 4 or 8 bits, whole words along K, groups the kernel's K tile fits."""
+    group = in_features if group_size <= 0 else group_size
+    return (bits in (4, 8) and out_features > 0 and in_features % (32 // bits) == 0 and in_features % group == 0
+            and (group == in_features or group % 16 == 0))
+
+
+def pack(weight, bits: int) -> GroupedWeight:
+    """A ``QuantizedWeight`` (runtime/prequantized.py: ``values`` ``[N, K]``, ``scales``/``zeros``
+    ``[N, groups]``, ``group_size``, ``g_idx``) in this kernel's layout. Values may be unsigned (0..2^bits-1)
+    or signed (-2^(bits-1)..2^(bits-1)-1, stored offset by 2^(bits-1), zeros too). Act-order ``g_idx`` is
+    sorted into contiguous groups (``perm``); it must give every group ``group_size`` inputs."""
+    values, n_in = weight.values, weight.values.shape[1]
+    n_out = values.shape[0]
+    group = n_in if weight.group_size <= 0 else weight.group_size
+    if not packable(bits, n_out, n_in, group):
+        raise ValueError(f"cannot pack a {bits}-bit [{n_out}, {n_in}] weight with group {weight.group_size}: needs "
+                         f"4 or 8 bits, in_features a multiple of {32 // max(bits, 1)} and of the group, the group "
+                         "a multiple of 16 or per channel")
+    lo, hi = int(values.min()), int(values.max())
+    if lo >= 0 and hi < 1 << bits:
+        offset = 0
+    elif -(1 << (bits - 1)) <= lo and hi < 1 << (bits - 1):
+        offset = 1 << (bits - 1)
+    else:
+        raise ValueError(f"{bits}-bit values must lie in [0, {(1 << bits) - 1}] or [{-(1 << (bits - 1))}, "
+                         f"{(1 << (bits - 1)) - 1}], got [{lo}, {hi}]")
+    q = values.to(torch.int32) + offset
+    zeros = weight.zeros
+    if zeros is not None:
+        zeros = zeros.float() + offset
+    elif offset == 0:  # unsigned values symmetric around 0: zero point 0, not the implied 2^(bits-1)
+        zeros = torch.zeros_like(weight.scales, dtype=torch.float32)
+    perm = None
+    if weight.g_idx is not None:
+        g_idx = weight.g_idx.long()
+        perm = torch.argsort(g_idx, stable=True)
+        counts = torch.bincount(g_idx, minlength=n_in // group)
+        if counts.numel() != n_in // group or bool((counts != group).any()):
+            raise ValueError(f"act-order g_idx must give each of the {n_in // group} groups {group} inputs")
+        if torch.equal(perm, torch.arange(n_in, device=perm.device)):
+            perm = None  # the trivial map: nothing to permute per call
+        else:
+            q = q[:, perm]
+    per = 32 // bits
+    shifts = torch.arange(per, device=q.device, dtype=torch.int64) * bits
+    words = (q.t().long().reshape(n_in // per, per, n_out) << shifts.view(1, per, 1)).sum(1)
+    packed = (words - ((words >> 31) << 32)).to(torch.int32)  # bit 31 (the top value's) is the int32 sign
+    return GroupedWeight(packed.contiguous(), weight.scales.float().t().contiguous(),
+                         None if zeros is None else zeros.t().contiguous(), perm, group, bits)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[K * bits / 32, N]`` int32 words → the ``[N, K]`` unsigned values (in packed order)."""
+    per = 32 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    values = (packed.unsqueeze(1) >> shifts.view(1, per, 1)) & ((1 << bits) - 1)
+    return values.reshape(-1, packed.shape[1]).t()
+
+
+def reference_grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                           perm: torch.Tensor | None, bias: torch.Tensor | None, group: int,
+                           bits: int) -> torch.Tensor:
+    """The same product in float32 from the packed form (dequantizes the whole weight: tests and checks)."""
+    q = unpack(packed, bits).float()
+    g = torch.arange(q.shape[1], device=q.device) // group
+    z = torch.full_like(scales, 1 << (bits - 1)) if zeros is None else zeros
+    w = (q - z.float().t()[:, g]) * scales.float().t()[:, g]
+    xs = x.float() if perm is None else x.float()[:, perm]
+    y = xs @ w.T
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    y_ptr, x_ptr, p_ptr, scales_ptr, zeros_ptr, bias_ptr, M, N, K,
+    stride_xm, stride_ym,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    PER: tl.constexpr = 32 // BITS
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok, cols_ok = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides GROUP (or GROUP == K): a tile lies inside one group
+        ks = k0 + tl.arange(0, BLOCK_K)
+        ks_ok = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :],
+                    other=0.0)
+        # Every input of a word loads the same word (from cache); its shift picks the input's bits.
+        words = tl.load(p_ptr + (ks // PER)[:, None] * N + cols[None, :], mask=ks_ok[:, None] & cols_ok[None, :],
+                        other=0)
+        q = (words >> ((ks % PER) * BITS)[:, None]) & ((1 << BITS) - 1)
+        g = k0 // GROUP
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + g * N + cols, mask=cols_ok, other=0.0)
+        else:
+            z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
+        if UPCAST:
+            x = x.to(tl.float32)
+        w = (q.to(tl.float32) - z[None, :]).to(x.dtype)
+        part = tl.dot(x, w, input_precision=PRECISION)
+        acc += part * tl.load(scales_ptr + g * N + cols, mask=cols_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+def _k_tile(group: int, k: int, block_k: int) -> int:
+    """The K tile: ``block_k`` (>= 16, a power of two) shrunk to divide the group unless per channel."""
+    block_k = max(16, block_k)
+    if group == k:
+        return block_k
+    while group % block_k:
+        block_k //= 2
+    if block_k < 16:
+        raise ValueError(f"group {group} is not a multiple of 16")
+    return block_k
+
+
+def grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 perm: torch.Tensor | None, bias: torch.Tensor | None, group: int, bits: int, *,
+                 block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """``x [M, K]`` times the packed weight (layouts in the module docstring) ``(+ bias)``; ``[M, N]``."""
+    m, k = x.shape
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    n = packed.shape[1]
+    if packed.dtype != torch.int32 or packed.shape[0] * (32 // bits) != k:
+        raise ValueError(f"packed must be int32 [K * {bits} / 32, N] for K = {k}, got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    group = k if group <= 0 else group
+    if k % group or scales.shape != (k // group, n) or (zeros is not None and zeros.shape != scales.shape):
+        raise ValueError(f"scales (and zeros) must be [K / group, N] = [{k // max(group, 1)}, {n}] with group {group} "
+                         f"dividing K = {k}, got {tuple(scales.shape)}")
+    if perm is not None:
+        x = x.index_select(1, perm)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        y, x, packed.contiguous(), scales.float().contiguous(),
+        scales if zeros is None else zeros.float().contiguous(), scales if bias is None else bias, m, n, k,
+        x.stride(0), y.stride(0),
+        BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, **dot_options(x),
+        BLOCK_M=max(16, block_m), BLOCK_N=max(16, block_n), BLOCK_K=_k_tile(group, k, block_k),
+    )
+    return y

@@ -1,0 +1,160 @@
+"""kernels/triton_grouped_gemm.py (the CUDA GEMM of pre-quantized 4/8-bit checkpoints) through Triton's
+interpreter on tiny shapes: the kernel against ``x @ QuantizedWeight.dequantize().T`` (runtime/prequantized.py,
+independent of the packing), over 4 and 8 bits, groups 32/64/128 and per channel, asymmetric and symmetric
+zero points, act-order ``g_idx``, bias, partial row/column tiles and strided rows; the packed words pinned; a
+wrong nibble order or an off-by-one zero point fails the same comparison.
+
+Tolerances: float32 activations 1e-4 absolute + 1e-5 relative (accumulation order only); bf16 1e-2 + 2^-7
+relative (the output's own rounding: the reference stays float32 on the same rounded inputs).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kubellm.kernels import triton_check
+from kubellm.kernels import triton_grouped_gemm as tg
+from kubellm.runtime.prequantized import QuantizedWeight
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 2**-7}}
+
+
+def _weight(n: int, k: int, bits: int, group: int, zero_mode: str, seed: int, g_idx: torch.Tensor | None = None):
+    """A QuantizedWeight as the readers return them. zero_mode: ``asym`` (unsigned values, zeros anywhere in
+    range: AWQ, GPTQ asymmetric), ``mid`` (unsigned values, zero 2^(bits-1) stored: GPTQ symmetric) or
+    ``signed`` (signed values, no zeros: compressed-tensors symmetric)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = 1 if group <= 0 else k // group
+    top = 1 << bits
+    values = torch.randint(0, top, (n, k), generator=gen)
+    scales = torch.rand(n, groups, generator=gen) / (10 if bits == 4 else 300) + 1e-3
+    if zero_mode == "signed":
+        return QuantizedWeight((values - top // 2).to(torch.int8), scales, None, group, g_idx)
+    zeros = (torch.randint(0, top, (n, groups), generator=gen) if zero_mode == "asym"
+             else torch.full((n, groups), top // 2))
+    return QuantizedWeight(values.to(torch.int32), scales, zeros.to(torch.int32), group, g_idx)
+
+
+def _run(x: torch.Tensor, w: tg.GroupedWeight, bias: torch.Tensor | None, **blocks) -> torch.Tensor:
+    on = [None if t is None else t.to(DEVICE) for t in (x, w.packed, w.scales, w.zeros, w.perm, bias)]
+    return tg.grouped_gemm(*on, w.group, w.bits, **blocks).cpu()
+
+
+def _expected(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.float() @ qw.dequantize().T
+    return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("zero_mode", ["asym", "mid", "signed"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_equals_the_dequantized_weight_over_groups_and_zero_points(bits, zero_mode, dtype):
+    """M 3 and 17 (a partial second row tile), N 40 and 24 (partial column tiles), K 256 and 128."""
+    for i, (m, n, k, group) in enumerate([(3, 40, 256, 32), (17, 24, 256, 64), (3, 40, 128, 128),
+                                          (2, 24, 128, -1)]):
+        qw = _weight(n, k, bits, group, zero_mode, seed=i + 10 * bits)
+        gen = torch.Generator().manual_seed(i)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        bias = torch.randn(n, generator=gen) if i % 2 else None
+        w = tg.pack(qw, bits)
+        assert w.perm is None and (w.zeros is None) == (zero_mode == "signed")
+        out = _run(x, w, bias, block_n=32)
+        torch.testing.assert_close(out.float(), _expected(x, qw, bias), **TOL[dtype])
+        torch.testing.assert_close(out.float(), tg.reference_grouped_gemm(x, w.packed, w.scales, w.zeros, w.perm,
+                                                                          bias, w.group, bits).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_act_order_sorts_the_inputs_once_and_both_orderings_equal_the_reference(bits):
+    """GPTQ desc_act: g_idx assigns inputs to groups out of order. The kernel reads x through ``perm`` itself,
+    or the caller passes x already permuted: both equal the g_idx-aware dequantized weight."""
+    n, k, group = 40, 256, 64
+    gen = torch.Generator().manual_seed(5)
+    g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=gen)].to(torch.int32)
+    qw = _weight(n, k, bits, group, "asym", seed=6, g_idx=g_idx)
+    x, bias = torch.randn(5, k, generator=gen), torch.randn(n, generator=gen)
+    w = tg.pack(qw, bits)
+    assert w.perm is not None and torch.equal(g_idx[w.perm].long(), torch.arange(k) // group)
+    expected = _expected(x, qw, bias)
+    torch.testing.assert_close(_run(x, w, bias, block_n=32), expected, **TOL[torch.float32])
+    permuted = tg.GroupedWeight(w.packed, w.scales, w.zeros, None, w.group, w.bits)
+    torch.testing.assert_close(_run(x[:, w.perm], permuted, bias, block_n=32), expected, **TOL[torch.float32])
+    ignored = _run(x, permuted, bias, block_n=32)  # forgetting the permutation is wrong, not silently right
+    assert not torch.allclose(ignored, expected, atol=1e-2, rtol=1e-2)
+    trivial = _weight(n, k, bits, group, "asym", seed=6, g_idx=(torch.arange(k) // group).to(torch.int32))
+    assert tg.pack(trivial, bits).perm is None
+
+
+def test_extreme_values_and_zero_points_are_exact_and_strided_rows_are_read_by_their_stride():
+    """4-bit 0 and 15 against zeros 0 and 15 (differences -15..15), 8-bit 0 and 255 against 0 and 255: with
+    unit scales and integer activations every product and sum is exact in float32."""
+    for bits in (4, 8):
+        top = (1 << bits) - 1
+        values = torch.tensor([0, top] * 64).view(1, 128).repeat(32, 1)
+        values[1::2] = top - values[1::2]
+        zeros = torch.tensor([[0, top]] * 16).view(32, 1).repeat(1, 2)
+        qw = QuantizedWeight(values, torch.ones(32, 2), zeros, 64)
+        wide = torch.randint(-3, 4, (3, 160)).float()
+        x = wide[:, 16:144]  # rows strided by 160
+        out = _run(x, tg.pack(qw, bits), None, block_n=16)
+        assert torch.equal(out, x @ qw.dequantize().T)
+
+
+def test_the_packed_words_hold_consecutive_inputs_low_bits_first():
+    four = tg.pack(QuantizedWeight(torch.arange(8).view(1, 8), torch.ones(1, 1), None, -1), 4)
+    assert four.packed.tolist() == [[0x76543210]] and four.zeros.tolist() == [[0.0]]  # unsigned, no zeros: 0
+    eight = tg.pack(QuantizedWeight(torch.tensor([[1, 2, 3, 255]]), torch.ones(1, 1), torch.ones(1, 1), -1), 8)
+    assert eight.packed.tolist() == [[0xFF030201 - (1 << 32)]]  # bit 31 set: a negative int32
+    signed = tg.pack(QuantizedWeight(torch.tensor([[-8, 7] * 4], dtype=torch.int8), torch.ones(1, 1), None, -1), 4)
+    assert signed.packed.tolist() == [[0xF0F0F0F0 - (1 << 32)]] and signed.zeros is None  # offset by 8
+    assert torch.equal(tg.unpack(tg.pack(_weight(8, 64, 4, 32, "asym", 0), 4).packed, 4),
+                       _weight(8, 64, 4, 32, "asym", 0).values)
+
+
+@pytest.mark.parametrize("mutation", ["nibble order", "zero off by one"])
+def test_a_mutated_layout_fails_the_comparison(mutation):
+    """The comparison the tests above rely on catches a packing with the inputs of each word reversed, and
+    zero points one off."""
+    qw = _weight(24, 128, 4, 32, "asym", seed=8)
+    w = tg.pack(qw, 4)
+    if mutation == "nibble order":
+        reversed_words = tg.unpack(w.packed, 4).reshape(24, 16, 8).flip(-1).reshape(24, 128)
+        w = tg.pack(SimpleNamespace(values=reversed_words, scales=qw.scales, zeros=qw.zeros, group_size=32,
+                                    g_idx=None), 4)
+    else:
+        w = tg.GroupedWeight(w.packed, w.scales, w.zeros + 1, None, w.group, w.bits)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(_run(x, w, None, block_n=16), _expected(x, qw, None), **TOL[torch.float32])
+
+
+def test_what_cannot_be_packed_or_multiplied_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"must lie in \[0, 15\] or \[-8, 7\], got \[0, 16\]"):
+        tg.pack(QuantizedWeight(torch.tensor([[0, 16] * 16]), torch.ones(1, 1), None, -1), 4)
+    with pytest.raises(ValueError, match="group a multiple of 16 or per channel"):
+        tg.pack(_weight(8, 64, 4, 32, "asym", 0).__class__(torch.zeros(8, 64, dtype=torch.int32),
+                                                          torch.ones(8, 8), None, 8), 4)
+    assert not tg.packable(4, 8, 100, -1) and tg.packable(8, 8, 100, -1) and not tg.packable(3, 8, 96, 32)
+    uneven = (torch.arange(128) // 32).to(torch.int32)
+    uneven[0] = 1  # group 0 has 31 inputs, group 1 has 33
+    with pytest.raises(ValueError, match="g_idx must give each of the 4 groups 32 inputs"):
+        tg.pack(_weight(8, 128, 4, 32, "asym", 0, g_idx=uneven), 4)
+    w = tg.pack(_weight(8, 128, 4, 32, "asym", 0), 4)
+    with pytest.raises(ValueError, match=r"packed must be int32 \[K \* 4 / 32, N\] for K = 64"):
+        tg.grouped_gemm(torch.zeros(1, 64), w.packed, w.scales, w.zeros, None, None, 32, 4)
+    with pytest.raises(ValueError, match=r"scales \(and zeros\) must be \[K / group, N\] = \[2, 8\]"):
+        tg.grouped_gemm(torch.zeros(1, 128), w.packed, w.scales, w.zeros, None, None, 64, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_start_up_check_passes_the_sound_kernel_and_names_a_broken_one(bits, dtype, monkeypatch):
+    assert triton_check.check_grouped_gemm(DEVICE, dtype, bits) is None
+    sound = tg.grouped_gemm
+    monkeypatch.setattr(tg, "grouped_gemm", lambda *a, **k: sound(*a, **k) * 1.05)
+    assert f"grouped {bits}-bit GEMM differs from its reference" in triton_check.check_grouped_gemm(DEVICE, dtype,
+                                                                                                     bits)

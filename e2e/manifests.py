@@ -90,6 +90,27 @@ def api_keys_deployment(image: str, namespace: str, *, pull_policy: str = "IfNot
     return doc
 
 
+FAKE_GPU_RESOURCE = "kubellm.io/e2e-fake-gpu"  # an extended resource the test advertises on the kind node
+
+
+def fake_gpu_deployment(image: str, namespace: str, *, pull_policy: str = "IfNotPresent") -> dict[str, Any]:
+    """examples/llmdeployment-7b-bf16.yaml's rollout settings on a kind node without GPUs: one replica asking for
+    one :data:`FAKE_GPU_RESOURCE` (the test advertises exactly one on the node, so a surge pod cannot fit), the
+    baked demo model, one CPU, and a surge timeout of seconds. The pods ask for ``--device cuda`` and cannot
+    serve on kind; the test needs only the scheduler's answer and the Deployment's strategy."""
+    doc = load_example("llmdeployment-7b-bf16.yaml")
+    example_rollout = doc["spec"]["rollout"]
+    doc["metadata"] = {"name": "fake-gpu", "namespace": namespace}
+    doc["spec"] = {
+        "model": {"uri": f"file://{BAKED_DEMO_MODEL}", "servedModelName": SERVED_MODEL_NAME},
+        "resources": {"gpu": {"count": 1, "resourceName": FAKE_GPU_RESOURCE}, "cpu": "100m", "memory": "1Gi"},
+        "replicas": 1,
+        "rollout": {**example_rollout, "surgeTimeoutSeconds": 5, "onNoSpareGPU": "Wait"},
+    }
+    _use_image(doc, image, pull_policy)
+    return doc
+
+
 def secret(name: str, namespace: str, data: dict[str, str]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace},
             "type": "Opaque", "stringData": data}  # fmt: skip

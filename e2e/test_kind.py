@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 
 import httpx
 import manifests
@@ -199,3 +200,66 @@ def test_api_keys_example_waits_for_its_secret_then_refuses_calls_without_a_key(
         for key in ("e2e-old", "e2e-new"):
             client = OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
             assert manifests.SERVED_MODEL_NAME in [m.id for m in client.models.list().data]
+
+
+@pytest.fixture
+def one_fake_gpu(kube: Kubectl) -> Iterator[str]:
+    """The (single) kind node advertises one :data:`manifests.FAKE_GPU_RESOURCE`, as the Kubernetes docs'
+    "Advertise Extended Resources for a Node" does: a JSON patch of the node's status capacity (the kubelet
+    keeps it). Removed afterwards."""
+    (node,) = [n["metadata"]["name"] for n in kube.json("get", "nodes")["items"]]
+    path = "/status/capacity/" + manifests.FAKE_GPU_RESOURCE.replace("/", "~1")
+    kube.run("patch", "node", node, "--subresource=status", "--type=json",
+             "--patch", json.dumps([{"op": "add", "path": path, "value": "1"}]))
+    try:
+        yield node
+    finally:
+        kube.run("patch", "node", node, "--subresource=status", "--type=json",
+                 "--patch", json.dumps([{"op": "remove", "path": path}]), check=False)
+
+
+def test_a_rollout_without_a_spare_gpu_is_reported_then_replaced_in_place(
+    namespace: Kubectl, runtime_image: str, pull_policy: str, one_fake_gpu: str
+):
+    """One fake GPU, one replica holding it: the surge pod of a rollout cannot schedule. The operator reports
+    RolloutBlockedNoSpareGPU with one Warning; switched to ReplaceInPlace it applies maxSurge 0 and the new pod
+    gets the GPU the old one frees. (The pods ask for CUDA and never serve here: completion and the restored
+    strategy are covered by tests/operator/test_rollout_guard_kmock.py.)"""
+    doc = manifests.fake_gpu_deployment(runtime_image, namespace.namespace, pull_policy=pull_policy)
+    name = doc["metadata"]["name"]
+    namespace.apply(doc)
+
+    def scheduled_pods() -> list[dict]:
+        pods = namespace.json("get", "pods", "--selector", f"kubellm.io/llmdeployment={name}")["items"]
+        return [p for p in pods if any(c["type"] == "PodScheduled" and c["status"] == "True"
+                                       for c in p.get("status", {}).get("conditions", []))]
+
+    first = wait_until(scheduled_pods, timeout=120, what="the first pod on the fake GPU",
+                       diagnostics=lambda: namespace.diagnostics(KIND, name))
+    patch = {"spec": {"env": [{"name": "KUBELLM_E2E_ROLLOUT", "value": str(time.time_ns())}]}}
+    namespace.run("patch", KIND, name, "--type", "merge", "--patch", json.dumps(patch))
+
+    def progressing(reason: str):
+        conditions = namespace.json("get", KIND, name).get("status", {}).get("conditions", [])
+        return next((c for c in conditions if c["type"] == "Progressing" and c["reason"] == reason), None)
+
+    blocked = wait_until(lambda: progressing("RolloutBlockedNoSpareGPU"), timeout=180,
+                         what="Progressing=False/RolloutBlockedNoSpareGPU",
+                         diagnostics=lambda: namespace.diagnostics(KIND, name))
+    assert blocked["status"] == "False" and f"Insufficient {manifests.FAKE_GPU_RESOURCE}" in blocked["message"]
+    time.sleep(35)  # two more observations (every 15 s): still one Warning
+    warnings = [m for reason, m in _event_reasons(namespace, name) if reason == "RolloutBlockedNoSpareGPU"]
+    assert len(warnings) == 1, warnings
+
+    patch = {"spec": {"rollout": {"onNoSpareGPU": "ReplaceInPlace"}}}
+    namespace.run("patch", KIND, name, "--type", "merge", "--patch", json.dumps(patch))
+    wait_until(lambda: progressing("ReplacingInPlace"), timeout=120, what="Progressing=True/ReplacingInPlace",
+               diagnostics=lambda: namespace.diagnostics(KIND, name))
+    deployment = namespace.get("deployment", name)
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert "kubellm.io/replacing-in-place" in deployment["metadata"]["annotations"]
+    first_name = first[0]["metadata"]["name"]
+    wait_until(lambda: [p for p in scheduled_pods() if p["metadata"]["name"] != first_name], timeout=180,
+               what="the new pod scheduled on the GPU the old one freed",
+               diagnostics=lambda: namespace.diagnostics(KIND, name))
+    assert any(reason == "RolloutReplacingInPlace" for reason, _ in _event_reasons(namespace, name))

@@ -83,3 +83,14 @@ def test_api_keys_deployment_renders_the_secret_into_the_runtime():
     ref = doc["spec"]["auth"]["apiKeySecretRef"]
     assert env["KUBELLM_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": ref["name"], "key": "api-key"}}
     assert container["image"] == IMAGE
+
+
+def test_fake_gpu_deployment_asks_for_the_fake_resource_and_keeps_the_examples_rollout():
+    doc = manifests.fake_gpu_deployment(IMAGE, NAMESPACE)
+    example = manifests.load_example("llmdeployment-7b-bf16.yaml")
+    assert example["spec"]["rollout"]["onNoSpareGPU"] == "ReplaceInPlace"  # what the test switches to
+    assert doc["spec"]["rollout"]["onNoSpareGPU"] == "Wait" and doc["spec"]["rollout"]["surgeTimeoutSeconds"] == 5
+    deployment = _children(doc)["Deployment"]
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    resources = _runtime_container(deployment)["resources"]
+    assert resources["requests"][manifests.FAKE_GPU_RESOURCE] == resources["limits"][manifests.FAKE_GPU_RESOURCE] == "1"

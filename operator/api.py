@@ -520,6 +520,18 @@ class RolloutSpec(KubeModel):
     drain_timeout_seconds: int = Field(default=30, ge=0, le=3600)
     """How long a terminating pod keeps serving in-flight requests before aborting them."""
 
+    surge_timeout_seconds: int = Field(default=300, ge=0, le=86400)
+    """How long a pod of the new revision may stay unschedulable for want of a GPU (the scheduler's
+    "Insufficient <resources.gpu.resourceName>") before the rollout counts as blocked: no node has a spare
+    GPU for the surge pod. Blocked rollouts are reported as Progressing=False, reason
+    RolloutBlockedNoSpareGPU, and handled as onNoSpareGPU says."""
+
+    on_no_spare_gpu: Literal["Wait", "ReplaceInPlace"] = Field(default="Wait", alias="onNoSpareGPU")
+    """What a blocked rollout does. Wait: keep waiting for a GPU to free up (the rollout is reported Stalled
+    until one does). ReplaceInPlace: switch this rollout to maxSurge 0 (maxUnavailable stays as set, 1 when
+    it is 0), so an old pod is removed before its replacement starts, one GPU set at a time; capacity drops
+    by those pods meanwhile. The spec's strategy is restored when the rollout completes."""
+
     k8s_rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             rule="!(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",

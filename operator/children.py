@@ -1,7 +1,8 @@
 """The children of an LLMDeployment as the operator writes and reads them through :class:`.kube.Kube`.
 
 :func:`apply_children` applies what :func:`.render.render` produced with server-side apply and deletes the
-owned children that are no longer rendered; :func:`read_children` reads what :func:`.status.observe` needs.
+owned children that are no longer rendered; :func:`read_children` reads what :func:`.status.observe` needs,
+:func:`read_replicasets` what :func:`.rollout_guard.decide` needs besides.
 Children are found by the ``kubellm.io/llmdeployment`` label and kept only when they carry the
 LLMDeployment's owner reference.
 """
@@ -140,16 +141,23 @@ async def apply_children(
     return template_changed
 
 
+async def read_deployment(kube: Kube, ld: api.LLMDeployment) -> dict[str, Any] | None:
+    """The owned Deployment (the one render names when several carry the label), or None."""
+    namespace, name = ld.namespace or "default", render_mod.child_name(ld)
+    own = {LABEL: render_mod.label_value(ld)}
+    uid = ld.metadata.get("uid")
+    deployments = [d for d in await kube.list("apps/v1", "Deployment", namespace, own) if owned_by(d, uid)]
+    deployments.sort(key=lambda d: (d["metadata"]["name"] != name, d["metadata"]["name"]))
+    return deployments[0] if deployments else None
+
+
 async def read_children(
     kube: Kube, ld: api.LLMDeployment
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[dict[str, Any]]]:
     """The owned Deployment, the autoscaler's HPA and the Deployment's pods (terminating ones included)."""
     namespace, name = ld.namespace or "default", render_mod.child_name(ld)
-    uid = ld.metadata.get("uid")
     own = {LABEL: render_mod.label_value(ld)}
-    deployments = [d for d in await kube.list("apps/v1", "Deployment", namespace, own) if owned_by(d, uid)]
-    deployments.sort(key=lambda d: (d["metadata"]["name"] != name, d["metadata"]["name"]))
-    deployment = deployments[0] if deployments else None
+    deployment = await read_deployment(kube, ld)
 
     hpa = None
     if ld.spec.autoscaling.enabled:
@@ -163,3 +171,11 @@ async def read_children(
     selector = (deployment or {}).get("spec", {}).get("selector", {}).get("matchLabels") or own
     pods = await kube.list("v1", "Pod", namespace, selector)
     return deployment, hpa, pods
+
+
+async def read_replicasets(kube: Kube, deployment: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The ReplicaSets the Deployment owns (the rollout guard tells its new pods from the old ones by them)."""
+    meta = deployment.get("metadata") or {}
+    selector = ((deployment.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    found = await kube.list("apps/v1", "ReplicaSet", meta.get("namespace") or "default", selector)
+    return [rs for rs in found if owned_by(rs, meta.get("uid"))]

@@ -30,10 +30,10 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kubellm.operator import api, metrics, observer
+from kubellm.operator import api, metrics, observer, rollout_guard
 from kubellm.operator import render as render_mod
 from kubellm.operator import status as status_mod
-from kubellm.operator.children import LABEL, apply_children
+from kubellm.operator.children import LABEL, apply_children, read_deployment
 from kubellm.operator.kube import ApiError, Kube
 from kubellm.operator.render import InvalidSpec, render
 from kubellm.operator.tracking import Key, OperatorState, Reconciled, key_of
@@ -76,9 +76,14 @@ def _validate(body: Mapping[str, Any], old: Mapping[str, Any] | None, state: Ope
             old_spec = None  # the previous spec was invalid: nothing to compare with
         if old_spec is not None and (problems := api.validate_update(old_spec, ld.spec)):
             raise InvalidSpec("; ".join(problems))
-    return ld, render(
-        ld, service_monitor_available=state.service_monitor_available, prometheus_url=state.prometheus_url
-    )
+    return ld, _render(ld, state)
+
+
+def _render(ld: api.LLMDeployment, state: OperatorState, replace_in_place: str | None = None):
+    return render(
+        ld, service_monitor_available=state.service_monitor_available, prometheus_url=state.prometheus_url,
+        replace_in_place=replace_in_place,
+    )  # fmt: skip
 
 
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
@@ -127,6 +132,10 @@ async def reconcile(
             raise failed(f"internal error: {type(e).__name__}: {e}", 60) from e
 
         try:
+            # A rollout the guard switched to replacing pods in place keeps that strategy through a reconcile
+            # (an operator restart resumes every object); render drops it when the template changed.
+            if (carried := rollout_guard.carried_in_place(await read_deployment(state.kube, ld))) is not None:
+                children = _render(ld, state, replace_in_place=carried)
             await apply_children(state.kube, ld, children, note_template=seen.append)
         except ApiError as e:
             raise failed(f"applying the children failed: {e}", _backoff(retry)) from e

@@ -3,7 +3,8 @@
 :func:`observe_once` is one pass of the observer daemon: read the LLMDeployment afresh, observe it only when
 its reconcile allows (:meth:`.tracking.Tracked.due`), read its children, compute the status
 (:func:`.status.observe`, or :func:`.status.invalid_spec_status`), patch the status subresource when it changed
-and post the Events. :func:`report_invalid` and :func:`report_failure` write the InvalidSpec and
+and post the Events; on the way :func:`guard_rollout` judges a rollout waiting for a GPU and steers the Deployment's
+strategy (:mod:`.rollout_guard`). :func:`report_invalid` and :func:`report_failure` write the InvalidSpec and
 ReconcileFailed statuses the same way. An object being deleted is left alone.
 """
 
@@ -12,14 +13,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 import kopf
 from pydantic import ValidationError
 
-from kubellm.operator import api
+from kubellm.operator import api, rollout_guard
+from kubellm.operator import render as render_mod
 from kubellm.operator import status as status_mod
-from kubellm.operator.children import read_children
+from kubellm.operator.children import read_children, read_replicasets
 from kubellm.operator.kube import Kube, merge_patch_diff
 from kubellm.operator.tracking import Key, OperatorState, key_of
 
@@ -79,12 +82,42 @@ async def observe_once(state: OperatorState, key: Key) -> bool:
                 new, events = status_mod.invalid_spec_status(body, status_mod.describe_invalid(e), previous)
             else:
                 deployment, hpa, pods = await read_children(state.kube, ld)
+                now = api.utc_now()
+                guard = await guard_rollout(state, ld, deployment, pods, now, steer=rec is not None and rec.error is None)
                 new, events = status_mod.observe(
-                    ld, deployment, hpa, pods, previous,
+                    ld, deployment, hpa, pods, previous, now=now,
                     template_changed=rec.template_changed if rec else None,
-                    reconcile_error=rec.error if rec else None,
+                    reconcile_error=rec.error if rec else None, guard=guard,
                 )  # fmt: skip
         return await write_status(state.kube, body, new, events)
+
+
+async def guard_rollout(
+    state: OperatorState,
+    ld: api.LLMDeployment,
+    deployment: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    now: datetime,
+    *,
+    steer: bool,
+) -> rollout_guard.Verdict | None:
+    """The rollout guard's verdict on the Deployment's rollout; with ``steer``, the Deployment is applied again
+    when its strategy must follow the verdict (switched to replacing in place, or restored). The observer re-reads
+    every OBSERVE_INTERVAL, so surgeTimeoutSeconds passing is noticed without any watch event."""
+    if deployment is None or ld.spec.gpu_count == 0 or rollout_guard.rollout_complete(deployment):
+        replicasets = []  # nothing to guard: spare the API server the list
+    else:
+        replicasets = await read_replicasets(state.kube, deployment)
+    verdict = rollout_guard.decide(ld.spec, deployment, replicasets, pods, now)
+    if steer and rollout_guard.needs_apply(ld.spec.rollout, deployment, verdict):
+        try:
+            manifest = render_mod.render_deployment(ld, replace_in_place=verdict.replace_in_place)
+        except render_mod.InvalidSpec:
+            return verdict  # the reconcile reports it
+        logger.info("Deployment %s/%s: %s", ld.namespace, manifest["metadata"]["name"],
+                    "replacing pods in place" if verdict.replace_in_place else "restoring the spec's rollout strategy")  # fmt: skip
+        await state.kube.apply(manifest)
+    return verdict
 
 
 async def report_invalid(state: OperatorState, key: Key, message: str) -> None:

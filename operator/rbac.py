@@ -51,6 +51,8 @@ NAMESPACED: Grants = (
     Grant("", "services", CHILD_VERBS, "child Service"),
     Grant("apps", "deployments", ("list", "watch", "create", "patch", "delete"),
           "child Deployment; kopf watches it to wake the observer"),
+    Grant("apps", "replicasets", ("list",),
+          "the observer tells a rollout's new pods from the old ones (a surge pod waiting for a GPU)"),
     Grant("policy", "poddisruptionbudgets", CHILD_VERBS, "child PodDisruptionBudget"),
     Grant("autoscaling", "horizontalpodautoscalers", ("get", "list", "watch", "create", "patch", "delete"),
           "child HPA (backend hpa); the observer reads KEDA's HPA by name; kopf watches them"),

@@ -59,7 +59,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from kubellm.operator import api, crd
+from kubellm.operator import api, crd, rollout_guard
 from kubellm.runtime import engine_settings
 
 
@@ -622,29 +622,37 @@ def spec_hash(template: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def render_deployment(ld: api.LLMDeployment) -> dict[str, Any]:
-    """The apps/v1 Deployment running ``kubellm serve``."""
+def render_deployment(ld: api.LLMDeployment, *, replace_in_place: str | None = None) -> dict[str, Any]:
+    """The apps/v1 Deployment running ``kubellm serve``.
+
+    ``replace_in_place``: the spec-hash of a pod template whose rollout :mod:`.rollout_guard` switched to
+    replacing pods in place (no spare GPU for a surge pod). When it is this template's, the strategy is
+    :func:`.rollout_guard.in_place_strategy` and the Deployment carries the hash in
+    ``kubellm.io/replacing-in-place``; any other value (a new template: a new rollout) renders the spec's strategy.
+    """
     validate(ld)
     spec = ld.spec
+    template = _pod_template(ld)
+    in_place = replace_in_place is not None and replace_in_place == template["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
+    rolling_update = (
+        rollout_guard.in_place_strategy(spec.rollout) if in_place else rollout_guard.spec_strategy(spec.rollout)
+    )
     dep_spec: dict[str, Any] = {}
     if not spec.autoscaling.enabled:  # else the HPA / KEDA owns replicas: leave the field out entirely
         dep_spec["replicas"] = spec.replicas
     dep_spec.update(
         {
             "selector": {"matchLabels": selector_labels(ld)},
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {
-                    "maxSurge": spec.rollout.max_surge,
-                    "maxUnavailable": spec.rollout.max_unavailable,
-                },
-            },
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling_update},
             "revisionHistoryLimit": REVISION_HISTORY_LIMIT,
             "progressDeadlineSeconds": spec.probes.startup_timeout_seconds + PROGRESS_DEADLINE_MARGIN_SECONDS,
-            "template": _pod_template(ld),
+            "template": template,
         }
     )
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(ld), "spec": dep_spec}
+    metadata = _metadata(ld)
+    if in_place:
+        metadata["annotations"] = {rollout_guard.IN_PLACE_ANNOTATION: replace_in_place}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata, "spec": dep_spec}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -886,17 +894,19 @@ def render(
     *,
     service_monitor_available: bool = False,
     prometheus_url: str = DEFAULT_PROMETHEUS_URL,
+    replace_in_place: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every child manifest of ``ld``, in apply order. Pure: same input, same output; ``ld`` is not changed.
 
     ``service_monitor_available``: whether the monitoring.coreos.com ServiceMonitor CRD is installed (for
     monitoring.serviceMonitor Auto). ``prometheus_url``: the Prometheus the KEDA trigger queries.
+    ``replace_in_place``: the rollout guard's decision (:func:`render_deployment`).
     Raises :class:`InvalidSpec` when the spec cannot be rendered.
     """
     validate(ld)
     children = [
         render_service(ld),
-        render_deployment(ld),
+        render_deployment(ld, replace_in_place=replace_in_place),
         render_pdb(ld),
         render_hpa(ld),
         render_scaled_object(ld, prometheus_url=prometheus_url),

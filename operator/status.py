@@ -17,7 +17,9 @@ Conditions (``lastTransitionTime`` moves only when a condition's status changes,
 * **Progressing**: True while a rollout (``Rolling``) or a scale (``Scaling``: pods not yet available) is
   under way, or before the Deployment exists (``Creating``); False with ``Complete`` when every pod runs the
   current template and is available, ``ProgressDeadlineExceeded`` when the Deployment gave up, or
-  ``InvalidSpec``/``ReconcileFailed``. A rollout starts when a new ``metadata.generation`` is observed whose
+  ``InvalidSpec``/``ReconcileFailed``. With the rollout guard's verdict (:mod:`.rollout_guard`): False with
+  ``RolloutBlockedNoSpareGPU`` when a new pod has waited past ``rollout.surgeTimeoutSeconds`` for a GPU, True
+  with ``ReplacingInPlace`` while that rollout replaces pods in place. A rollout starts when a new ``metadata.generation`` is observed whose
   change touched the pod template (``template_changed``; a replicas-only change is a scale, not a rollout)
   and ends when the Deployment reports every pod updated and available, as ``kubectl rollout status`` does.
 * **Degraded**: True when something needs a human: a container waiting in ImagePullBackOff, ErrImagePull,
@@ -46,7 +48,8 @@ exists); ``endpoint`` ``http://<service>.<namespace>.svc:<port>/v1``; ``observed
 the status describes, written by every path (observe, invalid spec, failed reconcile), so a waiter never reads a
 status written for an older spec as an answer about this one.
 
-Events: ``RolloutStarted`` / ``RolloutComplete``, ``ScaledUp`` / ``ScaledDown`` (the HPA's desired replicas
+Events: ``RolloutStarted`` / ``RolloutComplete``, ``RolloutBlockedNoSpareGPU`` (Warning) / ``RolloutReplacingInPlace``
+(once, when Progressing turns to those reasons), ``ScaledUp`` / ``ScaledDown`` (the HPA's desired replicas
 changed since the last status), ``ModelLoaded``, and Warnings when Degraded turns True or changes reason
 (the reason is the problem's, e.g. ``ImagePullBackOff``), when autoscaling becomes blocked
 (``AutoscalingBlocked``), for ``InvalidSpec`` and ``ReconcileFailed``.
@@ -62,6 +65,7 @@ from typing import Any, Literal, NamedTuple
 from pydantic import ValidationError
 
 from kubellm.operator import render as render_mod
+from kubellm.operator import rollout_guard
 from kubellm.operator.api import (
     QUEUE_DEPTH_METRIC,
     AutoscalingStatus,
@@ -114,9 +118,14 @@ _CONDITION_ORDER = (
 # Failed at once instead of waiting out their timeout). Unschedulable and ReadinessProbeFailing can heal by
 # themselves (a node is added, a backend comes back) and a failed reconcile is retried with backoff: those keep
 # the object Reconciling.
+# A rollout blocked for want of a spare GPU with onNoSpareGPU Wait is Stalled too: it may end by itself when a GPU
+# frees up, but nothing the operator does will end it, and a GitOps wait should fail rather than time out.
 STALLING_REASONS = frozenset(
-    {"InvalidSpec", *DEGRADING_WAITING_REASONS, "OOMKilled", "ProgressDeadlineExceeded", "ReplicaFailure"}
-)
+    {"InvalidSpec", *DEGRADING_WAITING_REASONS, "OOMKilled", "ProgressDeadlineExceeded", "ReplicaFailure",
+     "RolloutBlockedNoSpareGPU"}
+)  # fmt: skip
+# Progressing reasons of a rollout under way (remembered between observations, see _was_rolling).
+ROLLING_REASONS = frozenset({"Rolling", "Creating", "RolloutBlockedNoSpareGPU", "ReplacingInPlace"})
 
 
 class Event(NamedTuple):
@@ -513,9 +522,11 @@ def read_rollout(
 
 
 def _was_rolling(previous: LLMDeploymentStatus) -> bool:
-    """The Progressing condition remembers a rollout between observations."""
+    """The Progressing condition remembers a rollout between observations (a blocked one is False)."""
     c = previous.get_condition(ConditionType.PROGRESSING)
-    return c is not None and c.status == ConditionStatus.TRUE and c.reason in ("Rolling", "Creating")
+    return c is not None and c.reason in ROLLING_REASONS and (
+        c.status == ConditionStatus.TRUE or c.reason == "RolloutBlockedNoSpareGPU"
+    )
 
 
 def rollout_events(ld: LLMDeployment, rollout: Rollout, *, starting: bool, was_rolling: bool) -> list[Event]:
@@ -559,6 +570,46 @@ def progressing_condition(rollout: Rollout, rolling: bool) -> ConditionValue:
     if not rollout.complete:
         return ConditionStatus.TRUE, "Scaling", f"{rollout.available}/{rollout.desired} pods available"
     return ConditionStatus.FALSE, "Complete", f"{_plural(rollout.desired, 'pod')} up to date and available"
+
+
+def guarded_progressing(ld: LLMDeployment, rollout: Rollout, verdict: rollout_guard.Verdict) -> ConditionValue | None:
+    """Progressing while the rollout guard has something to say: replacing pods in place (True,
+    ReplacingInPlace) or blocked for want of a spare GPU (False, RolloutBlockedNoSpareGPU); else None."""
+    if not rollout.exists or rollout.complete:
+        return None
+    # A time, not a duration: the message stays the same between observations (no status write each time).
+    since = verdict.since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if verdict.since else "now"
+    waited = f"pod {verdict.pod} of the new revision has waited for {verdict.resource} since {since}"
+    if verdict.replace_in_place is not None:
+        strategy = rollout_guard.in_place_strategy(ld.spec.rollout)
+        message = (
+            f"no spare {verdict.resource} for a surge pod: replacing pods in place (maxSurge 0, maxUnavailable "
+            f"{strategy['maxUnavailable']}) until the rollout completes; {rollout.updated}/{rollout.desired} "
+            f"pods updated, {rollout.available} available"
+        )
+        return ConditionStatus.TRUE, "ReplacingInPlace", message + (f"; {waited}: {verdict.message}" if verdict.pod else "")
+    if verdict.blocked:
+        message = (
+            f"{waited}: {verdict.message}; free a GPU, add a node, or set rollout.onNoSpareGPU: ReplaceInPlace"
+        )
+        return ConditionStatus.FALSE, "RolloutBlockedNoSpareGPU", message
+    return None
+
+
+def guard_events(previous: LLMDeploymentStatus, progressing: ConditionValue) -> list[Event]:
+    """A Warning when a rollout becomes blocked and a Normal Event when it starts replacing in place: on the
+    change of Progressing's reason, so once per rollout rather than once per observation."""
+    before = previous.get_condition(ConditionType.PROGRESSING)
+    before_reason = before.reason if before is not None else None
+    _, reason, message = progressing
+    events = []
+    if reason in ("RolloutBlockedNoSpareGPU", "ReplacingInPlace") and before_reason not in (
+        "RolloutBlockedNoSpareGPU", "ReplacingInPlace"
+    ):
+        events.append(Event("Warning", "RolloutBlockedNoSpareGPU", message))
+    if reason == "ReplacingInPlace" and before_reason != "ReplacingInPlace":
+        events.append(Event("Normal", "RolloutReplacingInPlace", message))
+    return events
 
 
 def ready_condition(rollout: Rollout, rolling: bool, problem: Problem | None) -> ConditionValue:
@@ -696,6 +747,7 @@ def observe(
     template_changed: bool | None = None,
     reconcile_error: str | None = None,
     service_name: str | None = None,
+    guard: rollout_guard.Verdict | None = None,
 ) -> tuple[LLMDeploymentStatus, list[Event]]:
     """The new status of ``ld`` and the Events to post, from its children and the status written last time.
 
@@ -705,6 +757,8 @@ def observe(
     template (None: unknown, assume it did); False makes a new generation a scale, not a rollout.
     ``reconcile_error`` is the message of the last failed attempt to apply the children (Ready and Progressing
     False, Degraded True, reason ReconcileFailed). ``service_name`` defaults to the LLMDeployment's name.
+    ``guard`` is :func:`.rollout_guard.decide`'s verdict on the rollout (blocked for want of a GPU, replacing in
+    place), which then names Progressing.
     """
     now = now or utc_now()
     previous = _as_status(previous_status)
@@ -728,9 +782,14 @@ def observe(
     problem = degrading_problem(ld, deployment, live, now)
     status.autoscaling, scaling_active, scale_events = scaling(ld, hpa, previous.autoscaling)
     events += scale_events
+    progressing = progressing_condition(rollout, rolling)
+    if guard is not None and rolling and (guarded := guarded_progressing(ld, rollout, guard)) is not None:
+        progressing = guarded
+        if reconcile_error is None:
+            events += guard_events(previous, progressing)
     conditions = {
         ConditionType.READY: ready_condition(rollout, rolling, problem),
-        ConditionType.PROGRESSING: progressing_condition(rollout, rolling),
+        ConditionType.PROGRESSING: progressing,
         ConditionType.DEGRADED: degraded_condition(problem),
         ConditionType.MODEL_LOADED: model_loaded_condition(ld, live, rollout.desired, problem),
         ConditionType.SCALING_ACTIVE: scaling_active,

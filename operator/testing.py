@@ -27,6 +27,7 @@ NAME = "llama"
 UID = "0b8e1c1e-0000-4000-8000-000000000001"
 LD_RESOURCE = kmock.resource(api.GROUP, api.VERSION, api.PLURAL)
 DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
+REPLICASETS = kmock.resource("apps", "v1", "replicasets")
 SERVICES = kmock.resource("", "v1", "services")
 PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
 HPAS = kmock.resource("autoscaling", "v2", "horizontalpodautoscalers")
@@ -69,6 +70,7 @@ def declare_resources(server: kmock.KubernetesEmulator) -> None:
     )
     for res, kind in (
         ("apps/v1/deployments", "Deployment"),
+        ("apps/v1/replicasets", "ReplicaSet"),
         ("v1/services", "Service"),
         ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget"),
         ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler"),

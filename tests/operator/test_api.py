@@ -38,7 +38,8 @@ FULL_DEFAULTS = {
         "scaleDownStabilizationSeconds": 300,
         "backend": "hpa",
     },
-    "rollout": {"maxSurge": 1, "maxUnavailable": 0, "drainTimeoutSeconds": 30},
+    "rollout": {"maxSurge": 1, "maxUnavailable": 0, "drainTimeoutSeconds": 30, "surgeTimeoutSeconds": 300,
+                "onNoSpareGPU": "Wait"},
     "probes": {"startupTimeoutSeconds": 600, "readinessPeriodSeconds": 10, "readinessTimeoutSeconds": 15},
     "image": api.DEFAULT_IMAGE,
     "imagePullPolicy": "IfNotPresent",
@@ -91,7 +92,8 @@ def test_round_trip_camel_case():
         },
         "replicas": 3,
         "autoscaling": {**FULL_DEFAULTS["autoscaling"], "enabled": True, "maxReplicas": 6, "backend": "keda"},
-        "rollout": {"maxSurge": "25%", "maxUnavailable": "0%", "drainTimeoutSeconds": 120},
+        "rollout": {"maxSurge": "25%", "maxUnavailable": "0%", "drainTimeoutSeconds": 120,
+                    "surgeTimeoutSeconds": 600, "onNoSpareGPU": "ReplaceInPlace"},
         "nodeSelector": {"pool": "gpu"},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "affinity": {
@@ -161,6 +163,7 @@ def test_whole_object_round_trip_with_status():
         {"model": {"uri": "smollm2", "url": "x"}},
         {"model": {"uri": "smollm2"}, "engine": {"maxNumSeq": 2}},
         {"model": {"uri": "smollm2"}, "resources": {"gpu": {"type": "a100"}}},
+        {"model": {"uri": "smollm2"}, "rollout": {"onNoSpareGpu": "Wait"}},  # the field is spelt onNoSpareGPU
         {
             "model": {"uri": "smollm2"},
             "tolerations": [{"key": "k", "operator": "Exists", "tolerateSeconds": 1}],

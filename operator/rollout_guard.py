@@ -45,6 +45,10 @@ class Verdict:
     resource: str = api.DEFAULT_GPU_RESOURCE  # the GPU resource the pods ask for
     replace_in_place: str | None = None  # spec-hash of the template rolling out in place; None: the spec's strategy
 
+    def strategy(self, rollout: api.RolloutSpec) -> dict[str, Any]:
+        """The rollingUpdate the Deployment should have now."""
+        return in_place_strategy(rollout) if self.replace_in_place else spec_strategy(rollout)
+
 
 NOT_BLOCKED = Verdict()
 
@@ -195,8 +199,8 @@ def needs_apply(rollout: api.RolloutSpec, deployment: Mapping[str, Any] | None, 
     """Whether the Deployment must be applied again for its strategy to follow ``verdict``."""
     if deployment is None:
         return False
-    want = in_place_strategy(rollout) if verdict.replace_in_place else spec_strategy(rollout)
+    want = verdict.strategy(rollout)
     have = _get(deployment, "spec", "strategy", "rollingUpdate") or {}
-    if {k: str(v) for k, v in want.items()} != {k: str(have.get(k)) for k in want}:
+    if {k: str(v) for k, v in want.items()} != {k: str(have.get(k)) for k in want}:  # 1 and "1" alike
         return True
     return verdict.replace_in_place is not None and carried_in_place(deployment) != verdict.replace_in_place

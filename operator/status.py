@@ -783,7 +783,10 @@ def observe(
     status.autoscaling, scaling_active, scale_events = scaling(ld, hpa, previous.autoscaling)
     events += scale_events
     progressing = progressing_condition(rollout, rolling)
-    if guard is not None and rolling and (guarded := guarded_progressing(ld, rollout, guard)) is not None:
+    # The guard's reason is more specific than the Deployment's ProgressDeadlineExceeded, so it names Progressing
+    # then too (Degraded and Stalled still say the deadline passed).
+    under_way = rolling or rollout.deadline_message is not None
+    if guard is not None and under_way and (guarded := guarded_progressing(ld, rollout, guard)) is not None:
         progressing = guarded
         if reconcile_error is None:
             events += guard_events(previous, progressing)

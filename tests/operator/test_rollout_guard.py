@@ -240,6 +240,22 @@ def test_render_switches_the_strategy_only_for_the_template_it_was_decided_for()
     assert d["spec"]["template"] == render.render_deployment(ld)["spec"]["template"]
 
 
+def test_needs_apply_compares_what_the_api_server_holds():
+    ld = ld_of(maxSurge="25%", maxUnavailable="10%", onNoSpareGPU="ReplaceInPlace")
+    d = deployment_of(ld)
+    assert not rollout_guard.needs_apply(ld.spec.rollout, d, rollout_guard.Verdict())
+    d["spec"]["strategy"]["rollingUpdate"] = {"maxSurge": "25%", "maxUnavailable": "10%"}
+    assert not rollout_guard.needs_apply(ld.spec.rollout, d, rollout_guard.Verdict())
+    in_place = rollout_guard.Verdict(replace_in_place=spec_hash(ld))
+    assert in_place.strategy(ld.spec.rollout) == {"maxSurge": 0, "maxUnavailable": "10%"}
+    assert rollout_guard.needs_apply(ld.spec.rollout, d, in_place)
+    # The strategy alone is not enough: the annotation carries the switch through a reconcile.
+    d["spec"]["strategy"]["rollingUpdate"] = {"maxSurge": 0, "maxUnavailable": "10%"}
+    assert rollout_guard.needs_apply(ld.spec.rollout, d, in_place)
+    assert not rollout_guard.needs_apply(ld.spec.rollout, deployment_of(ld, replace_in_place=spec_hash(ld)), in_place)
+    assert not rollout_guard.needs_apply(ld.spec.rollout, None, in_place)
+
+
 @pytest.mark.parametrize(
     ("max_unavailable", "in_place"), [(0, 1), ("0%", 1), (2, 2), ("25%", "25%")]
 )
@@ -300,6 +316,17 @@ def test_a_blocked_rollout_is_progressing_false_stalled_with_one_warning():
     assert done.get_condition("Progressing").reason == "Complete"
     assert "RolloutComplete" in [e.reason for e in events]
     assert done.get_condition("Stalled").status == "False"
+
+
+def test_past_the_deployments_progress_deadline_the_gpu_reason_still_names_progressing():
+    ld = ld_of()
+    d, rs, pods = surge_rollout(ld, waited=1300)
+    d["status"]["conditions"] = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                                  "message": 'ReplicaSet "llama-new222" has timed out progressing.'}]  # fmt: skip
+    status, _ = observe(ld, d, pods, None, rollout_guard.decide(ld.spec, d, rs, pods, NOW))
+    assert status.get_condition("Progressing").reason == "RolloutBlockedNoSpareGPU"
+    assert status.get_condition("Degraded").reason == "ProgressDeadlineExceeded"
+    assert status.get_condition("Stalled").status == "True"
 
 
 def test_replacing_in_place_is_progressing_true_reconciling_with_its_event():

@@ -134,7 +134,9 @@ async def reconcile(
         try:
             # A rollout the guard switched to replacing pods in place keeps that strategy through a reconcile
             # (an operator restart resumes every object); render drops it when the template changed.
-            if (carried := rollout_guard.carried_in_place(await read_deployment(state.kube, ld))) is not None:
+            if rollout_guard.may_replace_in_place(ld.spec) and (
+                carried := rollout_guard.carried_in_place(await read_deployment(state.kube, ld))
+            ) is not None:
                 children = _render(ld, state, replace_in_place=carried)
             await apply_children(state.kube, ld, children, note_template=seen.append)
         except ApiError as e:

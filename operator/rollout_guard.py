@@ -137,6 +137,11 @@ def waiting_for_gpu(pod: Mapping[str, Any], resource: str) -> tuple[datetime | N
     return None
 
 
+def may_replace_in_place(spec: api.LLMDeploymentSpec) -> bool:
+    """Whether the spec lets a rollout switch to replacing in place (so there may be a switch to carry)."""
+    return spec.rollout.on_no_spare_gpu == "ReplaceInPlace" and spec.gpu_count > 0
+
+
 def carried_in_place(deployment: Mapping[str, Any] | None) -> str | None:
     """The template whose rollout the Deployment replaces in place now (its :data:`IN_PLACE_ANNOTATION`), for a
     reconcile to render the same strategy; None when it has none."""
@@ -160,7 +165,7 @@ def decide(
         return Verdict(resource=resource)
     template = _get(deployment, "spec", "template", "metadata", "annotations") or {}
     spec_hash = template.get(SPEC_HASH_ANNOTATION)
-    replacing = spec.rollout.on_no_spare_gpu == "ReplaceInPlace" and spec_hash is not None
+    replacing = may_replace_in_place(spec) and spec_hash is not None
     in_place = spec_hash if replacing and carried_in_place(deployment) == spec_hash else None
 
     new_rs = new_replicaset(deployment, replicasets)

@@ -184,6 +184,7 @@ async def observe_daemon(name: str, namespace: str, memo: Any, stopped: Any, log
                 pass
     finally:
         metrics.MANAGED.dec()
+        metrics.note_rollout_blocked(key, False)
         state.forget(key)
 
 

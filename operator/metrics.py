@@ -10,6 +10,8 @@ the runtime's. :mod:`.handlers` feeds them (the API errors come from :mod:`.kube
 * ``kubellm_operator_observations_total{result}``: status observations, ``ok`` or ``error``.
 * ``kubellm_operator_api_errors_total{method,code}``: failed requests to the API server (code 0: not reached).
   404 is not counted: it answers "not installed" or "already gone", which the operator expects.
+* ``kubellm_operator_rollouts_blocked``: LLMDeployments this replica observes whose rollout has a new pod
+  waiting past ``rollout.surgeTimeoutSeconds`` for a GPU (:mod:`.rollout_guard`); which ones, their status says.
 """
 
 from __future__ import annotations
@@ -71,6 +73,24 @@ API_ERRORS = Counter(
     ["method", "code"],
     registry=REGISTRY,
 )
+ROLLOUTS_BLOCKED = Gauge(
+    "kubellm_operator_rollouts_blocked",
+    "LLMDeployments whose rollout has a new pod waiting past rollout.surgeTimeoutSeconds for a GPU "
+    "(Progressing RolloutBlockedNoSpareGPU, or ReplacingInPlace until that pod schedules).",
+    registry=REGISTRY,
+)
+_blocked: set[tuple[str, str]] = set()  # (namespace, name) of the rollouts ROLLOUTS_BLOCKED counts
+
+
+def note_rollout_blocked(key: tuple[str, str], blocked: bool) -> None:
+    """Count ``key``'s rollout as blocked or not (an object no longer observed: not)."""
+    if blocked:
+        _blocked.add(key)
+    else:
+        _blocked.discard(key)
+    ROLLOUTS_BLOCKED.set(len(_blocked))
+
+
 for _result in RECONCILE_RESULTS:  # export every result at 0 from the start, so rate() sees the first one
     RECONCILES.labels(result=_result)
 for _result in ("ok", "error"):

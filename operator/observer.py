@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kubellm.operator import api, rollout_guard
+from kubellm.operator import api, metrics, rollout_guard
 from kubellm.operator import render as render_mod
 from kubellm.operator import status as status_mod
 from kubellm.operator.children import read_children, read_replicasets
@@ -109,6 +109,7 @@ async def guard_rollout(
     else:
         replicasets = await read_replicasets(state.kube, deployment)
     verdict = rollout_guard.decide(ld.spec, deployment, replicasets, pods, now)
+    metrics.note_rollout_blocked((ld.namespace or "default", ld.name or ""), verdict.blocked)
     if steer and rollout_guard.needs_apply(ld.spec.rollout, deployment, verdict):
         try:
             manifest = render_mod.render_deployment(ld, replace_in_place=verdict.replace_in_place)

@@ -70,6 +70,7 @@ TUNED = {
             "modelDownloadFailing": {"restarts": 5},
             "crashLooping": {"for": "39m"},
             "autoscalerBlocked": {"for": "41m"},
+            "rolloutBlockedNoSpareGPU": {"for": "42m"},
             "kubeStateMetricsLabelsMissing": {"for": "2h"},
         },
     },
@@ -368,6 +369,7 @@ def test_thresholds_and_durations_come_from_the_values(on, tuned):
             "KubellmKVCacheSaturated": "kvCacheSaturated", "KubellmSlowFirstToken": "slowFirstToken",
             "KubellmShedding": "shedding", "KubellmImagePullFailing": "imagePullFailing",
             "KubellmCrashLooping": "crashLooping", "KubellmAutoscalerBlocked": "autoscalerBlocked",
+            "KubellmRolloutBlockedNoSpareGPU": "rolloutBlockedNoSpareGPU",
             "KubellmKubeStateMetricsLabelsMissing": "kubeStateMetricsLabelsMissing",
         }  # fmt: skip
         for alert, key in durations.items():

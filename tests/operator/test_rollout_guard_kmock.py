@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 import test_operator_kmock as t
 
-from kubellm.operator import handlers, rollout_guard
+from kubellm.operator import handlers, metrics, rollout_guard
 from kubellm.operator.testing import REPLICASETS
 
 pytestmark = pytest.mark.kmock(cls=t.ApiServer)
@@ -128,6 +128,7 @@ async def test_a_surge_pod_without_a_gpu_blocks_the_rollout_with_one_warning(ser
     await t.until(lambda: replicaset_lists(server) >= seen + 3, "three more observations")
     warnings = t.events(server, "RolloutBlockedNoSpareGPU")
     assert len(warnings) == 1 and warnings[0]["type"] == "Warning"
+    assert metrics.REGISTRY.get_sample_value("kubellm_operator_rollouts_blocked") == 1
     assert GPU_MESSAGE in warnings[0]["message"]
     # With Wait the strategy stays the spec's.
     assert rolling_update(server) == {"maxSurge": 1, "maxUnavailable": 0}
@@ -175,4 +176,5 @@ async def test_replace_in_place_switches_the_strategy_by_apply_and_restores_it_a
     restore = deployment_applies(server)[-1]
     assert "annotations" not in restore["metadata"]
     await t.until(lambda: t.condition(server, "Progressing")["reason"] == "Complete", "Progressing=Complete")
+    assert metrics.REGISTRY.get_sample_value("kubellm_operator_rollouts_blocked") == 0
     await t.until(lambda: t.events(server, "RolloutComplete"), "a RolloutComplete Event")

@@ -65,6 +65,7 @@ RUNTIME_VERSION = "0.1.0"
 DEFAULT_IMAGE = f"ghcr.io/kubellm/runtime:{RUNTIME_VERSION}"
 
 RUNTIME_PORT = 8000  # the container port `kubellm serve` listens on; spec.service.port maps to it
+DEFAULT_RENDEZVOUS_PORT = 29500  # spec.parallelism.rendezvousPort: torch.distributed's usual MASTER_PORT
 # The runtime's deadline for the readiness probe's generation (ServerOptions.probe_timeout).
 RUNTIME_PROBE_DEADLINE_SECONDS = 10
 QUEUE_DEPTH_METRIC = "kubellm:num_requests_waiting"  # per-pod gauge the autoscalers target
@@ -363,22 +364,43 @@ class ModelSpec(KubeModel):
 
 
 class ParallelismSpec(KubeModel):
-    """How the model is sharded across GPUs."""
+    """How the model is sharded across GPUs and pods."""
 
     tensor: int = _setting_field(setting("tensor_parallel_size"))[1]
 
-    nodes: int = Field(default=1, ge=1)
-    """Nodes one replica spans. Only 1 is supported for now (multi-node serving is not implemented yet)."""
+    nodes: int = _setting_field(setting("nnodes"))[1]
+
+    rendezvous_port: int = Field(default=DEFAULT_RENDEZVOUS_PORT, ge=1, le=65535)
+    """With nodes above 1: the port on the leader pod where the ranks of a group meet (a TCP store); the
+    worker pods connect to it at the leader's stable DNS name. Must differ from the API port 8000."""
 
     k8s_rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
-            rule="self.nodes == 1",
-            message="parallelism.nodes > 1 is not supported yet: multi-node serving is not implemented; "
-            "use nodes: 1 (tensor parallelism within one node)",
-            check=lambda s: s.nodes == 1,
-            field_path=".nodes",
+            rule="self.tensor % self.nodes == 0",
+            message="parallelism.tensor must be a multiple of parallelism.nodes: every pod of a group holds the "
+            "same number of tensor-parallel ranks",
+            message_expression="'parallelism.tensor ' + string(self.tensor) + ' must be a multiple of "
+            "parallelism.nodes ' + string(self.nodes) + ': every pod of a group holds the same number of "
+            "tensor-parallel ranks'",
+            check=lambda s: s.tensor % s.nodes == 0,
+            explain=lambda s: (
+                f"parallelism.tensor {s.tensor} must be a multiple of parallelism.nodes {s.nodes}: every pod of "
+                "a group holds the same number of tensor-parallel ranks"
+            ),
+            field_path=".tensor",
+        ),
+        Rule(
+            rule=f"self.rendezvousPort != {RUNTIME_PORT}",
+            message=f"parallelism.rendezvousPort must differ from the runtime's API port {RUNTIME_PORT}",
+            check=lambda s: s.rendezvous_port != RUNTIME_PORT,
+            field_path=".rendezvousPort",
         ),
     )
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks in each pod of a group (EngineConfig.ranks_per_node)."""
+        return self.tensor // self.nodes
 
 
 # Objects inside spec.engine that group engine settings (crd_field engine.<group>.<name>).
@@ -414,8 +436,8 @@ class GPUSpec(KubeModel):
     """GPUs per pod."""
 
     count: int | None = Field(default=None, ge=0)
-    """GPUs per pod (per replica). 0 runs on CPU. Default (omitted): parallelism.tensor, i.e. one GPU per
-    tensor-parallel shard. When set above 0 it must be a multiple of parallelism.tensor."""
+    """GPUs per pod. 0 runs on CPU. Default (omitted): the tensor-parallel ranks in each pod, i.e. one GPU per
+    shard (parallelism.tensor / parallelism.nodes). When set above 0 it must be a multiple of that."""
 
     resource_name: str = Field(default=DEFAULT_GPU_RESOURCE, min_length=1, max_length=253)
     """The extended resource the pod requests, e.g. nvidia.com/gpu or amd.com/gpu."""
@@ -775,25 +797,32 @@ class LLMDeploymentSpec(KubeModel):
     """Gateway API integration (InferencePool)."""
 
     k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        # Both count the ranks in one pod: tensor / nodes. The divisibility guard keeps CEL from dividing by 0
+        # (tensor < nodes); the rule on parallelism reports that case.
         Rule(
-            rule="!has(self.resources.gpu.count) || self.resources.gpu.count == 0 "
-            "|| self.resources.gpu.count % self.parallelism.tensor == 0",
-            message="resources.gpu.count must be 0 (CPU) or a multiple of parallelism.tensor; "
-            "omit it to get parallelism.tensor GPUs",
+            rule="self.parallelism.tensor % self.parallelism.nodes != 0 || !has(self.resources.gpu.count) "
+            "|| self.resources.gpu.count == 0 "
+            "|| self.resources.gpu.count % (self.parallelism.tensor / self.parallelism.nodes) == 0",
+            message="resources.gpu.count must be 0 (CPU) or a multiple of the ranks in each pod, parallelism.tensor "
+            "/ parallelism.nodes; omit it to get that many GPUs",
             check=lambda s: (
-                s.resources.gpu.count in (None, 0) or s.resources.gpu.count % s.parallelism.tensor == 0
+                s.parallelism.tensor % s.parallelism.nodes != 0
+                or s.resources.gpu.count in (None, 0)
+                or s.resources.gpu.count % s.parallelism.ranks_per_node == 0
             ),
             field_path=".resources.gpu.count",
         ),
         Rule(
-            rule="self.parallelism.tensor == 1 || !has(self.resources.gpu.count) "
-            "|| self.resources.gpu.count >= self.parallelism.tensor",
-            message="parallelism.tensor > 1 needs resources.gpu.count >= parallelism.tensor "
-            "(one GPU per tensor-parallel shard)",
+            rule="self.parallelism.tensor % self.parallelism.nodes != 0 "
+            "|| self.parallelism.tensor / self.parallelism.nodes == 1 || !has(self.resources.gpu.count) "
+            "|| self.resources.gpu.count >= self.parallelism.tensor / self.parallelism.nodes",
+            message="more than one tensor-parallel rank per pod (parallelism.tensor / parallelism.nodes) needs "
+            "resources.gpu.count >= that many (one GPU per rank)",
             check=lambda s: (
-                s.parallelism.tensor == 1
+                s.parallelism.tensor % s.parallelism.nodes != 0
+                or s.parallelism.ranks_per_node == 1
                 or s.resources.gpu.count is None
-                or s.resources.gpu.count >= s.parallelism.tensor
+                or s.resources.gpu.count >= s.parallelism.ranks_per_node
             ),
             field_path=".parallelism.tensor",
         ),
@@ -855,9 +884,9 @@ class LLMDeploymentSpec(KubeModel):
 
     @property
     def gpu_count(self) -> int:
-        """GPUs per pod with the default applied (omitted: parallelism.tensor)."""
+        """GPUs per pod with the default applied (omitted: the ranks in each pod, parallelism.tensor / nodes)."""
         count = self.resources.gpu.count
-        return self.parallelism.tensor if count is None else count
+        return self.parallelism.ranks_per_node if count is None else count
 
     @property
     def served_model_name(self) -> str:

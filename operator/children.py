@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kubellm.operator import api
+from kubellm.operator import api, multinode
 from kubellm.operator import render as render_mod
 from kubellm.operator.kube import ApiError, Kube, owned_by
 
@@ -22,16 +22,20 @@ logger = logging.getLogger(__name__)
 LABEL = render_mod.LABEL_LLMDEPLOYMENT
 # Every kind the operator may own, so that a kind render stops producing is still found and deleted.
 MANAGED_KINDS: tuple[tuple[str, str], ...] = tuple(render_mod.CHILD_KINDS)
-# Kinds from add-ons (KEDA, the Prometheus operator, the Gateway API Inference Extension) whose permissions the
-# Helm chart grants only on request: a forbidden listing of them means "none of ours to clean up".
+# Kinds from add-ons (KEDA, the Prometheus operator, the Gateway API Inference Extension, LWS) whose permissions
+# the Helm chart grants only on request: a forbidden listing of them means "none of ours to clean up".
 # Per kind: (what installs its CRD, the chart value granting it, the spec change that does without it).
 ADDONS: dict[str, tuple[str, str, str]] = {
     "ScaledObject": ("KEDA", "rbac.keda", "autoscaling.backend: hpa"),
     "ServiceMonitor": ("the Prometheus operator", "rbac.serviceMonitors", "monitoring.serviceMonitor: Auto"),
     "InferencePool": ("the Gateway API Inference Extension CRDs (v1.0 or later)", "rbac.inferencePools",
                       "gateway.inferencePool.enabled: false"),
+    multinode.KIND: (f"the LWS controller ({multinode.INSTALL_URL})", "rbac.leaderWorkerSets",
+                     "parallelism.nodes: 1"),
 }  # fmt: skip
 OPTIONAL_KINDS = frozenset(ADDONS)
+# What runs the pods: a Deployment, or a LeaderWorkerSet for multi-node replicas.
+WORKLOAD_KINDS = frozenset({"Deployment", multinode.KIND})
 
 
 def addon_hint(kind: str, error: ApiError) -> str | None:
@@ -45,9 +49,41 @@ def addon_hint(kind: str, error: ApiError) -> str | None:
     return f"the operator may not manage {kind}s: install the chart with {value}=true, or set {instead}"
 
 
-def template_id(deployment: Mapping[str, Any]) -> Any:
-    """What identifies a Deployment's pod template: render's spec-hash annotation, else the template itself."""
-    template = (deployment.get("spec") or {}).get("template") or {}
+def as_deployment(workload: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The workload in the shape the status code reads from a Deployment (a Deployment is returned as it is).
+
+    A LeaderWorkerSet counts groups where a Deployment counts pods, and a group is ready when all its pods are
+    (the leader's readiness probe runs a generation through every rank): replicas, readyReplicas and
+    updatedReplicas carry over, availableReplicas is readyReplicas (the LWS keeps no separate count). The pod
+    template is the leader's (it moves with every spec change, as the worker's does), the selector picks the
+    leaders (as the LWS's scale subresource does), and the conditions carry over (LWS's Available, Progressing
+    and UpdateInProgress; the status code looks for the Deployment reasons only).
+    """
+    if workload is None or workload.get("kind") != multinode.KIND:
+        return dict(workload) if workload is not None else None
+    spec, status = workload.get("spec") or {}, workload.get("status") or {}
+    group = spec.get("leaderWorkerTemplate") or {}
+    metadata = workload.get("metadata") or {}
+    labels = ((group.get("leaderTemplate") or {}).get("metadata") or {}).get("labels") or {}
+    selector = {k: v for k, v in labels.items() if k in (render_mod.LABEL_NAME, render_mod.LABEL_INSTANCE,
+                                                         render_mod.LABEL_COMPONENT)}  # fmt: skip
+    out_spec: dict[str, Any] = {"template": group.get("leaderTemplate") or {}}
+    if selector:
+        out_spec["selector"] = {"matchLabels": {**selector, multinode.WORKER_INDEX_LABEL: "0"}}
+    if "replicas" in spec:
+        out_spec["replicas"] = spec["replicas"]
+    out_status = {k: status[k] for k in ("replicas", "readyReplicas", "updatedReplicas", "conditions") if k in status}
+    if "readyReplicas" in status:
+        out_status["availableReplicas"] = status["readyReplicas"]
+    if "observedGeneration" in status:
+        out_status["observedGeneration"] = status["observedGeneration"]
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": dict(metadata), "spec": out_spec,
+            "status": out_status}  # fmt: skip
+
+
+def template_id(workload: Mapping[str, Any]) -> Any:
+    """What identifies a workload's pod template: render's spec-hash annotation, else the template itself."""
+    template = ((as_deployment(workload) or {}).get("spec") or {}).get("template") or {}
     annotations = (template.get("metadata") or {}).get("annotations") or {}
     return annotations.get(render_mod.SPEC_HASH_ANNOTATION) or template
 
@@ -58,12 +94,12 @@ REPLICAS_HANDOVER_MANAGER = "kubellm-operator-replicas-handover"
 def replicas_handover(child: Mapping[str, Any], existing: Mapping[str, Any] | None, field_manager: str):
     """The apply that parks ``spec.replicas`` with a second field manager, or None if none is needed.
 
-    When autoscaling is switched on, the rendered Deployment stops carrying ``replicas``. If our field
+    When autoscaling is switched on, the rendered Deployment (or LeaderWorkerSet) stops carrying ``replicas``. If our field
     manager still owns the field, server-side apply would *remove* it and the Deployment would fall back
     to 1 replica until the autoscaler acts. Applying the current value under another manager first keeps
     it; the HPA's next scale update then takes the field over from that manager.
     """
-    if child.get("kind") != "Deployment" or "replicas" in (child.get("spec") or {}) or existing is None:
+    if child.get("kind") not in WORKLOAD_KINDS or "replicas" in (child.get("spec") or {}) or existing is None:
         return None
     owned = any(
         entry.get("manager") == field_manager and "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {})
@@ -73,7 +109,7 @@ def replicas_handover(child: Mapping[str, Any], existing: Mapping[str, Any] | No
     if not owned or current is None:
         return None
     meta = child["metadata"]
-    return {"apiVersion": child["apiVersion"], "kind": "Deployment",
+    return {"apiVersion": child["apiVersion"], "kind": child["kind"],
             "metadata": {"name": meta["name"], "namespace": meta.get("namespace")}, "spec": {"replicas": current}}
 
 
@@ -83,9 +119,9 @@ async def apply_children(
     children: list[dict[str, Any]],
     note_template: Callable[[bool], None] | None = None,
 ) -> bool | None:
-    """Apply ``children``, delete the owned ones no longer rendered; return whether the Deployment's pod
-    template changed (True for a new Deployment, None when no Deployment was rendered). ``note_template``
-    hears that answer as soon as the Deployment is applied, even if a later child fails."""
+    """Apply ``children``, delete the owned ones no longer rendered; return whether the workload's (Deployment
+    or LeaderWorkerSet) pod template changed (True for a new workload, None when none was rendered).
+    ``note_template`` hears that answer as soon as the workload is applied, even if a later child fails."""
     namespace = ld.namespace or "default"
     uid = ld.metadata.get("uid")
     kinds = list(MANAGED_KINDS) + [
@@ -129,7 +165,7 @@ async def apply_children(
             if (hint := addon_hint(kind, e)) is not None:
                 raise ApiError(e.status, e.reason, f"{e.message}; {hint}", "PATCH", f"{kind} {child_name}") from e
             raise
-        if kind == "Deployment":
+        if kind in WORKLOAD_KINDS:
             template_changed = before is None or template_id(before[1]) != template_id(applied or {})
             if note_template is not None:
                 note_template(template_changed)
@@ -151,13 +187,32 @@ async def read_deployment(kube: Kube, ld: api.LLMDeployment) -> dict[str, Any] |
     return deployments[0] if deployments else None
 
 
+async def read_workload(kube: Kube, ld: api.LLMDeployment) -> dict[str, Any] | None:
+    """The owned workload the spec calls for: the Deployment (:func:`read_deployment`), or with
+    parallelism.nodes > 1 the LeaderWorkerSet through :func:`as_deployment`; None when there is none."""
+    if not multinode.is_multi_node(ld):
+        return await read_deployment(kube, ld)
+    namespace, name = ld.namespace or "default", multinode.lws_name(ld)
+    own = {LABEL: render_mod.label_value(ld)}
+    uid = ld.metadata.get("uid")
+    try:
+        found = [w for w in await kube.list(multinode.API_VERSION, multinode.KIND, namespace, own) if owned_by(w, uid)]
+    except ApiError as e:
+        if e.status != 403:
+            raise
+        return None  # not granted: the reconcile's ReconcileFailed says what to do
+    found.sort(key=lambda w: (w["metadata"]["name"] != name, w["metadata"]["name"]))
+    return as_deployment(found[0]) if found else None
+
+
 async def read_children(
     kube: Kube, ld: api.LLMDeployment
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[dict[str, Any]]]:
-    """The owned Deployment, the autoscaler's HPA and the Deployment's pods (terminating ones included)."""
+    """The owned workload the spec calls for (:func:`read_workload`), the autoscaler's HPA and the workload's
+    pods (terminating ones, and a multi-node group's workers, included)."""
     namespace, name = ld.namespace or "default", render_mod.child_name(ld)
     own = {LABEL: render_mod.label_value(ld)}
-    deployment = await read_deployment(kube, ld)
+    deployment = await read_workload(kube, ld)
 
     hpa = None
     if ld.spec.autoscaling.enabled:
@@ -168,7 +223,10 @@ async def read_children(
         if hpa is None and ld.spec.autoscaling.backend == "keda":
             hpa = await kube.get("autoscaling/v2", "HorizontalPodAutoscaler", namespace, f"keda-hpa-{name}")
 
-    selector = (deployment or {}).get("spec", {}).get("selector", {}).get("matchLabels") or own
+    if multinode.is_multi_node(ld):  # the workers too: a crash-looping or unschedulable one holds its group back
+        selector = render_mod.selector_labels(ld)
+    else:
+        selector = (deployment or {}).get("spec", {}).get("selector", {}).get("matchLabels") or own
     pods = await kube.list("v1", "Pod", namespace, selector)
     return deployment, hpa, pods
 

@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kubellm.operator import api, metrics, rollout_guard
+from kubellm.operator import api, metrics, multinode, rollout_guard
 from kubellm.operator import render as render_mod
 from kubellm.operator import status as status_mod
 from kubellm.operator.children import read_children, read_replicasets
@@ -104,6 +104,9 @@ async def guard_rollout(
     """The rollout guard's verdict on the Deployment's rollout; with ``steer``, the Deployment is applied again
     when its strategy must follow the verdict (switched to replacing in place, or restored). The observer re-reads
     every OBSERVE_INTERVAL, so surgeTimeoutSeconds passing is noticed without any watch event."""
+    if multinode.is_multi_node(ld):  # it reads a Deployment's ReplicaSets; a LeaderWorkerSet rolls out groups
+        metrics.note_rollout_blocked((ld.namespace or "default", ld.name or ""), False)
+        return None
     if deployment is None or ld.spec.gpu_count == 0 or rollout_guard.rollout_complete(deployment):
         replicasets = []  # nothing to guard: spare the API server the list
     else:

@@ -58,8 +58,9 @@ NAMESPACED: Grants = (
           "child HPA (backend hpa); the observer reads KEDA's HPA by name; kopf watches them"),
 )  # fmt: skip
 
-# Namespaced too, granted only when the chart is asked to (rbac.keda, rbac.serviceMonitors, rbac.inferencePools):
-# without them the operator still runs, and LLMDeployments that need these kinds say so in their status.
+# Namespaced too, granted only when the chart is asked to (rbac.keda, rbac.serviceMonitors, rbac.inferencePools,
+# rbac.leaderWorkerSets): without them the operator still runs, and LLMDeployments that need these kinds say so
+# in their status.
 KEDA: Grants = (
     Grant("keda.sh", "scaledobjects", CHILD_VERBS, "child ScaledObject (autoscaling.backend keda)"),
 )
@@ -70,6 +71,10 @@ SERVICE_MONITORS: Grants = (
 INFERENCE_POOLS: Grants = (
     Grant("inference.networking.k8s.io", "inferencepools", CHILD_VERBS,
           "child InferencePool (gateway.inferencePool.enabled, the Gateway API Inference Extension)"),
+)  # fmt: skip
+LEADER_WORKER_SETS: Grants = (
+    Grant("leaderworkerset.x-k8s.io", "leaderworkersets", CHILD_VERBS,
+          "child LeaderWorkerSet (parallelism.nodes > 1); the observer lists it for its status"),
 )  # fmt: skip
 
 # Cluster-scoped, whatever the operator watches.
@@ -84,10 +89,12 @@ NAMESPACE_DISCOVERY: Grants = (
 )
 
 
-def namespaced_grants(*, keda: bool, service_monitors: bool, inference_pools: bool = False) -> Grants:
+def namespaced_grants(
+    *, keda: bool, service_monitors: bool, inference_pools: bool = False, leader_worker_sets: bool = False
+) -> Grants:
     """What the operator needs in each namespace it watches."""
     return (NAMESPACED + (KEDA if keda else ()) + (SERVICE_MONITORS if service_monitors else ())
-            + (INFERENCE_POOLS if inference_pools else ()))  # fmt: skip
+            + (INFERENCE_POOLS if inference_pools else ()) + (LEADER_WORKER_SETS if leader_worker_sets else ()))  # fmt: skip
 
 
 def cluster_grants(*, all_namespaces: bool) -> Grants:

@@ -1,6 +1,7 @@
 """Render an LLMDeployment into the Kubernetes objects that serve it: pure functions, no I/O, no API client.
 
-:func:`render` returns every child manifest in apply order (Service, Deployment, PodDisruptionBudget, then
+:func:`render` returns every child manifest in apply order (Service, Deployment or, for multi-node replicas,
+LeaderWorkerSet (:mod:`.multinode`), PodDisruptionBudget, then
 the HorizontalPodAutoscaler or KEDA ScaledObject when autoscaling is enabled, then the ServiceMonitor when
 monitoring asks for one, then the InferencePool when gateway.inferencePool asks for one). Each child kind has
 its own ``render_<kind>`` function; the optional ones return None when the spec does not call for that child,
@@ -59,7 +60,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from kubellm.operator import api, crd, rollout_guard
+from kubellm.operator import api, crd, multinode, rollout_guard
 from kubellm.runtime import engine_settings
 
 
@@ -86,6 +87,7 @@ INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"  # Gateway API Inf
 CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("v1", "Service"),
     ("apps/v1", "Deployment"),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),  # instead of the Deployment when parallelism.nodes > 1
     ("policy/v1", "PodDisruptionBudget"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("keda.sh/v1alpha1", "ScaledObject"),
@@ -211,6 +213,12 @@ def selector_labels(ld: api.LLMDeployment) -> dict[str, str]:
     return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: label_value(ld), LABEL_COMPONENT: COMPONENT}
 
 
+def serving_selector(ld: api.LLMDeployment) -> dict[str, str]:
+    """The pods that serve HTTP (the Service's and the InferencePool's selector): all of them, or a multi-node
+    group's leaders only (its workers run ranks and serve nothing)."""
+    return multinode.leader_selector(ld) if multinode.is_multi_node(ld) else selector_labels(ld)
+
+
 def labels(ld: api.LLMDeployment) -> dict[str, str]:
     """The labels on every child object and on the pods."""
     return {**selector_labels(ld), LABEL_MANAGED_BY: MANAGED_BY, LABEL_LLMDEPLOYMENT: label_value(ld)}
@@ -237,7 +245,8 @@ def owner_reference(ld: api.LLMDeployment) -> dict[str, Any] | None:
     }
 
 
-def _metadata(ld: api.LLMDeployment) -> dict[str, Any]:
+def child_metadata(ld: api.LLMDeployment) -> dict[str, Any]:
+    """Name, namespace, labels and owner reference of a child object."""
     meta: dict[str, Any] = {"name": child_name(ld)}
     if ld.namespace:
         meta["namespace"] = ld.namespace
@@ -577,7 +586,8 @@ def _scheduling(ld: api.LLMDeployment) -> dict[str, Any]:
     return out
 
 
-def _pod_template(ld: api.LLMDeployment) -> dict[str, Any]:
+def pod_template(ld: api.LLMDeployment) -> dict[str, Any]:
+    """The runtime's pod template (a Deployment's; multinode.py derives the leader and worker templates)."""
     spec = ld.spec
     _, models_volume, init_command, models_read_only = _model_plan(spec)
     resources = spec.resource_requirements()
@@ -632,7 +642,7 @@ def render_deployment(ld: api.LLMDeployment, *, replace_in_place: str | None = N
     """
     validate(ld)
     spec = ld.spec
-    template = _pod_template(ld)
+    template = pod_template(ld)
     in_place = replace_in_place is not None and replace_in_place == template["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
     rolling_update = (
         rollout_guard.in_place_strategy(spec.rollout) if in_place else rollout_guard.spec_strategy(spec.rollout)
@@ -649,10 +659,18 @@ def render_deployment(ld: api.LLMDeployment, *, replace_in_place: str | None = N
             "template": template,
         }
     )
-    metadata = _metadata(ld)
+    metadata = child_metadata(ld)
     if in_place:
         metadata["annotations"] = {rollout_guard.IN_PLACE_ANNOTATION: replace_in_place}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata, "spec": dep_spec}
+
+
+def render_workload(ld: api.LLMDeployment, *, replace_in_place: str | None = None) -> dict[str, Any]:
+    """What runs the pods: the Deployment, or with parallelism.nodes > 1 a LeaderWorkerSet whose groups of
+    pods each hold one tensor-parallel group (:mod:`.multinode`; the rollout guard leaves those alone)."""
+    if multinode.is_multi_node(ld):
+        return multinode.render_leader_worker_set(ld)
+    return render_deployment(ld, replace_in_place=replace_in_place)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -666,10 +684,10 @@ def render_service(ld: api.LLMDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(ld),
+        "metadata": child_metadata(ld),
         "spec": {
             "type": ld.spec.service.type,
-            "selector": selector_labels(ld),
+            "selector": serving_selector(ld),
             "ports": [
                 {
                     "name": PORT_NAME,
@@ -689,7 +707,7 @@ def render_pdb(ld: api.LLMDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(ld),
+        "metadata": child_metadata(ld),
         "spec": {
             "maxUnavailable": 1,
             "selector": {"matchLabels": selector_labels(ld)},
@@ -719,6 +737,8 @@ def _behavior(autoscaling: api.AutoscalingSpec) -> dict[str, Any]:
 
 
 def _scale_target(ld: api.LLMDeployment) -> dict[str, str]:
+    if multinode.is_multi_node(ld):  # the LWS has a scale subresource; its selector picks the leaders
+        return {"apiVersion": multinode.API_VERSION, "kind": multinode.KIND, "name": multinode.lws_name(ld)}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "name": child_name(ld)}
 
 
@@ -734,7 +754,7 @@ def render_hpa(ld: api.LLMDeployment) -> dict[str, Any] | None:
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(ld),
+        "metadata": child_metadata(ld),
         "spec": {
             "scaleTargetRef": _scale_target(ld),
             "minReplicas": autoscaling.min_replicas,
@@ -780,7 +800,7 @@ def render_scaled_object(
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
-        "metadata": _metadata(ld),
+        "metadata": child_metadata(ld),
         "spec": {
             "scaleTargetRef": _scale_target(ld),
             "minReplicaCount": autoscaling.min_replicas,
@@ -839,7 +859,7 @@ def render_service_monitor(
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(ld),
+        "metadata": child_metadata(ld),
         "spec": spec,
     }
 
@@ -863,7 +883,7 @@ def render_inference_pool(ld: api.LLMDeployment) -> dict[str, Any] | None:
     if not pool.enabled:
         return None
     spec: dict[str, Any] = {
-        "selector": {"matchLabels": selector_labels(ld)},
+        "selector": {"matchLabels": serving_selector(ld)},
         "targetPorts": [{"number": api.RUNTIME_PORT}],
         "appProtocol": "http",
     }
@@ -879,7 +899,7 @@ def render_inference_pool(ld: api.LLMDeployment) -> dict[str, Any] | None:
     return {
         "apiVersion": INFERENCE_POOL_API_VERSION,
         "kind": "InferencePool",
-        "metadata": _metadata(ld),
+        "metadata": child_metadata(ld),
         "spec": spec,
     }
 
@@ -906,7 +926,7 @@ def render(
     validate(ld)
     children = [
         render_service(ld),
-        render_deployment(ld, replace_in_place=replace_in_place),
+        render_workload(ld, replace_in_place=replace_in_place),
         render_pdb(ld),
         render_hpa(ld),
         render_scaled_object(ld, prometheus_url=prometheus_url),

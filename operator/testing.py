@@ -32,6 +32,7 @@ SERVICES = kmock.resource("", "v1", "services")
 PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
 HPAS = kmock.resource("autoscaling", "v2", "horizontalpodautoscalers")
 PODS = kmock.resource("", "v1", "pods")
+LEADER_WORKER_SETS = kmock.resource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
 EVENTS = kmock.resource("", "v1", "events")
 LD_PATH = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}"
 CLOSE = {"Connection": "close"}  # no keep-alive: kopf waits for the server's connection tasks at exit
@@ -78,6 +79,13 @@ def declare_resources(server: kmock.KubernetesEmulator) -> None:
         ("v1/events", "Event"),
     ):
         server.resources[res] = info(kind=kind, namespaced=True, verbs=VERBS, subresources={"status"})
+
+
+def declare_leader_worker_sets(server: kmock.KubernetesEmulator) -> None:
+    """The LeaderWorkerSet CRD installed (the LWS controller is not: tests patch the status in)."""
+    server.resources["leaderworkerset.x-k8s.io/v1/leaderworkersets"] = kmock.ResourceInfo(
+        kind="LeaderWorkerSet", namespaced=True, verbs=VERBS, subresources={"status", "scale"}
+    )
 
 
 def write_kubeconfig(server, path: Path, user: str = "test") -> Path:

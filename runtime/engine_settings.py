@@ -140,15 +140,17 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "tensor_parallel_size", int, 1, flag="--tensor-parallel-size", crd_field="parallelism.tensor", ge=1,
         help="processes (one per GPU on CUDA) that each hold 1/N of every layer; must divide the model's "
         "attention heads, kv heads and MLP size (default %(default)s)",
-        doc="Tensor-parallel degree: each replica shards every layer across this many GPUs (in one pod).",
+        doc="Tensor-parallel degree: each replica shards every layer across this many GPUs. With parallelism.nodes "
+        "above 1 the shards span that many pods (one tensor-parallel group across nodes), tensor / nodes in each.",
     ),
     EngineSetting(
-        "nnodes", int, 1, flag="--nnodes", ge=1,
+        "nnodes", int, 1, flag="--nnodes", crd_field="parallelism.nodes", ge=1, le=64,
         help="nodes (pods) the --tensor-parallel-size ranks span, an equal share on each; node 0 serves HTTP "
         "and hosts the rendezvous at --dist-init-addr (default %(default)s)",
         doc="Nodes (pods) one replica spans. Above 1 the replica is a LeaderWorkerSet group: the leader pod "
         "serves the API and holds tensor-parallel ranks 0..k-1, each worker pod the next k (k = "
-        "parallelism.tensor / nodes); one tensor-parallel group spans the pods.",
+        "parallelism.tensor / nodes); one tensor-parallel group spans the pods. Needs the LeaderWorkerSet controller "
+        "(github.com/kubernetes-sigs/lws) in the cluster.",
     ),
     EngineSetting(
         "node_rank", int, 0, flag="--node-rank", metavar="R",

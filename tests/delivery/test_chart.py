@@ -44,9 +44,10 @@ CASES: dict[str, dict[str, Any]] = {
     "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "keda": {"rbac": {"keda": True}},
     "inference-pools": {"rbac": {"inferencePools": True}},
+    "leader-worker-sets": {"rbac": {"leaderWorkerSets": True}},
     "everything": {
         "watchNamespaces": ["ml"],
-        "rbac": {"keda": True, "serviceMonitors": True, "inferencePools": True},
+        "rbac": {"keda": True, "serviceMonitors": True, "inferencePools": True, "leaderWorkerSets": True},
         "metrics": {"port": 9100, "serviceMonitor": {"enabled": True, "interval": "15s", "scrapeTimeout": "5s"}},
         "operator": {
             "image": {"repository": "registry.example:5000/kubellm/operator", "tag": "dev", "pullPolicy": "Always"},
@@ -169,6 +170,7 @@ def test_rendered_objects_are_valid(rendered, case):
         ({"operator": {"resources": {"limits": {"memory": "lots"}}}}, "/operator/resources/limits/memory"),
         ({"rbac": {"keda": "yes"}}, "/rbac/keda"),
         ({"rbac": {"inferencePools": 1}}, "/rbac/inferencePools"),
+        ({"rbac": {"leaderWorkerSets": 1}}, "/rbac/leaderWorkerSets"),
         ({"metrics": {"port": 8080}}, "/metrics/port"),
         ({"metrics": {"port": 0}}, "/metrics/port"),
         ({"metrics": {"serviceMonitor": {"interval": "often"}}}, "/metrics/serviceMonitor/interval"),
@@ -378,7 +380,8 @@ def test_rbac_grants_exactly_what_the_operator_uses(rendered, case):
         assert not of_kind(docs, "ServiceAccount")
         return
     namespaced = rbac.namespaced_grants(keda=values["rbac"]["keda"], service_monitors=values["rbac"]["serviceMonitors"],
-                                        inference_pools=values["rbac"]["inferencePools"])
+                                        inference_pools=values["rbac"]["inferencePools"],
+                                        leader_worker_sets=values["rbac"]["leaderWorkerSets"])
     namespaces = values["watchNamespaces"]
     cluster_role, cluster_binding = the(docs, "ClusterRole"), the(docs, "ClusterRoleBinding")
     assert cluster_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
@@ -405,10 +408,11 @@ def test_optional_grants_follow_the_values(rendered):
         docs = rendered[case]
         return {r for role in of_kind(docs, "ClusterRole") + of_kind(docs, "Role") for _, r, _ in granted(role)}
 
-    optional = {"scaledobjects", "servicemonitors", "inferencepools"}
+    optional = {"scaledobjects", "servicemonitors", "inferencepools", "leaderworkersets"}
     assert optional.isdisjoint(resources("defaults"))
     assert resources("keda") & optional == {"scaledobjects"}
     assert resources("inference-pools") & optional == {"inferencepools"}
+    assert resources("leader-worker-sets") & optional == {"leaderworkersets"}
     assert optional <= resources("everything")
 
 

@@ -18,7 +18,7 @@ FULL_DEFAULTS = {
     "model": {"uri": "smollm2"},
     "dtype": "auto",
     "quantization": "none",
-    "parallelism": {"tensor": 1, "nodes": 1},
+    "parallelism": {"tensor": 1, "nodes": 1, "rendezvousPort": 29500},
     "engine": {
         "maxNumSeqs": 256,
         "maxNumBatchedTokens": 2048,
@@ -76,7 +76,7 @@ def test_round_trip_camel_case():
         "model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct", "revision": "main", "servedModelName": "qwen"},
         "dtype": "bfloat16",
         "quantization": "int4",
-        "parallelism": {"tensor": 2, "nodes": 1},
+        "parallelism": {"tensor": 2, "nodes": 1, "rendezvousPort": 29500},
         "engine": {
             **FULL_DEFAULTS["engine"],
             "maxModelLen": 8192,
@@ -236,6 +236,13 @@ def test_gpu_count_and_resource_requirements():
         "limits": {"nvidia.com/gpu": "2"},
     }
 
+    # One group over several pods: each pod gets the GPUs of its own ranks, tensor / nodes.
+    spread = api.LLMDeploymentSpec.model_validate(
+        {"model": {"uri": "smollm2"}, "parallelism": {"tensor": 16, "nodes": 2}}
+    )
+    assert (spread.parallelism.ranks_per_node, spread.gpu_count) == (8, 8)
+    assert spread.resource_requirements()["limits"] == {"nvidia.com/gpu": "8"}
+
     cpu = api.LLMDeploymentSpec.model_validate(
         {"model": {"uri": "smollm2"}, "resources": {"gpu": {"count": 0}, "cpu": 2, "memory": "2Gi"}}
     )
@@ -276,8 +283,8 @@ def test_several_violations_are_reported_together():
              "quantization": "int4"}
         )  # fmt: skip
     text = str(e.value)
-    assert "must be 0 (CPU) or a multiple of parallelism.tensor" in text
-    assert "parallelism.tensor > 1 needs" in text
+    assert "must be 0 (CPU) or a multiple of the ranks in each pod" in text
+    assert "more than one tensor-parallel rank per pod" in text
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from kubellm.operator import api, crd
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / f"{api.CRD_NAME}.yaml"
 EXAMPLES = ROOT / "examples"
-MY_EXAMPLES = ("cpu", "7b-bf16", "int4", "tp2", "autoscaled", "api-keys", "inferencepool")
+MY_EXAMPLES = ("cpu", "7b-bf16", "int4", "tp2", "autoscaled", "api-keys", "inferencepool", "multinode")
 
 
 @functools.cache
@@ -361,8 +361,8 @@ def test_example_is_admitted(name, doc):
 # Invalid specs: refused by CEL (the API server) and by the pydantic twin, with the same message
 # --------------------------------------------------------------------------------------------------
 
-GPU_COUNT_MSG = "resources.gpu.count must be 0 (CPU) or a multiple of parallelism.tensor; omit it to get parallelism.tensor GPUs"  # noqa: E501
-TENSOR_MSG = "parallelism.tensor > 1 needs resources.gpu.count >= parallelism.tensor (one GPU per tensor-parallel shard)"  # noqa: E501
+GPU_COUNT_MSG = "resources.gpu.count must be 0 (CPU) or a multiple of the ranks in each pod, parallelism.tensor / parallelism.nodes; omit it to get that many GPUs"  # noqa: E501
+TENSOR_MSG = "more than one tensor-parallel rank per pod (parallelism.tensor / parallelism.nodes) needs resources.gpu.count >= that many (one GPU per rank)"  # noqa: E501
 
 INVALID = [
     ("gpu count not a multiple of tensor", {"parallelism": {"tensor": 2}, "resources": {"gpu": {"count": 3}}},
@@ -384,9 +384,20 @@ INVALID = [
      "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
     ("scale to zero with the HPA", {"autoscaling": {"enabled": True, "minReplicas": 0}},
      "autoscaling.minReplicas 0 (scale to zero) needs backend keda; the HPA cannot scale to zero"),
-    ("multi-node", {"parallelism": {"nodes": 2}},
-     "parallelism.nodes > 1 is not supported yet: multi-node serving is not implemented; use nodes: 1 "
-     "(tensor parallelism within one node)"),
+    ("tensor not a multiple of nodes", {"parallelism": {"tensor": 6, "nodes": 4}, "resources": {"gpu": {"count": 8}}},
+     "parallelism.tensor 6 must be a multiple of parallelism.nodes 4: every pod of a group holds the same number "
+     "of tensor-parallel ranks"),
+    ("fewer shards than nodes", {"parallelism": {"nodes": 2}},
+     "parallelism.tensor 1 must be a multiple of parallelism.nodes 2: every pod of a group holds the same number "
+     "of tensor-parallel ranks"),
+    ("gpu count not a multiple of the ranks per pod",
+     {"parallelism": {"tensor": 8, "nodes": 2}, "resources": {"gpu": {"count": 6}}}, GPU_COUNT_MSG),
+    ("fewer GPUs per pod than ranks per pod",
+     {"parallelism": {"tensor": 16, "nodes": 2}, "resources": {"gpu": {"count": 4}}}, TENSOR_MSG),
+    ("two ranks per pod on CPU", {"parallelism": {"tensor": 4, "nodes": 2}, "resources": {"gpu": {"count": 0}}},
+     TENSOR_MSG),
+    ("rendezvous on the API port", {"parallelism": {"tensor": 2, "nodes": 2, "rendezvousPort": 8000}},
+     "parallelism.rendezvousPort must differ from the runtime's API port 8000"),
     ("s3 uri", {"model": {"uri": "s3://bucket/llama"}}, api.MODEL_URI_MESSAGE),
     ("hf uri without org", {"model": {"uri": "hf://llama"}}, api.MODEL_URI_MESSAGE),
     ("relative file uri", {"model": {"uri": "file://models/llama.gguf"}}, api.MODEL_URI_MESSAGE),
@@ -412,6 +423,24 @@ INVALID = [
      {"tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 5}]},
      "tolerationSeconds applies to effect NoExecute only"),
 ]  # fmt: skip
+
+
+MULTI_NODE_VALID = [
+    ("2 nodes, a GPU per pod", {"parallelism": {"tensor": 2, "nodes": 2}}),
+    ("4 nodes, 8 GPUs per pod", {"parallelism": {"tensor": 32, "nodes": 4}, "resources": {"gpu": {"count": 8}}}),
+    ("2 nodes, twice the GPUs per pod", {"parallelism": {"tensor": 8, "nodes": 2}, "resources": {"gpu": {"count": 8}}}),
+    ("2 nodes on CPU", {"parallelism": {"tensor": 2, "nodes": 2, "rendezvousPort": 12345},
+                        "resources": {"gpu": {"count": 0}}}),
+    ("4 nodes on CPU", {"parallelism": {"tensor": 4, "nodes": 4}, "resources": {"gpu": {"count": 0}}}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "patch"), MULTI_NODE_VALID, ids=[c for c, _ in MULTI_NODE_VALID])
+def test_multi_node_specs_are_admitted(case, patch):
+    obj = deployment()
+    obj["spec"] = _merge(obj["spec"], patch)
+    assert admit(obj) == ([], []), case
+    assert pydantic_errors(obj) is None, case
 
 
 def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
@@ -452,6 +481,9 @@ SCHEMA_INVALID = [
     ("readiness timeout within the runtime deadline", {"probes": {"readinessTimeoutSeconds": 10}}),
     ("negative replicas", {"replicas": -1}),
     ("tensor 0", {"parallelism": {"tensor": 0}}),
+    ("nodes 0", {"parallelism": {"nodes": 0}}),
+    ("nodes above 64", {"parallelism": {"tensor": 65, "nodes": 65}}),
+    ("rendezvous port 0", {"parallelism": {"rendezvousPort": 0}}),
     ("maxSurge not a percentage", {"rollout": {"maxSurge": "lots"}}),
     ("negative maxUnavailable", {"rollout": {"maxUnavailable": -1}}),
     ("cpu not a quantity", {"resources": {"cpu": "2 cores"}}),

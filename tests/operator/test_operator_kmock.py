@@ -32,6 +32,7 @@ from kubellm.operator.testing import (  # noqa: F401  (re-exported: test_operato
     HPAS,
     LD_PATH,
     LD_RESOURCE,
+    LEADER_WORKER_SETS,
     NAME,
     NS,
     PDBS,
@@ -41,6 +42,7 @@ from kubellm.operator.testing import (  # noqa: F401  (re-exported: test_operato
     VERBS,
     ApiServer,
     create,
+    declare_leader_worker_sets,
     declare_resources,
     start_operator,
     until,
@@ -59,6 +61,13 @@ pytestmark = pytest.mark.kmock(cls=ApiServer)
 async def server(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
     declare_resources(kmock)
     return kmock
+
+
+@pytest_asyncio.fixture
+async def lws_installed(server) -> kmock.KubernetesEmulator:
+    """The LeaderWorkerSet CRD served from the start (ask for it before ``operator``: discovery is cached)."""
+    declare_leader_worker_sets(server)
+    return server
 
 
 @pytest_asyncio.fixture
@@ -449,6 +458,88 @@ async def test_the_operator_writes_only_status_finalizers_and_its_own_annotation
     assert {k: v for k, v in final["annotations"].items() if not k.startswith("kubellm.io/")} == gitops_annotations
     assert final["labels"] == {"team": "ml"}
     assert ld_object(server)["spec"] == {"model": {"uri": "hf://org/llama"}, "replicas": -1, "dtype": "float16"}
+
+
+MULTI_NODE = {"parallelism": {"tensor": 2, "nodes": 2}, "resources": {"gpu": {"count": 0}}, "replicas": 2}
+
+
+def group_pod(name: str, worker_index: int, labels: dict[str, str]) -> dict:
+    """A pod of a LeaderWorkerSet group as the LWS controller labels it."""
+    return running_pod(name, {**labels, "leaderworkerset.sigs.k8s.io/worker-index": str(worker_index)})
+
+
+@pytest.mark.asyncio
+async def test_multi_node_applies_a_leader_worker_set_and_reads_its_status_back(server, lws_installed, operator):
+    await create(server, llmdeployment(**MULTI_NODE))
+    lws = await until(lambda: [w for w in live(server, LEADER_WORKER_SETS).values() if owned_by_ld(w)], "the LWS")
+    (lws,) = lws
+    assert lws["metadata"]["name"] == f"{NAME}-group"
+    assert lws["spec"]["replicas"] == 2 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    service = await until(lambda: [s for s in live(server, SERVICES).values() if owned_by_ld(s)], "the Service")
+    assert service[0]["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert not live(server, DEPLOYMENTS)
+    await until(lambda: events(server, "RolloutStarted"), "a RolloutStarted Event")
+    # Read back through as_deployment: the workload exists (no LWS read would leave it at Creating).
+    await until(lambda: condition(server, "Progressing")["reason"] == "Rolling", "Progressing=Rolling")
+
+    # The LWS controller's part, simulated: two groups of a leader and a worker, then the group counts.
+    labels = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"]
+    for group in range(2):
+        for index in range(2):
+            pod = group_pod(f"{NAME}-group-{group}" + (f"-{index}" if index else ""), index, labels)
+            async with server.post(f"/api/v1/namespaces/{NS}/pods", headers=CLOSE, json=pod) as resp:
+                assert resp.status < 300
+    lws_status = child_path("leaderworkerset.x-k8s.io/v1", "leaderworkersets", lws["metadata"]["name"], "status")
+    available = {"type": "Available", "status": "True", "reason": "AllGroupsReady", "message": "All replicas are ready",
+                 "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+    await patch(server, lws_status, {"status": {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2,
+                                                "conditions": [available]}})  # fmt: skip
+    await until(lambda: ld_object(server)["status"].get("readyText") == "1/2", "readyText 1/2")
+    await patch(server, lws_status, {"status": {"readyReplicas": 2}})
+    await until(lambda: condition(server, "Ready")["reason"] == "Available", "Ready=True/Available")
+    await until(lambda: condition(server, "Progressing")["reason"] == "Complete", "Progressing=Complete")
+    status = ld_object(server)["status"]
+    assert (status["replicas"], status["readyReplicas"], status["readyText"]) == (2, 2, "2/2")
+    assert status["selector"].endswith("leaderworkerset.sigs.k8s.io/worker-index=0")  # the leaders
+    assert condition(server, "ModelLoaded")["message"] == "4/4 pods have the model loaded"
+    await until(lambda: events(server, "RolloutComplete"), "a RolloutComplete Event")
+
+    # A crash-looping worker degrades the deployment: the observer reads the workers' pods too.
+    crashing = group_pod(f"{NAME}-group-1-1", 1, labels)
+    crashing["status"]["containerStatuses"][0].update(
+        ready=False, started=False, state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off"}}
+    )
+    await patch(server, f"/api/v1/namespaces/{NS}/pods/{NAME}-group-1-1", {"status": crashing["status"]})
+    await until(lambda: condition(server, "Degraded")["reason"] == "CrashLoopBackOff", "Degraded=CrashLoopBackOff")
+    assert f"{NAME}-group-1-1" in condition(server, "Degraded")["message"]
+
+    # Back to one node: the Deployment replaces the LWS.
+    await patch(server, f"{LD_PATH}/{NAME}", {"metadata": {"generation": 2}, "spec": {"parallelism": {"tensor": 1, "nodes": 1}}})
+    await until(lambda: any(owned_by_ld(d) for d in live(server, DEPLOYMENTS).values()), "the Deployment")
+    await until(lambda: not live(server, LEADER_WORKER_SETS), "the LWS to be deleted")
+
+
+@pytest.mark.asyncio
+async def test_multi_node_without_the_lws_crd_reports_how_to_install_it_and_backs_off(server, operator):
+    await create(server, llmdeployment(**MULTI_NODE))
+    await until(lambda: condition(server, "Ready")["reason"] == "ReconcileFailed", "Ready=ReconcileFailed")
+    message = condition(server, "Ready")["message"]
+    assert "does not serve LeaderWorkerSet" in message, message
+    assert ("the LeaderWorkerSet CRD is not installed: install the LWS controller "
+            "(https://lws.sigs.k8s.io/docs/installation/), or set parallelism.nodes: 1") in message, message
+    warning = await until(lambda: events(server, "ReconcileFailed"), "a ReconcileFailed Event")
+    assert warning[0]["type"] == "Warning"
+    assert [s for s in live(server, SERVICES).values() if owned_by_ld(s)]  # applied before the LWS
+    # Retried with kopf's growing backoff (1, 2, 4 s...), not in a hot loop: each attempt applies the Service
+    # first, so its applies count the attempts.
+    await asyncio.sleep(3)
+    attempts = [r for r in server if r.method == "PATCH" and r.resource == SERVICES and r.headers.get("Authorization")]
+    assert 1 <= len(attempts) <= 5, len(attempts)
+
+    # One node again: the Deployment is applied and the failure clears.
+    await patch(server, f"{LD_PATH}/{NAME}", {"metadata": {"generation": 2}, "spec": {"parallelism": {"tensor": 1, "nodes": 1}}})
+    await until(lambda: any(owned_by_ld(d) for d in live(server, DEPLOYMENTS).values()), "the Deployment")
+    await until(lambda: condition(server, "Ready")["reason"] != "ReconcileFailed", "ReconcileFailed to clear")
 
 
 @pytest.mark.asyncio

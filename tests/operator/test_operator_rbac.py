@@ -3,7 +3,8 @@
 The operator (kopf + handlers.py, in-process, scanning on as in production) runs through a life cycle against
 kmock (see test_operator_kmock.py) that makes it use every kind it may own: create with KEDA and a
 ServiceMonitor and an InferencePool, switch to the HPA backend without monitoring or pool (those three are deleted),
-clean up stale owned children of every kind, delete. Every recorded request (kopf's and the operator's own
+spread over two nodes (a LeaderWorkerSet replaces the Deployment), clean up stale owned children of every kind,
+delete. Every recorded request (kopf's and the operator's own
 client's) is turned into the RBAC check the API server would make; each must be granted, and each grant must
 have been needed, in both watch modes (every namespace, a list of namespaces).
 """
@@ -21,9 +22,10 @@ import pytest_asyncio
 import test_operator_kmock as t
 from kmock._internal import parsing as kmock_parsing
 
-from kubellm.operator import api, children, handlers, rbac, render
+from kubellm.operator import api, children, handlers, multinode, rbac, render
 from kubellm.operator.children import apply_children
 from kubellm.operator.kube import ApiError, Kube
+from kubellm.operator.testing import LEADER_WORKER_SETS, declare_leader_worker_sets
 
 pytestmark = pytest.mark.kmock(cls=t.ApiServer)
 
@@ -101,9 +103,10 @@ def test_checks_follow_the_api_servers_rules():
 
 
 def declare_everything(server: kmock.KubernetesEmulator) -> None:
-    """test_operator_kmock's resources plus KEDA, the Prometheus operator, the InferencePool and CRDs (kopf
+    """test_operator_kmock's resources plus KEDA, the Prometheus operator, the InferencePool, LWS and CRDs (kopf
     watches them)."""
     t.declare_resources(server)
+    declare_leader_worker_sets(server)
     info = kmock.ResourceInfo
     server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
         kind="CustomResourceDefinition", namespaced=False, verbs=t.VERBS
@@ -210,6 +213,13 @@ async def whole_life(server) -> None:
     await t.until(lambda: not exists(server, SERVICE_MONITORS), "the ServiceMonitor to go")
     await t.until(lambda: not exists(server, INFERENCE_POOLS), "the InferencePool to go")
     await t.until(lambda: t.events(server), "an Event")
+
+    await t.patch(server, f"{t.LD_PATH}/{t.NAME}", {
+        "metadata": {"generation": 3}, "spec": {"parallelism": {"tensor": 2, "nodes": 2}},
+    })  # fmt: skip
+    await t.until(lambda: exists(server, LEADER_WORKER_SETS, f"{t.NAME}-group"), "the LeaderWorkerSet")
+    await t.until(lambda: not exists(server, t.DEPLOYMENTS), "the Deployment to go")
+    await t.until(lambda: t.ld_object(server)["status"].get("observedGeneration") == 3, "an observation of it")
     await delete(server)
 
 
@@ -266,7 +276,8 @@ def triples_of(checks_: set[Check] | list[Check]) -> set[tuple[str, str, str]]:
 
 @pytest.mark.asyncio
 async def test_watching_every_namespace_needs_exactly_the_cluster_role(server, tmp_path, monkeypatch):
-    namespaced = rbac.namespaced_grants(keda=True, service_monitors=True, inference_pools=True)
+    namespaced = rbac.namespaced_grants(keda=True, service_monitors=True, inference_pools=True,
+                                        leader_worker_sets=True)
     cluster = rbac.cluster_grants(all_namespaces=True)
     denied = authorize(server, namespaced, cluster, namespaces=None)
     try:
@@ -288,7 +299,7 @@ async def test_watching_listed_namespaces_works_with_roles_there_and_little_clus
     cluster = rbac.cluster_grants(all_namespaces=False)
     denied = authorize(server, namespaced, cluster, namespaces={t.NS})
     await run_operator(server, tmp_path, monkeypatch, short_life, clusterwide=False)
-    optional = rbac.triples(rbac.KEDA + rbac.SERVICE_MONITORS + rbac.INFERENCE_POOLS)
+    optional = rbac.triples(rbac.KEDA + rbac.SERVICE_MONITORS + rbac.INFERENCE_POOLS + rbac.LEADER_WORKER_SETS)
     assert triples_of(denied) <= optional, describe(set(denied))
     assert {c.namespace for c in denied} == {t.NS}
     recorded = recorded_checks(server)
@@ -312,7 +323,8 @@ async def discovered_plurals(server, kinds) -> dict[str, str]:
 
 @pytest.mark.asyncio
 async def test_every_kind_the_operator_may_own_can_be_applied_listed_and_deleted(server):
-    granted = rbac.triples(rbac.namespaced_grants(keda=True, service_monitors=True, inference_pools=True))
+    granted = rbac.triples(rbac.namespaced_grants(keda=True, service_monitors=True, inference_pools=True,
+                                                  leader_worker_sets=True))
     plurals = await discovered_plurals(server, children.MANAGED_KINDS)
     for api_version, kind in children.MANAGED_KINDS:
         group = api_version.rpartition("/")[0]
@@ -322,7 +334,7 @@ async def test_every_kind_the_operator_may_own_can_be_applied_listed_and_deleted
 
 @pytest.mark.asyncio
 async def test_optional_grants_are_the_optional_kinds(server):
-    optional = {g.resource for g in rbac.KEDA + rbac.SERVICE_MONITORS + rbac.INFERENCE_POOLS}
+    optional = {g.resource for g in rbac.KEDA + rbac.SERVICE_MONITORS + rbac.INFERENCE_POOLS + rbac.LEADER_WORKER_SETS}
     kinds = [(v, k) for v, k in children.MANAGED_KINDS if k in children.OPTIONAL_KINDS]
     assert {k for _, k in kinds} == children.OPTIONAL_KINDS
     assert optional == set((await discovered_plurals(server, kinds)).values())
@@ -385,3 +397,17 @@ def test_without_inference_pool_grants_an_enabled_pool_fails_naming_the_chart_va
                                        "gateway.inferencePool.enabled: false"):  # fmt: skip
         asyncio.run(apply_children(kube, ld, render.render(ld)))
     assert "Deployment" in kube.applied  # listing the pools was refused too: read as "none of ours"
+
+
+def test_without_leader_worker_set_grants_multi_node_fails_naming_the_chart_value_and_one_node_is_unaffected():
+    spec = {"model": {"uri": "hf://org/llama"}, "parallelism": {"tensor": 2, "nodes": 2}}
+    ld = api.LLMDeployment.model_validate({**t.llmdeployment(), "spec": spec})
+    kube = RefusingKube(multinode.KIND)
+    with pytest.raises(ApiError, match=r"403 Forbidden: .*install the chart with rbac\.leaderWorkerSets=true, or set "
+                                       r"parallelism\.nodes: 1"):  # fmt: skip
+        asyncio.run(apply_children(kube, ld, render.render(ld)))
+    assert kube.applied == ["Service"]  # the Service goes first; nothing after the refused LWS
+    ld, children_ = _children("Disabled")
+    kube = RefusingKube(multinode.KIND)
+    asyncio.run(apply_children(kube, ld, children_))  # the listing refused: none of ours to clean up
+    assert "Deployment" in kube.applied

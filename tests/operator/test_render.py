@@ -1,7 +1,8 @@
 """Rendering LLMDeployments into child manifests: every built-in kind validated against the upstream OpenAPI
-schemas (kubernetes-validate, strict: unknown fields fail), the CRD kinds (KEDA ScaledObject, ServiceMonitor)
-checked structurally, the InferencePool against its vendored upstream schema and CEL rules, plus the behaviours
-the operator relies on."""
+schemas (kubernetes-validate, strict: unknown fields fail), the LeaderWorkerSet against its CRD's schema (vendored
+in data/) with its pod templates through kubernetes-validate, the other CRD kinds (KEDA ScaledObject,
+ServiceMonitor) checked structurally, the InferencePool against its vendored upstream schema and CEL rules, plus
+the behaviours the operator relies on."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import yaml
 from test_crd import cel_violations, to_json_schema  # how tests/operator/test_crd.py admits our own CRD
 
-from kubellm.operator import api, crd, render
+from kubellm.operator import api, crd, multinode, render
 from kubellm.operator.render import InvalidSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +32,7 @@ UID = "6f1c2a8e-3b5d-4c7e-9f10-2a3b4c5d6e7f"
 DATA = Path(__file__).parent / "data"
 BUILT_IN = {("v1", "Service"), ("apps/v1", "Deployment"), ("policy/v1", "PodDisruptionBudget"),
             ("autoscaling/v2", "HorizontalPodAutoscaler")}  # fmt: skip
+WORKLOADS = ("Deployment", "LeaderWorkerSet")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -68,6 +70,24 @@ def by_kind(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     kinds = [m["kind"] for m in manifests]
     assert len(kinds) == len(set(kinds)), kinds
     return {m["kind"]: m for m in manifests}
+
+
+def workload(children: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    (found,) = [children[k] for k in WORKLOADS if k in children]
+    return found
+
+
+def pod_templates(workload_: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Deployment's pod template, or the LeaderWorkerSet's leader and worker templates."""
+    if workload_["kind"] == "Deployment":
+        return [workload_["spec"]["template"]]
+    group = workload_["spec"]["leaderWorkerTemplate"]
+    return [group["leaderTemplate"], group["workerTemplate"]]
+
+
+LWS_VALIDATOR = jsonschema.Draft202012Validator(
+    to_json_schema(yaml.safe_load((DATA / "leaderworkerset-schema.yaml").read_text()))
+)  # unknown fields refused: the API server would prune a misspelt one silently
 
 
 def runtime(ld: api.LLMDeployment) -> dict[str, Any]:
@@ -128,7 +148,7 @@ def restricted_violations(spec: dict[str, Any]) -> list[str]:
 
 def check_common(ld: api.LLMDeployment, m: dict[str, Any]) -> None:
     meta = m["metadata"]
-    assert meta["name"] == render.child_name(ld)
+    assert meta["name"] == (multinode.lws_name(ld) if m["kind"] == "LeaderWorkerSet" else render.child_name(ld))
     assert len(meta["name"]) <= 63 and _DNS1035.match(meta["name"])
     assert meta.get("namespace") == ld.namespace
     assert meta["labels"] == render.labels(ld)
@@ -138,16 +158,35 @@ def check_common(ld: api.LLMDeployment, m: dict[str, Any]) -> None:
         assert meta["ownerReferences"] == [render.owner_reference(ld)]
 
 
+def scale_target(ld: api.LLMDeployment) -> dict[str, str]:
+    if ld.spec.parallelism.nodes > 1:
+        return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": multinode.lws_name(ld)}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": render.child_name(ld)}
+
+
+def check_leader_worker_set(ld: api.LLMDeployment, lws: dict[str, Any]) -> None:
+    """The LWS CRD's own schema (unknown fields refused), then each pod template inside a Deployment through kubernetes-validate
+    (the LWS embeds core/v1 PodTemplateSpecs), then the group's wiring."""
+    LWS_VALIDATOR.validate(lws)
+    assert len(lws["metadata"]["name"]) <= multinode.MAX_LWS_NAME_LENGTH and _DNS1035.match(lws["metadata"]["name"])
+    for template in pod_templates(lws):
+        wrapped = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
+                   "spec": {"selector": {"matchLabels": render.selector_labels(ld)}, "template": template}}  # fmt: skip
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(wrapped, version, strict=True)
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == ld.spec.parallelism.nodes
+    assert group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+    assert ("replicas" in lws["spec"]) == (not ld.spec.autoscaling.enabled)
+
+
 def check_scaled_object(ld: api.LLMDeployment, so: dict[str, Any]) -> None:
     assert so["apiVersion"] == "keda.sh/v1alpha1"
     spec = so["spec"]
     assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval",
                          "cooldownPeriod", "idleReplicaCount", "advanced", "triggers", "fallback"}  # fmt: skip
-    assert spec["scaleTargetRef"] == {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "name": render.child_name(ld),
-    }
+    assert spec["scaleTargetRef"] == scale_target(ld)
     for key in ("minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod"):
         assert isinstance(spec[key], int) and spec[key] >= 0
     assert spec["minReplicaCount"] <= spec["maxReplicaCount"]
@@ -182,7 +221,7 @@ def check_service_monitor(ld: api.LLMDeployment, sm: dict[str, Any], children: d
         assert re.fullmatch(r"[0-9]+s", endpoint["interval"]) and re.fullmatch(
             r"[0-9]+s", endpoint["scrapeTimeout"]
         )
-    pod_labels = children["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    pod_labels = pod_templates(workload(children))[0]["metadata"]["labels"]
     assert set(spec["podTargetLabels"]) <= set(pod_labels)
     if ld.namespace:
         assert spec["namespaceSelector"] == {"matchNames": [ld.namespace]}
@@ -206,8 +245,10 @@ def check_inference_pool(ld: api.LLMDeployment, pool: dict[str, Any], children: 
     assert inference_pool_errors(pool) == []
     # The pool's members are exactly the Service's endpoints, on the port the runtime listens on.
     assert pool["spec"]["selector"] == {"matchLabels": children["Service"]["spec"]["selector"]}
-    template = children["Deployment"]["spec"]["template"]
-    assert pool["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    template = pod_templates(workload(children))[0]  # a multi-node group's leader: the only one serving
+    # (the LWS controller adds the worker index to the pods' labels)
+    selected = {k: v for k, v in pool["spec"]["selector"]["matchLabels"].items() if k != multinode.WORKER_INDEX_LABEL}
+    assert selected.items() <= template["metadata"]["labels"].items()
     (container,) = template["spec"]["containers"]
     (http,) = [p for p in container["ports"] if p["name"] == render.PORT_NAME]
     assert pool["spec"]["targetPorts"] == [{"number": http["containerPort"]}]
@@ -220,6 +261,8 @@ def check_all(ld: api.LLMDeployment, manifests: list[dict[str, Any]]) -> None:
         if (m["apiVersion"], m["kind"]) in BUILT_IN:
             for version in K8S_VERSIONS:
                 kubernetes_validate.validate(m, version, strict=True)
+        elif m["kind"] == "LeaderWorkerSet":
+            check_leader_worker_set(ld, m)
         elif m["kind"] == "ScaledObject":
             check_scaled_object(ld, m)
         elif m["kind"] == "ServiceMonitor":
@@ -230,14 +273,19 @@ def check_all(ld: api.LLMDeployment, manifests: list[dict[str, Any]]) -> None:
             raise AssertionError(f"unexpected kind {m['kind']}")
     order = [(m["apiVersion"], m["kind"]) for m in manifests]
     assert order == [k for k in render.CHILD_KINDS if k in order]
-    deployment = children["Deployment"]
-    template = deployment["spec"]["template"]
-    assert deployment["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
-    assert children["Service"]["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
-    assert children["PodDisruptionBudget"]["spec"]["selector"] == deployment["spec"]["selector"]
-    assert restricted_violations(template["spec"]) == []
-    for value in template["metadata"]["labels"].values():
-        assert len(value) <= 63 and _LABEL_VALUE.match(value)
+    templates = pod_templates(workload(children))
+    selector = render.selector_labels(ld)
+    for template in templates:
+        assert selector.items() <= template["metadata"]["labels"].items()
+        assert restricted_violations(template["spec"]) == []
+        for value in template["metadata"]["labels"].values():
+            assert len(value) <= 63 and _LABEL_VALUE.match(value)
+    if "Deployment" in children:
+        assert children["Deployment"]["spec"]["selector"]["matchLabels"] == selector
+        assert children["Service"]["spec"]["selector"] == selector
+    else:  # the Service reaches the leaders only (the LWS controller labels each pod with its worker index)
+        assert children["Service"]["spec"]["selector"] == {**selector, multinode.WORKER_INDEX_LABEL: "0"}
+    assert children["PodDisruptionBudget"]["spec"]["selector"] == {"matchLabels": selector}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,6 +316,9 @@ HARDWARE = {
     "tp2": merged(GPU, {"parallelism": {"tensor": 2}}),
     "tp4": merged(GPU, {"parallelism": {"tensor": 4}, "resources": {"gpu": {"count": 8}}}),
     "amd": merged(GPU, {"resources": {"gpu": {"resourceName": "amd.com/gpu", "product": None}}}),
+    "nodes2": merged(CPU, {"parallelism": {"tensor": 2, "nodes": 2}}),
+    "nodes4": merged(CPU, {"parallelism": {"tensor": 4, "nodes": 4, "rendezvousPort": 23456}}),
+    "nodes2-gpu": merged(GPU, {"parallelism": {"tensor": 16, "nodes": 2}, "resources": {"gpu": {"count": 8}}}),
 }
 FULL = merged(
     GPU,
@@ -317,7 +368,8 @@ def _cases() -> list[tuple[str, dict[str, Any], bool]]:
             )
             cases.append((f"{uri_id}-{auto_id}-{mode}-sm{available}", spec, available))
     for hw_id, hw in HARDWARE.items():
-        quants = [q for q in api.QUANTIZATIONS if hw_id != "cpu" or q not in api.GPU_ONLY_QUANTIZATIONS]
+        on_cpu = hw["resources"]["gpu"].get("count") == 0
+        quants = [q for q in api.QUANTIZATIONS if not on_cpu or q not in api.GPU_ONLY_QUANTIZATIONS]
         for quant in quants:
             spec = merged(hw, {"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"}, "quantization": quant})
             cases.append((f"{hw_id}-{quant}", spec, False))
@@ -326,6 +378,12 @@ def _cases() -> list[tuple[str, dict[str, Any], bool]]:
     cases.append(("minimal", {"model": {"uri": "smollm2"}}, False))
     cases.append(("pool-without-epp", {"model": {"uri": "smollm2"}, "gateway": {"inferencePool": {"enabled": True}}},
                   False))
+    for auto_id in ("hpa", "keda"):
+        spec = merged(HARDWARE["nodes2"], {"model": {"uri": "smollm2"}}, AUTOSCALING[auto_id])
+        cases.append((f"nodes2-{auto_id}", spec, True))
+    cases.append(("full-nodes2", merged(FULL, {"parallelism": {"tensor": 2, "nodes": 2}}), True))
+    cases.append(("pool-nodes2", merged(HARDWARE["nodes2"], {"model": {"uri": "smollm2"}, "gateway": {
+        "inferencePool": {"enabled": True, "endpointPickerRef": {"name": "epp"}}}}), False))  # fmt: skip
     return cases
 
 
@@ -346,11 +404,13 @@ def test_names_fit_everywhere(name, namespace):
     check_all(ld, render.render(ld, service_monitor_available=True))
     ld = make(merged(GPU, {"model": {"uri": "smollm2"}}, AUTOSCALING["hpa"]), name=name, namespace=namespace)
     check_all(ld, render.render(ld))
+    ld = make(merged(HARDWARE["nodes2"], {"model": {"uri": "smollm2"}}), name=name, namespace=namespace)
+    check_all(ld, render.render(ld))
 
 
 def test_matrix_covers_what_it_claims():
     ids = [c[0] for c in CASES]
-    assert len([i for i in ids if i.startswith("example-")]) == 2 * len(EXAMPLES) == 14
+    assert len([i for i in ids if i.startswith("example-")]) == 2 * len(EXAMPLES) == 16
     kinds = set()
     for _, spec, available in CASES:
         kinds |= {m["kind"] for m in render.render(make(spec), service_monitor_available=available)}
@@ -1008,6 +1068,125 @@ def test_default_children():
 
 
 # --------------------------------------------------------------------------------------------------
+# Multi-node replicas: a LeaderWorkerSet
+# --------------------------------------------------------------------------------------------------
+
+MULTI_NODE = merged(GPU, {"model": {"uri": "hf://meta-llama/Llama-3.1-70B-Instruct"},
+                          "parallelism": {"tensor": 16, "nodes": 2, "rendezvousPort": 29600},
+                          "resources": {"gpu": {"count": 8}}, "replicas": 3})  # fmt: skip
+
+
+def group(ld: api.LLMDeployment) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The leader's and the worker's runtime container."""
+    lws = render.render_workload(ld)
+    assert lws["kind"] == "LeaderWorkerSet"
+    return tuple(t["spec"]["containers"][0] for t in pod_templates(lws))  # type: ignore[return-value]
+
+
+def test_one_node_renders_the_deployment_exactly_as_before():
+    for spec in (FULL, merged(CPU, {"model": {"uri": "smollm2"}}, AUTOSCALING["hpa"])):
+        ld = make(spec)
+        assert render.render_workload(ld) == render.render_deployment(ld)
+        assert render.render_service(ld)["spec"]["selector"] == render.selector_labels(ld)
+        assert "LeaderWorkerSet" not in [m["kind"] for m in render.render(ld)]
+
+
+def test_several_nodes_render_a_leader_worker_set_instead_of_the_deployment():
+    ld = make(MULTI_NODE)
+    kinds = [m["kind"] for m in render.render(ld)]
+    assert kinds == ["Service", "LeaderWorkerSet", "PodDisruptionBudget"]
+    lws = by_kind(render.render(ld))["LeaderWorkerSet"]
+    assert lws["spec"]["replicas"] == 3 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert lws["spec"]["rolloutStrategy"] == {
+        "type": "RollingUpdate", "rollingUpdateConfiguration": {"maxSurge": 1, "maxUnavailable": 0}
+    }  # fmt: skip
+    # Each pod holds tensor / nodes ranks and as many GPUs.
+    for template in pod_templates(lws):
+        (container,) = template["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert (arg(container, "--tensor-parallel-size"), arg(container, "--nnodes")) == ("16", "2")
+
+
+def test_the_leader_serves_and_hosts_the_rendezvous_and_the_workers_only_run_ranks():
+    leader, worker = group(make(MULTI_NODE))
+    assert (arg(leader, "--node-rank"), arg(leader, "--dist-init-addr")) == ("0", "$(LWS_LEADER_ADDRESS):29600")
+    assert (arg(worker, "--node-rank"), arg(worker, "--dist-init-addr")) == (
+        "$(LWS_WORKER_INDEX)", "$(LWS_LEADER_ADDRESS):29600"
+    )  # fmt: skip
+    assert {p["name"]: p["containerPort"] for p in leader["ports"]} == {"http": 8000, "rendezvous": 29600}
+    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(leader)
+    # Workers serve no HTTP: nothing to probe, no endpoint to leave before SIGTERM.
+    assert not {"ports", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle"} & set(worker)
+    assert leader["args"][: -4] == worker["args"][: -4] == runtime(make(MULTI_NODE))["args"]
+
+
+def test_group_commands_parse_and_configure_the_runtime_once_the_kubelet_expands_them():
+    """The kubelet expands $(VAR) from the variables the LWS controller injects: what each pod then runs is a
+    valid multi-node EngineConfig with its own node rank."""
+    from kubellm.runtime.cli import build_parser, engine_kwargs
+    from kubellm.runtime.config import EngineConfig
+
+    ld = make(merged(HARDWARE["nodes4"], {"model": {"uri": "smollm2"}}))
+    lws = render.render_workload(ld)
+    env = {"LWS_LEADER_ADDRESS": "llm-group-0.llm-group.team-a"}
+    for index, template in enumerate(pod_templates(lws) + [pod_templates(lws)[1]] * 2):
+        env["LWS_WORKER_INDEX"] = str(index)
+        args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in template["spec"]["containers"][0]["args"]]
+        parsed = build_parser().parse_args(["serve", *args])
+        config = EngineConfig(model=parsed.model, **engine_kwargs(parsed))
+        assert (config.nnodes, config.node_rank, config.ranks_per_node) == (4, index, 1)
+        assert config.rendezvous == ("llm-group-0.llm-group.team-a", 23456)
+
+
+def test_group_templates_differ_from_the_deployments_and_hash_what_they_hold():
+    ld = make(MULTI_NODE)
+    leader, worker = pod_templates(render.render_workload(ld))
+    hashes = {t["metadata"]["annotations"][render.SPEC_HASH_ANNOTATION] for t in (leader, worker)}
+    assert hashes == {render.spec_hash(leader), render.spec_hash(worker)} and len(hashes) == 2
+    for template in (leader, worker):
+        (spread,) = template["spec"]["topologySpreadConstraints"]
+        assert spread["matchLabelKeys"] == [multinode.REVISION_LABEL]  # LWS pods have no pod-template-hash
+
+
+def test_autoscalers_target_the_leader_worker_set():
+    for auto_id in ("hpa", "keda"):
+        ld = make(merged(MULTI_NODE, AUTOSCALING[auto_id]))
+        children = by_kind(render.render(ld, service_monitor_available=True))
+        scaler = children["HorizontalPodAutoscaler" if auto_id == "hpa" else "ScaledObject"]
+        assert scaler["spec"]["scaleTargetRef"] == {
+            "apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": "llm-group"
+        }  # fmt: skip
+        assert "replicas" not in children["LeaderWorkerSet"]["spec"]  # the autoscaler owns it
+
+
+@pytest.mark.parametrize("name", ["llm", "a" * 40, "a" * 41, "b" * 63, "x" * 200, "qwen2.5.7b"])
+def test_lws_names_leave_room_for_the_statefulsets_and_never_collide_with_the_service(name):
+    ld = make(MULTI_NODE, name=name)
+    lws = multinode.lws_name(ld)
+    assert len(lws) <= multinode.MAX_LWS_NAME_LENGTH and _DNS1035.match(lws)
+    assert lws != render.child_name(ld)  # the LWS controller would adopt our Service as its headless one
+    # worker StatefulSet <lws>-<group> and its controller-revision-hash label <sts>-<10 characters>
+    assert len(f"{lws}-99999-0123456789") <= 63
+    other = make(MULTI_NODE, name=name + "z" if len(name) < 253 else name[:-1])
+    assert multinode.lws_name(other) != lws
+
+
+@pytest.mark.parametrize(("field", "value"), [("maxSurge", "101%"), ("maxUnavailable", "150%")])
+def test_rollout_percentages_the_lws_webhook_refuses_are_invalid(field, value):
+    ld = make(merged(MULTI_NODE, {"rollout": {field: value, "maxUnavailable" if field == "maxSurge" else
+                                              "maxSurge": 1}}))  # fmt: skip
+    with pytest.raises(InvalidSpec, match=re.escape(f"spec.rollout.{field} {value}")):
+        render.render(ld)
+
+
+def test_the_lws_schema_catches_a_misspelt_field():
+    lws = render.render_workload(make(MULTI_NODE))
+    lws["spec"]["leaderWorkerTemplate"]["sise"] = 2
+    with pytest.raises(jsonschema.ValidationError):
+        LWS_VALIDATOR.validate(lws)
+
+
+# --------------------------------------------------------------------------------------------------
 # Invalid specs
 # --------------------------------------------------------------------------------------------------
 
@@ -1096,7 +1275,7 @@ def test_main_renders_every_example(capsys):
     assert captured.err == ""
     docs = _rendered_docs(captured.out)
     names = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in EXAMPLES}
-    assert {d["metadata"]["name"] for d in docs} == names
+    assert {d["metadata"]["name"].removesuffix(multinode.NAME_SUFFIX) for d in docs} == names
     for d in docs:
         assert d["metadata"]["namespace"] == "default"
         assert "ownerReferences" not in d["metadata"]  # files have no uid
@@ -1104,7 +1283,8 @@ def test_main_renders_every_example(capsys):
             for version in K8S_VERSIONS:
                 kubernetes_validate.validate(d, version, strict=True)
     kinds = [d["kind"] for d in docs]
-    assert kinds.count("Deployment") == len(EXAMPLES)
+    assert kinds.count("Deployment") == len(EXAMPLES) - 1
+    assert kinds.count("LeaderWorkerSet") == 1  # the multinode example
     assert kinds.count("HorizontalPodAutoscaler") == 1  # the autoscaled example
     assert kinds.count("ServiceMonitor") == len(EXAMPLES)  # Auto + available, and Enabled
     # The output is exactly what render() gives for the same objects.

@@ -88,6 +88,11 @@ every verb, and tests/delivery/test_chart.py checks that the two agree.
   resources: [inferencepools]
   verbs: [list, create, patch, delete]
 {{- end }}
+{{- if .Values.rbac.leaderWorkerSets }}
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [list, create, patch, delete]
+{{- end }}
 {{- end -}}
 
 {{/* What kopf reads cluster-wide: CRDs always; namespaces when it serves a list of them. */}}

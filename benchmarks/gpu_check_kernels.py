@@ -15,7 +15,10 @@ speed and reported only to exercise the code):
   against the device's peak memory bandwidth (:func:`peak_bandwidth`);
 * prefill: causal attention FLOP/s (4 · heads · head_dim · visible (query, key) pairs) against torch SDPA
   over the same tensors, and FlashAttention's ``flash_attn_func`` when it imports;
-* int8 / int4 weight-only GEMMs: time against cuBLAS ``torch.matmul`` on the bf16 weight they quantize.
+* int8 / int4 weight-only GEMMs: time against cuBLAS ``torch.matmul`` on the bf16 weight they quantize;
+* pre-quantized GEMMs (grouped 4-bit asymmetric g128 as AWQ/GPTQ store it, the same with act-order, grouped
+  8-bit g128, FP8 per channel and per 128x128 block): likewise, from the same bf16 weight quantized by
+  :func:`prequantized_weights` into each format's form.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from gpu_check_report import Check, Section, Table
 
-from kubellm.kernels import triton_int4_gemm, triton_int8_gemm
+from kubellm.kernels import triton_fp8_gemm, triton_grouped_gemm, triton_int4_gemm, triton_int8_gemm
 from kubellm.kernels import triton_paged_attention as decode
 from kubellm.kernels import triton_prefill_attention as prefill
+from kubellm.runtime.prequantized import QuantizedWeight
 from kubellm.runtime.quantization import int4_group, quantize_int4, quantize_int8
 
 # (atol, rtol) per activation dtype: float32 to accumulation-order noise; bf16/fp16 to a few ulps of the
@@ -219,6 +223,91 @@ def gemm_weights(shape: GemmShape, device: str, seed: int = 0) -> GemmWeights:
     return GemmWeights(w, *quantize_int8(w), *quantize_int4(w, group), group)
 
 
+def quantize_grouped(w: torch.Tensor, bits: int, group: int, act_order: bool = False,
+                     seed: int = 0) -> QuantizedWeight:
+    """``w [N, K]`` in the form AWQ / GPTQ asymmetric checkpoints store: unsigned values, min-max scale and
+    integer zero point per (output, group). ``act_order``: the groups take the inputs in a random order (GPTQ
+    ``desc_act``), recorded in ``g_idx``."""
+    n, k = w.shape
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed)).to(w.device) if act_order else None
+    grouped = (w if order is None else w[:, order]).float().view(n, k // group, group)
+    lo, hi = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
+    top = (1 << bits) - 1
+    scales = ((hi - lo) / top).clamp(min=1e-8)
+    zeros = (-lo / scales).round().clamp(0, top)
+    values = (grouped / scales[..., None] + zeros[..., None]).round().clamp(0, top).view(n, k).to(torch.int32)
+    g_idx = None
+    if order is not None:
+        values = torch.empty_like(values).index_copy_(1, order, values)
+        g_idx = torch.empty(k, dtype=torch.int32, device=w.device).index_copy_(
+            0, order, (torch.arange(k, device=w.device) // group).to(torch.int32))
+    return QuantizedWeight(values, scales, zeros, group, g_idx)
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` → (e4m3 weight, float32 scale) as FP8 checkpoints store them: the amax of each output
+    channel (``block`` None) or of each block mapped to 448, the largest e4m3 value."""
+    n, k = w.shape
+    w = w.float()
+    if block is None:
+        scale = (w.abs().amax(1, keepdim=True) / 448).clamp(min=1e-12)
+        return (w / scale).to(torch.float8_e4m3fn), scale
+    rows, cols = block
+    padded = F.pad(w, (0, -k % cols, 0, -n % rows))
+    amax = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols).abs().amax((1, 3))
+    scale = (amax / 448).clamp(min=1e-12)
+    expanded = scale.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    return (w / expanded).to(torch.float8_e4m3fn), scale
+
+
+@dataclass
+class PrequantizedCase:
+    """One pre-quantized form of a layer's weight and how to call its kernel and reference on ``x``."""
+
+    name: str  # the kernel check's name
+    label: str  # what the case adds to the shape (group, scales)
+    kernel: Callable[[torch.Tensor], torch.Tensor]
+    reference: Callable[[torch.Tensor], torch.Tensor]  # on float32 x
+    weight_bytes: int  # what one call reads: packed weight, scales, zeros
+
+
+def prequantized_weights(w: torch.Tensor) -> list[PrequantizedCase]:
+    """``w`` (bf16 ``[N, K]``) in each pre-quantized form the Triton GEMMs serve."""
+    group = int4_group(w.shape[1])
+    cases = []
+    for bits, act_order in ((4, False), (4, True), (8, False)):
+        p = triton_grouped_gemm.pack(quantize_grouped(w, bits, group, act_order), bits)
+        args = (p.packed, p.scales, p.zeros, p.perm, None, p.group, p.bits)
+        cases.append(PrequantizedCase(
+            f"grouped {bits}-bit GEMM", f"group {group}, zeros{', act-order' if act_order else ''}",
+            partial(_grouped_call, args=args), partial(_grouped_reference, args=args),
+            p.packed.numel() * 4 + p.scales.numel() * 4 + p.zeros.numel() * 4))
+    for block in (None, (128, 128)):
+        weight, scale = quantize_fp8(w, block)
+        cases.append(PrequantizedCase(
+            "FP8 GEMM", "per channel" if block is None else "128x128 blocks",
+            partial(_fp8_call, weight=weight, scale=scale, block=block),
+            partial(_fp8_reference, weight=weight, scale=scale, block=block),
+            weight.numel() + scale.numel() * 4))
+    return cases
+
+
+def _grouped_call(x: torch.Tensor, args: tuple) -> torch.Tensor:
+    return triton_grouped_gemm.grouped_gemm(x, *args)
+
+
+def _grouped_reference(x: torch.Tensor, args: tuple) -> torch.Tensor:
+    return triton_grouped_gemm.reference_grouped_gemm(x, *args)
+
+
+def _fp8_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    return triton_fp8_gemm.fp8_gemm(x, weight, scale, None, block)
+
+
+def _fp8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    return triton_fp8_gemm.reference_fp8_gemm(x, weight, scale, None, block)
+
+
 def _activations(rows: int, k: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     return torch.randn(rows, k, device=device).to(dtype)
 
@@ -261,7 +350,14 @@ def check_kernels(section: Section, sweep: Sweep, device: str) -> None:
                 "int4 GEMM", f"{case}, group {w.group}", dtype,
                 partial(triton_int4_gemm.int4_gemm, x, w.p4, w.s4, w.group),
                 partial(triton_int4_gemm.reference_int4_gemm, x.float(), w.p4, w.s4, w.group)))
-        del w
+        prequantized = prequantized_weights(w.bf16)
+        for rows, dtype in _dtype_cases(sweep, sweep.gemm_rows):
+            x = _activations(rows, g.k, dtype, device)
+            for c in prequantized:
+                section.checks.append(compare(
+                    c.name, f"{g.name}: M {rows}, N {g.n}, K {g.k}, {c.label}, {_dtype_name(dtype)}", dtype,
+                    partial(c.kernel, x), partial(c.reference, x.float())))
+        del w, prequantized
         _free(device)
 
 
@@ -385,6 +481,28 @@ def time_gemms(section: Section, sweep: Sweep, device: str) -> None:
             table.rows.append([g.name, str(rows), _fmt(bf16 * 1e3), _fmt(i8 * 1e3), _fmt(i4 * 1e3),
                                _fmt(bf16 / i8, 2), _fmt(bf16 / i4, 2), _fmt(i4_bytes / (i4 * 1e-3) / 1e9)])
         del w
+        _free(device)
+    section.tables.append(table)
+    time_prequantized_gemms(section, sweep, device)
+
+
+def time_prequantized_gemms(section: Section, sweep: Sweep, device: str) -> None:
+    dtype = torch.bfloat16
+    table = Table("Pre-quantized weight GEMMs (bf16 activations) against cuBLAS bf16 torch.matmul",
+                  ["layer", "M", "form", "bf16 matmul (us)", "kernel (us)", "speed-up", "weight GB/s"],
+                  notes=["forms: the bf16 weight quantized as each format stores it (prequantized_weights)",
+                         "speed-up: bf16 time / kernel time; weight GB/s: packed weight + scales + zeros per call"])
+    for g in sweep.gemms:
+        w = gemm_weights(g, device)
+        cases = prequantized_weights(w.bf16)
+        for rows in sweep.gemm_rows:
+            x = _activations(rows, g.k, dtype, device)
+            bf16 = measure_ms(partial(torch.matmul, x, w.bf16.T), device)
+            for c in cases:
+                ms = measure_ms(partial(c.kernel, x), device)
+                table.rows.append([g.name, str(rows), f"{c.name}, {c.label}", _fmt(bf16 * 1e3), _fmt(ms * 1e3),
+                                   _fmt(bf16 / ms, 2), _fmt(c.weight_bytes / (ms * 1e-3) / 1e9)])
+        del w, cases
         _free(device)
     section.tables.append(table)
 

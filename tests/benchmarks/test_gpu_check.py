@@ -23,7 +23,7 @@ import gpu_check_engine as engine  # noqa: E402
 import gpu_check_kernels as kernels  # noqa: E402
 from gpu_check_report import Report  # noqa: E402
 
-from kubellm.kernels import triton_int4_gemm  # noqa: E402
+from kubellm.kernels import triton_fp8_gemm, triton_grouped_gemm, triton_int4_gemm  # noqa: E402
 from kubellm.kernels import triton_paged_attention as tpa  # noqa: E402
 
 
@@ -39,10 +39,11 @@ def test_tiny_run_passes_on_sound_kernels_and_writes_every_section(tmp_path, cap
     (path,) = tmp_path.glob("gpu-check-*-cpu-triton-interpreter-tiny.md")
     text = path.read_text()
     assert text.startswith("# kubellm GPU check: CPU Triton interpreter\n\n**PASS**")
-    for kernel in ("paged decode attention", "prefill attention", "int8 GEMM", "int4 GEMM"):
+    for kernel in ("paged decode attention", "prefill attention", "int8 GEMM", "int4 GEMM", "grouped 4-bit GEMM",
+                   "grouped 8-bit GEMM", "FP8 GEMM"):
         assert f"| {kernel} |" in text
     for heading in ("## 1. Kernel correctness", "### Paged decode attention", "### Prefill attention",
-                    "### Weight-only GEMMs", "## 3a. Engine end to end: greedy parity", "### Offline throughput",
+                    "### Weight-only GEMMs", "### Pre-quantized weight GEMMs", "## 3a. Engine end to end: greedy parity", "### Offline throughput",
                     "## 4. Tensor parallelism"):
         assert heading in text
     assert "cpu float32 (Triton attention) vs CPU float32" in text
@@ -77,6 +78,25 @@ def test_a_kernel_that_raises_fails_its_check_with_the_exception(tmp_path, monke
     failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
     assert failures.count("int4 GEMM") == 2  # float32 and bfloat16
     assert "the kernel raised RuntimeError: PTX assembly aborted" in failures
+
+
+@pytest.mark.parametrize("module,function,failing,form", [
+    (triton_grouped_gemm, "grouped_gemm", {"grouped 4-bit GEMM": 2, "grouped 8-bit GEMM": 1}, "act-order"),
+    (triton_fp8_gemm, "fp8_gemm", {"FP8 GEMM": 2}, "128x128 blocks"),
+])
+def test_a_wrong_pre_quantized_gemm_fails_each_of_its_forms_and_nothing_else(module, function, failing, form,
+                                                                            tmp_path, monkeypatch):
+    """1% off: every form the kernel serves fails in float32 (act-order and plain 4-bit, 8-bit; FP8 per channel
+    and per block) with its error, and nothing else does (1% is inside bfloat16's tolerance)."""
+    sound = getattr(module, function)
+    monkeypatch.setattr(module, function, lambda *a, **k: sound(*a, **k) * 1.01)
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput"]
+    assert gpu_check.main(argv) == 1
+    failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
+    for name, count in failing.items():
+        assert failures.count(f"/ {name} (") == count
+    assert failures.count("elements out of tolerance") == sum(failing.values())
+    assert failures.count(f", {form}, float32)") == 1
 
 
 def test_a_crash_in_a_part_of_the_kit_fails_the_run_and_is_named(tmp_path, monkeypatch):

@@ -53,9 +53,10 @@ def _expected(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -
 @pytest.mark.parametrize("zero_mode", ["asym", "mid", "signed"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_equals_the_dequantized_weight_over_groups_and_zero_points(bits, zero_mode, dtype):
-    """M 3 and 17 (a partial second row tile), N 40 and 24 (partial column tiles), K 256 and 128."""
+    """M 3 and 17 (a partial second row tile), N 40 and 24 (partial column tiles), K 256, 128 and 200 (per
+    channel: a partial last K tile)."""
     for i, (m, n, k, group) in enumerate([(3, 40, 256, 32), (17, 24, 256, 64), (3, 40, 128, 128),
-                                          (2, 24, 128, -1)]):
+                                          (2, 24, 200, -1)]):
         qw = _weight(n, k, bits, group, zero_mode, seed=i + 10 * bits)
         gen = torch.Generator().manual_seed(i)
         x = torch.randn(m, k, generator=gen).to(dtype)
@@ -113,6 +114,23 @@ def test_the_packed_words_hold_consecutive_inputs_low_bits_first():
     assert signed.packed.tolist() == [[0xF0F0F0F0 - (1 << 32)]] and signed.zeros is None  # offset by 8
     assert torch.equal(tg.unpack(tg.pack(_weight(8, 64, 4, 32, "asym", 0), 4).packed, 4),
                        _weight(8, 64, 4, 32, "asym", 0).values)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_gptq_checkpoints_qweight_words_are_the_packed_words_and_multiply_as_read(bits):
+    """GPTQ v1 words read by runtime/prequantized.read_gptq (zeros stored minus one) pack back to the very same
+    int32 words, and the kernel on them equals the reader's dequantized weight."""
+    from kubellm.runtime.prequantized import read_gptq
+
+    gen = torch.Generator().manual_seed(bits)
+    k, n, group = 128, 32, 32
+    qweight = torch.randint(-2**31, 2**31, (k * bits // 32, n), generator=gen, dtype=torch.int64).to(torch.int32)
+    qzeros = torch.randint(-2**31, 2**31, (k // group, n * bits // 32), generator=gen, dtype=torch.int64)
+    qw = read_gptq(qweight, qzeros.to(torch.int32), torch.rand(k // group, n, generator=gen) / 50, None, bits, group)
+    w = tg.pack(qw, bits)
+    assert torch.equal(w.packed, qweight)
+    x = torch.randn(2, k, generator=gen)
+    torch.testing.assert_close(_run(x, w, None, block_n=16), _expected(x, qw, None), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("mutation", ["nibble order", "zero off by one"])

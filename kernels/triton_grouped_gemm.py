@@ -65,9 +65,10 @@ def packable(bits: int, out_features: int, in_features: int, group_size: int) ->
 
 def pack(weight, bits: int) -> GroupedWeight:
     """A ``QuantizedWeight`` (runtime/prequantized.py: ``values`` ``[N, K]``, ``scales``/``zeros``
-    ``[N, groups]``, ``group_size``, ``g_idx``) in this kernel's layout. Values may be unsigned (0..2^bits-1)
-    or signed (-2^(bits-1)..2^(bits-1)-1, stored offset by 2^(bits-1), zeros too). Act-order ``g_idx`` is
-    sorted into contiguous groups (``perm``); it must give every group ``group_size`` inputs."""
+    ``[N, groups]``, ``group_size``, ``g_idx``; or a GGUF ``BlockForm``, which has no ``g_idx``) in this
+    kernel's layout. Values may be unsigned (0..2^bits-1) or signed (-2^(bits-1)..2^(bits-1)-1, stored offset
+    by 2^(bits-1), zeros too). Act-order ``g_idx`` is sorted into contiguous groups (``perm``); it must give
+    every group ``group_size`` inputs."""
     values, n_in = weight.values, weight.values.shape[1]
     n_out = values.shape[0]
     group = n_in if weight.group_size <= 0 else weight.group_size
@@ -90,7 +91,7 @@ def pack(weight, bits: int) -> GroupedWeight:
     elif offset == 0:  # unsigned values symmetric around 0: zero point 0, not the implied 2^(bits-1)
         zeros = torch.zeros_like(weight.scales, dtype=torch.float32)
     perm = None
-    if weight.g_idx is not None:
+    if getattr(weight, "g_idx", None) is not None:
         g_idx = weight.g_idx.long()
         perm = torch.argsort(g_idx, stable=True)
         counts = torch.bincount(g_idx, minlength=n_in // group)

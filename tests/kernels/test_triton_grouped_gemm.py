@@ -1,8 +1,9 @@
 """kernels/triton_grouped_gemm.py (the CUDA GEMM of pre-quantized 4/8-bit checkpoints) through Triton's
 interpreter on tiny shapes: the kernel against ``x @ QuantizedWeight.dequantize().T`` (runtime/prequantized.py,
 independent of the packing), over 4 and 8 bits, groups 32/64/128 and per channel, asymmetric and symmetric
-zero points, act-order ``g_idx``, bias, partial row/column tiles and strided rows; the packed words pinned; a
-wrong nibble order or an off-by-one zero point fails the same comparison.
+zero points, act-order ``g_idx``, bias, partial row/column tiles and strided rows; GPTQ's qweight words and
+every GGUF block type's form multiply as their readers say; the packed words pinned; a wrong nibble order or
+an off-by-one zero point fails the same comparison.
 
 Tolerances: float32 activations 1e-4 absolute + 1e-5 relative (accumulation order only); bf16 1e-2 + 2^-7
 relative (the output's own rounding: the reference stays float32 on the same rounded inputs).
@@ -14,8 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from test_gguf_blocks import _random_blocks
 
-from kubellm.kernels import triton_check
+from kubellm.kernels import gguf_blocks, triton_check
 from kubellm.kernels import triton_grouped_gemm as tg
 from kubellm.runtime.prequantized import QuantizedWeight
 
@@ -131,6 +135,19 @@ def test_a_gptq_checkpoints_qweight_words_are_the_packed_words_and_multiply_as_r
     assert torch.equal(w.packed, qweight)
     x = torch.randn(2, k, generator=gen)
     torch.testing.assert_close(_run(x, w, None, block_n=16), _expected(x, qw, None), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("type_name", list(gguf_blocks.BLOCKS))
+def test_each_gguf_form_multiplies_as_gguf_dequantizes_it(type_name):
+    """GGUF blocks read by kernels/gguf_blocks.py (float zeros for the affine types, signed Q8_0/Q6_K values,
+    Q6_K's group 16) through this kernel equal gguf's own dequantization of the same bytes."""
+    n, k = 40, 256
+    raw = _random_blocks(type_name, n, k, seed=7)
+    form = gguf_blocks.unpack(type_name, torch.from_numpy(raw), k)
+    w = tg.pack(form, 4 if form.kernel == "int4" else 8)  # a BlockForm reads like a QuantizedWeight
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(7))
+    ref = x @ torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[type_name]).reshape(n, k)).T
+    torch.testing.assert_close(_run(x, w, None, block_n=32), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
 
 
 @pytest.mark.parametrize("mutation", ["nibble order", "zero off by one"])

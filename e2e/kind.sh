@@ -11,7 +11,8 @@ Runs kubellm end to end on a kind cluster:
   2. builds the runtime-cpu (with the demo model baked in) and operator images with docker and loads them
      into the cluster with `kind load docker-image`;
   3. installs kube-prometheus-stack (a small Prometheus, e2e/values/kube-prometheus-stack.yaml) and
-     prometheus-adapter (charts/kubellm/files/prometheus-adapter-values.yaml) in namespace monitoring;
+     prometheus-adapter (charts/kubellm/files/prometheus-adapter-values.yaml) in namespace monitoring, and
+     the LeaderWorkerSet controller (release LWS_VERSION, namespace lws-system) for multi-node LLMDeployments;
   4. installs the chart charts/kubellm (release kubellm, namespace kubellm-system) with the operator image
      just built;
   5. runs `pytest e2e/` against the cluster (PYTEST_ARGS are passed on).
@@ -28,6 +29,7 @@ Environment:
   KUBELLM_E2E_TAG          tag of the images built here (default e2e)
   KUBELLM_E2E_ARTIFACTS    folder for logs and dumps (default e2e/artifacts)
   KUBE_PROMETHEUS_STACK_VERSION, PROMETHEUS_ADAPTER_VERSION   chart versions (pinned defaults below)
+  LWS_VERSION              LeaderWorkerSet release (default v0.10.0, whose CRD tests/operator/data vendors)
   PYTEST                   pytest to run (default .venv/bin/pytest)
   KEEP_CLUSTER=1, SKIP_BUILD=1   same as the flags
 EOF
@@ -46,6 +48,7 @@ KEEP_CLUSTER="${KEEP_CLUSTER:-0}"
 SKIP_BUILD="${SKIP_BUILD:-0}"
 KUBE_PROMETHEUS_STACK_VERSION="${KUBE_PROMETHEUS_STACK_VERSION:-92.1.0}"
 PROMETHEUS_ADAPTER_VERSION="${PROMETHEUS_ADAPTER_VERSION:-5.3.0}"
+LWS_VERSION="${LWS_VERSION:-v0.10.0}"
 MONITORING_NS=monitoring
 OPERATOR_NS=kubellm-system
 ADAPTER_VALUES="${ROOT}/charts/kubellm/files/prometheus-adapter-values.yaml"
@@ -83,10 +86,11 @@ collect_artifacts() {
     kc describe llmd -A >"$ARTIFACTS/llmdeployments-describe.txt" 2>&1 || true
     kc get events -A --sort-by .lastTimestamp >"$ARTIFACTS/events.txt" 2>&1 || true
     kc get hpa -A -o yaml >"$ARTIFACTS/hpa.yaml" 2>&1 || true
+    kc get leaderworkersets -A -o yaml >"$ARTIFACTS/leaderworkersets.yaml" 2>&1 || true
     kc get --raw /apis/custom.metrics.k8s.io/v1beta1 >"$ARTIFACTS/custom-metrics.json" 2>&1 || true
     helm --kube-context "$CONTEXT" list -A >"$ARTIFACTS/helm-releases.txt" 2>&1 || true
     local ns pod
-    for ns in "$OPERATOR_NS" "$MONITORING_NS"; do
+    for ns in "$OPERATOR_NS" "$MONITORING_NS" lws-system; do
         for pod in $(kc get pods -n "$ns" -o name 2>/dev/null); do
             kc logs -n "$ns" "$pod" --all-containers --prefix --tail=5000 \
                 >"$ARTIFACTS/logs-${ns}-${pod#pod/}.txt" 2>&1 || true
@@ -144,8 +148,13 @@ helm --kube-context "$CONTEXT" upgrade --install prometheus-adapter prometheus-c
     --set prometheus.url="http://prometheus-operated.${MONITORING_NS}.svc" --set prometheus.port=9090 \
     --wait --timeout 5m
 
+log "installing the LeaderWorkerSet controller $LWS_VERSION"
+kc apply --server-side -f "https://github.com/kubernetes-sigs/lws/releases/download/${LWS_VERSION}/manifests.yaml"
+kc wait deploy/lws-controller-manager -n lws-system --for=condition=available --timeout=5m
+
 # rbac.serviceMonitors: the autoscaled test's LLMDeployment asks for a ServiceMonitor (Prometheus must scrape
-# the queue depth the HPA scales on), which the operator may create only with that grant.
+# the queue depth the HPA scales on), which the operator may create only with that grant. rbac.leaderWorkerSets:
+# the multi-node test's LeaderWorkerSet.
 log "installing the kubellm chart with $OPERATOR_IMAGE"
 helm --kube-context "$CONTEXT" upgrade --install kubellm "$ROOT/charts/kubellm" \
     --namespace "$OPERATOR_NS" --create-namespace \
@@ -154,6 +163,7 @@ helm --kube-context "$CONTEXT" upgrade --install kubellm "$ROOT/charts/kubellm" 
     --set operator.image.pullPolicy=Never \
     --set metrics.serviceMonitor.enabled=true \
     --set rbac.serviceMonitors=true \
+    --set rbac.leaderWorkerSets=true \
     --wait --timeout 5m
 kc wait --for=condition=Established crd/llmdeployments.kubellm.io --timeout=60s
 

@@ -111,6 +111,37 @@ def fake_gpu_deployment(image: str, namespace: str, *, pull_policy: str = "IfNot
     return doc
 
 
+# The baked demo model (SmolLM2-135M) has 9 attention heads and 3 kv heads: tensor parallelism 3 is the
+# smallest split above 1 that divides both, so three pods of one rank each.
+MULTI_NODE_RANKS = 3
+
+
+def multinode_deployment(
+    image: str, namespace: str, *, cpu: str = "250m", pull_policy: str = "IfNotPresent"
+) -> dict[str, Any]:
+    """examples/llmdeployment-multinode.yaml on CPUs: one tensor-parallel group of :data:`MULTI_NODE_RANKS`
+    ranks over as many pods (a LeaderWorkerSet group), serving the baked demo model.
+
+    Kept from the example: nodes > 1 with one group, the rendezvous port and the rollout. Changed: the model
+    (the 70B needs GPUs; the demo model splits in 3), tensor = nodes = 3, resources (CPU, ``cpu`` each: three
+    pods share a CI runner with the other tests' pods), no GPU product, tolerations or HF token.
+    """
+    doc = load_example("llmdeployment-multinode.yaml")
+    doc["metadata"] = {"name": "smollm2-multinode", "namespace": namespace}
+    spec = doc["spec"]
+    spec["model"] = {"uri": f"file://{BAKED_DEMO_MODEL}", "servedModelName": SERVED_MODEL_NAME}
+    spec["parallelism"].update(tensor=MULTI_NODE_RANKS, nodes=MULTI_NODE_RANKS)
+    spec.pop("dtype", None)
+    spec.pop("engine", None)
+    spec.pop("env", None)
+    spec.pop("tolerations", None)
+    spec["resources"] = copy.deepcopy(load_example("llmdeployment-cpu.yaml")["spec"]["resources"])
+    spec["resources"]["cpu"] = cpu
+    spec["probes"]["startupTimeoutSeconds"] = 600
+    _use_image(doc, image, pull_policy)
+    return doc
+
+
 def secret(name: str, namespace: str, data: dict[str, str]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace},
             "type": "Opaque", "stringData": data}  # fmt: skip

@@ -266,3 +266,38 @@ def test_a_rollout_without_a_spare_gpu_is_reported_then_replaced_in_place(
                what="the new pod scheduled on the GPU the old one freed",
                diagnostics=lambda: namespace.diagnostics(KIND, name))
     assert any(reason == "RolloutReplacingInPlace" for reason, _ in _event_reasons(namespace, name))
+
+
+def test_multinode_example_serves_one_tensor_parallel_group_over_three_pods(
+    kube: Kubectl, namespace: Kubectl, runtime_image: str, pull_policy: str, ready_timeout: float
+):
+    """examples/llmdeployment-multinode.yaml on CPUs: a LeaderWorkerSet group of a leader and two workers (one
+    rank each, the demo model split in 3) answers through the Service, which reaches the leader only. Needs the
+    LWS controller (kind.sh installs it); skips without its CRD."""
+    if not kube.run("get", "crd", "leaderworkersets.leaderworkerset.x-k8s.io", "--ignore-not-found").strip():
+        pytest.skip("the LeaderWorkerSet CRD is not installed (kind.sh installs LWS)")
+    doc = manifests.multinode_deployment(runtime_image, namespace.namespace, pull_policy=pull_policy)
+    name = doc["metadata"]["name"]
+    namespace.apply(doc)
+    try:
+        _wait_ready(namespace, name, ready_timeout)
+        lws = namespace.get("leaderworkerset", f"{name}-group")
+        assert lws is not None and lws["spec"]["leaderWorkerTemplate"]["size"] == manifests.MULTI_NODE_RANKS
+        pods = namespace.json("get", "pods", "--selector", f"kubellm.io/llmdeployment={name}")["items"]
+        indices = sorted(p["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] for p in pods)
+        assert indices == ["0", "1", "2"], indices
+        slices = namespace.json("get", "endpointslices", "--selector", f"kubernetes.io/service-name={name}")["items"]
+        endpoints = [e for s in slices for e in s.get("endpoints") or []]
+        assert len(endpoints) == 1, endpoints  # the leader: workers serve no HTTP
+        port, _ = _service_port(namespace, name)
+        with port_forward(namespace, f"service/{name}", port) as local:
+            client = OpenAI(base_url=f"http://127.0.0.1:{local}/v1", api_key="unused", max_retries=0, timeout=300)
+            question = [{"role": "user", "content": "What is the capital of France?"}]
+            reply = client.chat.completions.create(
+                model=manifests.SERVED_MODEL_NAME, messages=question, temperature=0, max_tokens=16
+            )
+            assert "Paris" in (reply.choices[0].message.content or ""), reply
+        status = namespace.json("get", KIND, name)["status"]
+        assert status["readyText"] == "1/1", status
+    finally:
+        namespace.run("delete", KIND, name, "--wait=false", check=False)  # three pods: free the runner's CPUs

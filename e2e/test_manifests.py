@@ -94,3 +94,48 @@ def test_fake_gpu_deployment_asks_for_the_fake_resource_and_keeps_the_examples_r
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     resources = _runtime_container(deployment)["resources"]
     assert resources["requests"][manifests.FAKE_GPU_RESOURCE] == resources["limits"][manifests.FAKE_GPU_RESOURCE] == "1"
+
+
+def test_multinode_deployment_is_one_cpu_group_over_three_pods():
+    doc = manifests.multinode_deployment(IMAGE, NAMESPACE)
+    example = manifests.load_example("llmdeployment-multinode.yaml")
+    assert doc["spec"]["rollout"] == example["spec"]["rollout"]
+    assert doc["spec"]["parallelism"]["rendezvousPort"] == example["spec"]["parallelism"]["rendezvousPort"]
+    children = _children(doc)
+    assert "Deployment" not in children
+    lws = children["LeaderWorkerSet"]
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == manifests.MULTI_NODE_RANKS == 3
+    assert children["Service"]["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = lws["spec"]["leaderWorkerTemplate"][role]["spec"]
+        assert "initContainers" not in pod, "the baked model needs no download"
+        (container,) = pod["containers"]
+        args = container["args"]
+        assert container["image"] == IMAGE
+        assert args[args.index("--model") + 1] == manifests.BAKED_DEMO_MODEL
+        assert args[args.index("--device") + 1] == "cpu"
+        assert args[args.index("--tensor-parallel-size") + 1] == args[args.index("--nnodes") + 1] == "3"
+        assert "nvidia.com/gpu" not in str(container["resources"])
+
+
+def test_multinode_split_divides_the_demo_models_heads():
+    """The tensor-parallel size must divide the baked model's heads, kv heads and MLP (the runtime refuses it
+    at start-up otherwise, which on a cluster shows only as a crash loop)."""
+    import pytest
+    from gguf import GGUFReader
+
+    from kubellm.runtime import model_store
+    from kubellm.runtime.tp_group import check_divisible
+
+    path = model_store.model_path("smollm2")
+    if not path.exists():
+        pytest.skip(f"the demo model is not in this machine's cache ({path}); `kubellm models pull smollm2`")
+    fields = GGUFReader(str(path)).fields
+
+    def value(key: str) -> int:
+        return int(fields[key].parts[fields[key].data[0]][0])
+
+    heads, kv_heads = value("llama.attention.head_count"), value("llama.attention.head_count_kv")
+    check_divisible(heads, kv_heads, value("llama.feed_forward_length"), manifests.MULTI_NODE_RANKS)
+    with pytest.raises(ValueError):  # the check does refuse a split that does not divide (2 of 9 heads)
+        check_divisible(heads, kv_heads, value("llama.feed_forward_length"), 2)

@@ -269,6 +269,11 @@ class LLMEngine:
         """Tokens the whole KV-cache pool holds."""
         return self.block_manager.num_blocks * self.block_manager.block_size
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV-cache block."""
+        return self.block_manager.block_size
+
     def stats(self) -> EngineStats:
         """Call on the thread that steps; other threads read the snapshot ``AsyncEngine.stats`` keeps."""
         sched, bm = self.scheduler, self.block_manager

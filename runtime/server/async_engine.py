@@ -107,6 +107,10 @@ class AsyncEngine:
         return self.engine.capacity_tokens
 
     @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 

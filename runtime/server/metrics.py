@@ -18,6 +18,17 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
                     40.0, 80.0, 160.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
+# What the Gateway API Inference Extension's endpoint picker reads from every pod (its model-server protocol), as
+# the fields of an engineConfigs entry of its core-metrics-extractor; docs/gateway.md hands it to the EPP.
+# loraSpec is empty because no LoRA adapters are served (the EPP then skips LoRA affinity).
+ENDPOINT_PICKER_METRICS = {
+    "queuedRequestsSpec": "kubellm:num_requests_waiting",
+    "runningRequestsSpec": "kubellm:num_requests_running",
+    "kvUsageSpec": "kubellm:kv_cache_usage_perc",
+    "loraSpec": "",
+    "cacheInfoSpec": "kubellm:cache_config_info",
+}
+
 
 class ServerMetrics:
     def __init__(self, model_name: str, engine_state, registry: CollectorRegistry | None = None):
@@ -130,6 +141,11 @@ class _EngineCollector:
         yield gauge("kubellm:num_requests_running", "Requests in the running batch.", state.num_running)
         yield gauge("kubellm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_usage)
         yield gauge("kubellm:kv_cache_blocks_total", "KV-cache blocks in the pool.", stats.kv_blocks_total)
+        # vLLM's info-style gauge with its label names: the endpoint picker's prefix-cache scorer reads them.
+        info = GaugeMetricFamily("kubellm:cache_config_info", "KV-cache configuration in the labels (value 1).",
+                                 labels=[*labels, "block_size", "num_gpu_blocks"])
+        info.add_metric([*value, str(state.block_size), str(stats.kv_blocks_total)], 1)
+        yield info
         yield counter("kubellm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_queries)
         yield counter("kubellm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.prefix_hits)

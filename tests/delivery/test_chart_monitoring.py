@@ -139,7 +139,7 @@ def runtime_metrics() -> dict[str, set[str]]:
         num_preemptions=0,
         speculation=SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0),
     )
-    server = ServerMetrics("m", SimpleNamespace(stats=stats, num_waiting=0, num_running=0, engine=None))
+    server = ServerMetrics("m", SimpleNamespace(stats=stats, num_waiting=0, num_running=0, block_size=16, engine=None))
     names = exported(server.registry)
     # labelled counters and histograms without a child yet: their label names come from the metric objects
     for metric in (server.request_success, server.request_rejected, server.prompt_tokens, server.ttft):

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from kubellm.runtime.server.metrics import ENDPOINT_PICKER_METRICS
 from server_harness import ServerThread
 
 PROMPT = {"prompt": "Once upon a time", "ignore_eos": True}
@@ -76,6 +80,53 @@ def test_metrics_parse_and_move_as_requests_flow(server):
     assert after["kubellm:request_queue_time_seconds_count{}"] >= 2
     assert after["kubellm:prefix_cache_hits_total{}"] > before["kubellm:prefix_cache_hits_total{}"]  # same prompt
     assert after["kubellm:num_requests_running{}"] == 0
+
+
+def endpoint_picker_reads(server) -> dict[str, tuple[str, dict[str, str], float]]:
+    """What the endpoint picker extracts: per engineConfigs field, (family type, labels, value) of the family's
+    one sample, as its core-metrics-extractor does from a scrape of the pod's port."""
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    out = {}
+    for field, name in ENDPOINT_PICKER_METRICS.items():
+        if name:
+            (sample,) = families[name].samples  # one pod serves one model: exactly one series
+            out[field] = (families[name].type, sample.labels, sample.value)
+    return out
+
+
+def test_metrics_satisfy_the_endpoint_pickers_model_server_protocol(server):
+    """The Gateway API Inference Extension's model-server protocol: queued and running requests and KV-cache
+    use as gauges that follow the load, and the KV-cache configuration in cache_config_info's labels."""
+    server.wait_idle()
+    idle = endpoint_picker_reads(server)
+    assert set(idle) == {"queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "cacheInfoSpec"}
+    assert {kind for kind, _, _ in idle.values()} == {"gauge"}
+    assert [idle[f][2] for f in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec")] == [0, 0, 0]
+    _, info, value = idle["cacheInfoSpec"]
+    assert value == 1
+    assert int(info["block_size"]) == server.engine_config.block_size == 16
+    assert int(info["num_gpu_blocks"]) == server.engine.block_manager.num_blocks == 128
+
+    with httpx.stream("POST", server.url + "/v1/completions", json={**PROMPT, "max_tokens": 200, "stream": True},
+                      timeout=60) as resp:
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data:"))  # running, with KV blocks
+        busy = endpoint_picker_reads(server)
+        assert busy["runningRequestsSpec"][2] == 1
+        assert 0 < busy["kvUsageSpec"][2] <= 1
+    server.wait_idle(timeout=15)
+
+
+def test_gateway_docs_give_the_endpoint_picker_these_names():
+    text = (Path(__file__).resolve().parents[3] / "docs" / "gateway.md").read_text()
+    blocks = [d for b in re.findall(r"```yaml\n(.*?)```", text, re.S) for d in yaml.safe_load_all(b)]
+    (config,) = [b for b in blocks if isinstance(b, dict) and b.get("kind") == "EndpointPickerConfig"]
+    (extractor,) = [p for p in config["plugins"] if p["type"] == "core-metrics-extractor"]
+    (engine,) = extractor["parameters"]["engineConfigs"]
+    assert extractor["parameters"]["defaultEngine"] == engine.pop("name")
+    assert engine == ENDPOINT_PICKER_METRICS
+    for field, name in ENDPOINT_PICKER_METRICS.items():  # the mapping table names them too
+        assert f"| `{name}` | `{field}` |" in text or not name, field
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):

@@ -546,7 +546,8 @@ class RolloutSpec(KubeModel):
     """How long a pod of the new revision may stay unschedulable for want of a GPU (the scheduler's
     "Insufficient <resources.gpu.resourceName>") before the rollout counts as blocked: no node has a spare
     GPU for the surge pod. Blocked rollouts are reported as Progressing=False, reason
-    RolloutBlockedNoSpareGPU, and handled as onNoSpareGPU says."""
+    RolloutBlockedNoSpareGPU, and handled as onNoSpareGPU says. Applies to single-node replicas
+    (parallelism.nodes 1); multi-node groups roll out as their LeaderWorkerSet decides."""
 
     on_no_spare_gpu: Literal["Wait", "ReplaceInPlace"] = Field(default="Wait", alias="onNoSpareGPU")
     """What a blocked rollout does. Wait: keep waiting for a GPU to free up (the rollout is reported Stalled

@@ -161,7 +161,8 @@ def decide(
     aware datetime. See the module docstring for the rules.
     """
     resource = spec.resources.gpu.resource_name
-    if deployment is None or spec.gpu_count == 0 or rollout_complete(deployment):
+    # parallelism.nodes > 1 runs a LeaderWorkerSet, whose rollouts (StatefulSets, not ReplicaSets) are not guarded.
+    if deployment is None or spec.gpu_count == 0 or spec.parallelism.nodes > 1 or rollout_complete(deployment):
         return Verdict(resource=resource)
     template = _get(deployment, "spec", "template", "metadata", "annotations") or {}
     spec_hash = template.get(SPEC_HASH_ANNOTATION)

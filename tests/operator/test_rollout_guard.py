@@ -170,6 +170,17 @@ def test_a_cpu_deployment_is_never_blocked_on_gpus():
     assert not rollout_guard.decide(ld.spec, *surge_rollout(ld, waited=3600), NOW).blocked
 
 
+def test_multi_node_replicas_are_not_guarded():
+    ld = ld_of()
+    d, rs, pods = surge_rollout(ld, waited=3600)
+    multi = api.LLMDeployment.model_validate({
+        "metadata": {"name": "llama", "namespace": "ml"},
+        "spec": {"model": {"uri": "hf://org/llama"}, "parallelism": {"tensor": 2, "nodes": 2}},
+    })  # fmt: skip
+    assert not rollout_guard.decide(multi.spec, d, rs, pods, NOW).blocked
+    assert rollout_guard.decide(ld.spec, d, rs, pods, NOW).blocked
+
+
 def test_the_new_replicaset_is_found_by_template_then_by_revision():
     ld = ld_of()
     d, rs, _ = surge_rollout(ld, waited=0)

@@ -12,7 +12,8 @@ Runs kubellm end to end on a kind cluster:
      into the cluster with `kind load docker-image`;
   3. installs kube-prometheus-stack (a small Prometheus, e2e/values/kube-prometheus-stack.yaml) and
      prometheus-adapter (charts/kubellm/files/prometheus-adapter-values.yaml) in namespace monitoring, and
-     the LeaderWorkerSet controller (release LWS_VERSION, namespace lws-system) for multi-node LLMDeployments;
+     the LeaderWorkerSet controller (release LWS_VERSION, namespace lws-system) for multi-node LLMDeployments,
+     and the Gateway API Inference Extension's CRDs (release GAIE_VERSION) for InferencePools;
   4. installs the chart charts/kubellm (release kubellm, namespace kubellm-system) with the operator image
      just built;
   5. runs `pytest e2e/` against the cluster (PYTEST_ARGS are passed on).
@@ -30,6 +31,8 @@ Environment:
   KUBELLM_E2E_ARTIFACTS    folder for logs and dumps (default e2e/artifacts)
   KUBE_PROMETHEUS_STACK_VERSION, PROMETHEUS_ADAPTER_VERSION   chart versions (pinned defaults below)
   LWS_VERSION              LeaderWorkerSet release (default v0.10.0, whose CRD tests/operator/data vendors)
+  GAIE_VERSION             Gateway API Inference Extension release (default v1.6.0, whose InferencePool CRD
+                           tests/operator/data vendors)
   PYTEST                   pytest to run (default .venv/bin/pytest)
   KEEP_CLUSTER=1, SKIP_BUILD=1   same as the flags
 EOF
@@ -49,6 +52,7 @@ SKIP_BUILD="${SKIP_BUILD:-0}"
 KUBE_PROMETHEUS_STACK_VERSION="${KUBE_PROMETHEUS_STACK_VERSION:-92.1.0}"
 PROMETHEUS_ADAPTER_VERSION="${PROMETHEUS_ADAPTER_VERSION:-5.3.0}"
 LWS_VERSION="${LWS_VERSION:-v0.10.0}"
+GAIE_VERSION="${GAIE_VERSION:-v1.6.0}"
 MONITORING_NS=monitoring
 OPERATOR_NS=kubellm-system
 ADAPTER_VALUES="${ROOT}/charts/kubellm/files/prometheus-adapter-values.yaml"
@@ -87,6 +91,7 @@ collect_artifacts() {
     kc get events -A --sort-by .lastTimestamp >"$ARTIFACTS/events.txt" 2>&1 || true
     kc get hpa -A -o yaml >"$ARTIFACTS/hpa.yaml" 2>&1 || true
     kc get leaderworkersets -A -o yaml >"$ARTIFACTS/leaderworkersets.yaml" 2>&1 || true
+    kc get inferencepools -A -o yaml >"$ARTIFACTS/inferencepools.yaml" 2>&1 || true
     kc get --raw /apis/custom.metrics.k8s.io/v1beta1 >"$ARTIFACTS/custom-metrics.json" 2>&1 || true
     helm --kube-context "$CONTEXT" list -A >"$ARTIFACTS/helm-releases.txt" 2>&1 || true
     local ns pod
@@ -152,9 +157,14 @@ log "installing the LeaderWorkerSet controller $LWS_VERSION"
 kc apply --server-side -f "https://github.com/kubernetes-sigs/lws/releases/download/${LWS_VERSION}/manifests.yaml"
 kc wait deploy/lws-controller-manager -n lws-system --for=condition=available --timeout=5m
 
+log "installing the Gateway API Inference Extension CRDs $GAIE_VERSION"
+kc apply --server-side -f \
+    "https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/${GAIE_VERSION}/manifests.yaml"
+kc wait --for=condition=Established crd/inferencepools.inference.networking.k8s.io --timeout=60s
+
 # rbac.serviceMonitors: the autoscaled test's LLMDeployment asks for a ServiceMonitor (Prometheus must scrape
 # the queue depth the HPA scales on), which the operator may create only with that grant. rbac.leaderWorkerSets:
-# the multi-node test's LeaderWorkerSet.
+# the multi-node test's LeaderWorkerSet. rbac.inferencePools: the gateway test's InferencePool.
 log "installing the kubellm chart with $OPERATOR_IMAGE"
 helm --kube-context "$CONTEXT" upgrade --install kubellm "$ROOT/charts/kubellm" \
     --namespace "$OPERATOR_NS" --create-namespace \
@@ -164,6 +174,7 @@ helm --kube-context "$CONTEXT" upgrade --install kubellm "$ROOT/charts/kubellm" 
     --set metrics.serviceMonitor.enabled=true \
     --set rbac.serviceMonitors=true \
     --set rbac.leaderWorkerSets=true \
+    --set rbac.inferencePools=true \
     --wait --timeout 5m
 kc wait --for=condition=Established crd/llmdeployments.kubellm.io --timeout=60s
 

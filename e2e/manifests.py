@@ -142,6 +142,23 @@ def multinode_deployment(
     return doc
 
 
+def inference_pool_deployment(image: str, namespace: str, *, pull_policy: str = "IfNotPresent") -> dict[str, Any]:
+    """examples/llmdeployment-inferencepool.yaml on a CPU: its gateway.inferencePool (the pool and the endpoint
+    picker reference) with the CPU example's resources, one replica and the baked demo model. No EPP or gateway
+    runs on kind: the test checks what the operator owns (the pool, its members, the metrics an EPP reads)."""
+    doc = load_example("llmdeployment-inferencepool.yaml")
+    doc["metadata"] = {"name": "smollm2-pool", "namespace": namespace}
+    doc["spec"] = {
+        "model": {"uri": f"file://{BAKED_DEMO_MODEL}", "servedModelName": SERVED_MODEL_NAME},
+        "resources": copy.deepcopy(load_example("llmdeployment-cpu.yaml")["spec"]["resources"]),
+        "replicas": 1,
+        "gateway": copy.deepcopy(doc["spec"]["gateway"]),
+    }
+    doc["spec"]["resources"]["cpu"] = "1"
+    _use_image(doc, image, pull_policy)
+    return doc
+
+
 def secret(name: str, namespace: str, data: dict[str, str]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace},
             "type": "Opaque", "stringData": data}  # fmt: skip

@@ -301,3 +301,34 @@ def test_multinode_example_serves_one_tensor_parallel_group_over_three_pods(
         assert status["readyText"] == "1/1", status
     finally:
         namespace.run("delete", KIND, name, "--wait=false", check=False)  # three pods: free the runner's CPUs
+
+
+def test_inference_pool_example_owns_a_pool_of_its_ready_pods_with_the_metrics_an_epp_reads(
+    kube: Kubectl, namespace: Kubectl, runtime_image: str, pull_policy: str, ready_timeout: float
+):
+    """examples/llmdeployment-inferencepool.yaml on a CPU: the API server admits the rendered InferencePool (the
+    upstream CRD's schema and CEL rules), the pool selects exactly the LLMDeployment's pods, and the pod's port
+    answers /metrics with every name ENDPOINT_PICKER_METRICS gives the EPP. No gateway or EPP runs here (see
+    docs/gateway.md). Needs the InferencePool CRD (kind.sh installs it); skips without it."""
+    from kubellm.runtime.server.metrics import ENDPOINT_PICKER_METRICS
+
+    if not kube.run("get", "crd", "inferencepools.inference.networking.k8s.io", "--ignore-not-found").strip():
+        pytest.skip("the InferencePool CRD is not installed (kind.sh installs the Gateway API Inference Extension's)")
+    doc = manifests.inference_pool_deployment(runtime_image, namespace.namespace, pull_policy=pull_policy)
+    name = doc["metadata"]["name"]
+    namespace.apply(doc)
+    try:
+        _wait_ready(namespace, name, ready_timeout)
+        pool = wait_until(lambda: namespace.get("inferencepool", name), timeout=60, what="the InferencePool",
+                          diagnostics=lambda: namespace.diagnostics(KIND, name))
+        assert [r["kind"] for r in pool["metadata"]["ownerReferences"]] == [EVENT_KIND]
+        selector = ",".join(f"{k}={v}" for k, v in sorted(pool["spec"]["selector"]["matchLabels"].items()))
+        members = {p["metadata"]["name"] for p in namespace.json("get", "pods", "--selector", selector)["items"]}
+        assert members == _pods(namespace, name) and len(members) == 1, (members, _pods(namespace, name))
+        (target,) = pool["spec"]["targetPorts"]
+        with port_forward(namespace, f"pod/{members.pop()}", target["number"]) as local:
+            text = httpx.get(f"http://127.0.0.1:{local}/metrics", timeout=30).text
+        for field, metric in ENDPOINT_PICKER_METRICS.items():
+            assert not metric or f"\n{metric}{{" in text, (field, metric)
+    finally:
+        namespace.run("delete", KIND, name, "--wait=false", check=False)

@@ -139,3 +139,17 @@ def test_multinode_split_divides_the_demo_models_heads():
     check_divisible(heads, kv_heads, value("llama.feed_forward_length"), manifests.MULTI_NODE_RANKS)
     with pytest.raises(ValueError):  # the check does refuse a split that does not divide (2 of 9 heads)
         check_divisible(heads, kv_heads, value("llama.feed_forward_length"), 2)
+
+
+def test_inference_pool_deployment_keeps_the_examples_pool_on_one_cpu_pod():
+    doc = manifests.inference_pool_deployment(IMAGE, NAMESPACE)
+    example = manifests.load_example("llmdeployment-inferencepool.yaml")
+    assert doc["spec"]["gateway"] == example["spec"]["gateway"]
+    children = _children(doc)
+    pool = children["InferencePool"]
+    assert pool["spec"]["selector"]["matchLabels"] == children["Service"]["spec"]["selector"]
+    assert pool["spec"]["endpointPickerRef"]["name"] == example["spec"]["gateway"]["inferencePool"][
+        "endpointPickerRef"]["name"]
+    container = _runtime_container(children["Deployment"])
+    assert container["image"] == IMAGE and "nvidia.com/gpu" not in str(container["resources"])
+    assert pool["spec"]["targetPorts"] == [{"number": container["ports"][0]["containerPort"]}]

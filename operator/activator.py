@@ -89,6 +89,7 @@ class _Gate:
 
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     held: int = 0
+    forwarding: int = 0  # requests sent upstream whose response is still streaming back
     activation: asyncio.Task | None = None
 
 
@@ -139,6 +140,30 @@ class Activator:
         """Requests waiting per target now."""
         return {t: g.held for t, g in self.gates.items() if g.held}
 
+    def activity(self, namespace: str, name: str) -> dict[str, int]:
+        """What the admin port reports for one target: requests held, forwarded and still streaming, and
+        their sum (``requests``, which a KEDA metrics-api trigger reads so the deployment is not scaled
+        back to zero while the activator has work for it)."""
+        held = forwarding = 0
+        for t, g in self.gates.items():
+            if (t.namespace, t.name) == (namespace, name):
+                held, forwarding = held + g.held, forwarding + g.forwarding
+        return {"requests": held + forwarding, "held": held, "forwarding": forwarding}
+
+    def admin_app(self) -> web.Application:
+        """The admin port: ``/healthz`` for the kubelet, ``/activity/{namespace}/{name}`` for KEDA. Apart from
+        the proxy port, whose every path belongs to the deployments."""
+        async def healthz(_request: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        async def activity(request: web.Request) -> web.Response:
+            return web.json_response(self.activity(request.match_info["namespace"], request.match_info["name"]))
+
+        app = web.Application()
+        app.router.add_get("/healthz", healthz)
+        app.router.add_get("/activity/{namespace}/{name}", activity)
+        return app
+
     # --- one request --------------------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -154,12 +179,15 @@ class Activator:
                 refusal = await self._hold(target, gate, deadline)
                 if refusal is not None:
                     return refusal
+            gate.forwarding += 1
             try:
                 return await self._forward(request, target, body)
             except aiohttp.ClientConnectorError:
                 # Refused before anything was sent: the pods went away again. Hold it like a new one.
                 logger.info("%s/%s: upstream unreachable, holding the request again", target.namespace, target.name)
                 gate.ready.clear()
+            finally:
+                gate.forwarding -= 1
 
     async def _hold(self, target: Target, gate: _Gate, deadline: float) -> web.Response | None:
         """Wait until the target is ready; a 503 response instead when the bound (count or time) is hit."""
@@ -260,22 +288,27 @@ class ScaleWaker:
                                        component=self.FIELD_MANAGER)
 
 
-async def serve(activator: Activator, host: str, port: int) -> None:
-    """Serve ``activator`` on host:port until cancelled."""
+async def serve(activator: Activator, host: str, port: int, admin_port: int | None = None) -> None:
+    """Serve ``activator`` on host:port (and its admin app on ``admin_port``) until cancelled."""
     # A client that leaves stops being held (and closes its upstream request, which aborts the generation).
-    runner = web.AppRunner(activator.app(), access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    logger.info("activator listening on %s:%d", host, port)
+    runners = [web.AppRunner(activator.app(), access_log=None, handler_cancellation=True)]
+    if admin_port is not None:
+        runners.append(web.AppRunner(activator.admin_app(), access_log=None))
     try:
+        for runner, p in zip(runners, (port, admin_port), strict=False):
+            await runner.setup()
+            await web.TCPSite(runner, host, p).start()
+            logger.info("activator listening on %s:%d", host, p)
         await asyncio.Event().wait()
     finally:
-        with contextlib.suppress(Exception):
-            await runner.cleanup()
+        for runner in runners:
+            with contextlib.suppress(Exception):
+                await runner.cleanup()
 
 
-def run(host: str, port: int, *, upstream_template: str, hold_timeout: float, max_held: int) -> None:
+def run(
+    host: str, port: int, *, upstream_template: str, hold_timeout: float, max_held: int, admin_port: int | None = None
+) -> None:
     """``kubellm activator``: log in to the cluster (in-cluster or kubeconfig) and serve until interrupted."""
     from kubellm.operator.kube import Kube
 
@@ -284,7 +317,7 @@ def run(host: str, port: int, *, upstream_template: str, hold_timeout: float, ma
         try:
             activator = Activator(lambda r: target_from_host(r.host, upstream_template),
                                   ScaleWaker(kube), hold_timeout=hold_timeout, max_held=max_held)
-            await serve(activator, host, port)
+            await serve(activator, host, port, admin_port)
         finally:
             kube.close()
 

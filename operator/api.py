@@ -513,6 +513,12 @@ class AutoscalingSpec(KubeModel):
     """hpa: a HorizontalPodAutoscaler on a Pods metric (needs a custom-metrics adapter such as
     prometheus-adapter); keda: a KEDA ScaledObject with a Prometheus trigger (supports scale to zero)."""
 
+    scale_to_zero_after_seconds: int | None = Field(default=None, ge=60, le=86400)
+    """With minReplicas 0: seconds without any request (none running or waiting in a pod, none held or
+    forwarded by the activator) before the last pod goes (KEDA's cooldownPeriod). Default:
+    scaleDownStabilizationSeconds. At least 60, so that a request the activator just forwarded shows up in
+    the pods' metrics before it counts as idle."""
+
     k8s_rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             rule="self.minReplicas <= self.maxReplicas",
@@ -525,6 +531,13 @@ class AutoscalingSpec(KubeModel):
             message="autoscaling.minReplicas 0 (scale to zero) needs backend keda; the HPA cannot scale to zero",
             check=lambda s: s.min_replicas >= 1 or s.backend == "keda",
             field_path=".minReplicas",
+        ),
+        Rule(
+            rule="!has(self.scaleToZeroAfterSeconds) || self.minReplicas == 0",
+            message="autoscaling.scaleToZeroAfterSeconds needs minReplicas 0: it is the idle time before the last "
+            "pod goes",
+            check=lambda s: s.scale_to_zero_after_seconds is None or s.min_replicas == 0,
+            field_path=".scaleToZeroAfterSeconds",
         ),
     )
 
@@ -984,6 +997,23 @@ class Condition(_Status):
     """The metadata.generation the condition was computed from."""
 
 
+class ActivationStatus(_Status):
+    """Where the Service of a deployment that scales to zero sends requests (docs/autoscaling.md)."""
+
+    route: Literal["Pods", "Activator"]
+    """Pods: the Service's own endpoints (the ready pods). Activator: no pod is ready, so an EndpointSlice of
+    the operator adds the activator's pods, which hold requests, wake the deployment and forward them."""
+
+    activator_endpoints: int = Field(default=0, ge=0)
+    """Ready activator pods the Service routes to (0 unless route is Activator)."""
+
+    last_activation_time: datetime | None = None
+    """When the deployment last left zero replicas."""
+
+    message: str = ""
+    """Why the route is what it is, e.g. that no activator is ready."""
+
+
 class AutoscalingStatus(_Status):
     """What the autoscaler sees and does."""
 
@@ -1004,6 +1034,12 @@ class AutoscalingStatus(_Status):
 
     blocked_reason: str | None = None
     """Why the autoscaler cannot act (e.g. the custom-metrics API is missing); empty when it can."""
+
+    scaled_to_zero_since: datetime | None = None
+    """When the deployment last reached zero replicas; absent while it has any."""
+
+    activation: ActivationStatus | None = None
+    """Scale from zero (minReplicas 0): where the Service sends requests and the last wake-up."""
 
 
 class LLMDeploymentStatus(_Status):

@@ -82,7 +82,7 @@ def _validate(body: Mapping[str, Any], old: Mapping[str, Any] | None, state: Ope
 def _render(ld: api.LLMDeployment, state: OperatorState, replace_in_place: str | None = None):
     return render(
         ld, service_monitor_available=state.service_monitor_available, prometheus_url=state.prometheus_url,
-        replace_in_place=replace_in_place,
+        replace_in_place=replace_in_place, activator_url=state.activator_url,
     )  # fmt: skip
 
 
@@ -243,6 +243,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, logger: Any, **_: 
         kube=kube,
         service_monitor_available=available,
         prometheus_url=getattr(memo, "prometheus_url", None) or render_mod.DEFAULT_PROMETHEUS_URL,
+        activator_service=getattr(memo, "activator_service", None),
+        activator_url=getattr(memo, "activator_url", None),
         observe_interval=OBSERVE_INTERVAL,
         debounce=OBSERVE_DEBOUNCE,
     )
@@ -255,6 +257,14 @@ async def cleanup(memo: Any, **_: Any) -> None:
         state.kube.close()
 
 
+def parse_activator_service(value: str) -> Key:
+    """``NAMESPACE/NAME`` → (namespace, name)."""
+    namespace, _, name = value.partition("/")
+    if not namespace or not name or "/" in name:
+        raise ValueError(f"--activator-service must be NAMESPACE/NAME, not {value!r}")
+    return namespace, name
+
+
 def run(
     namespaces: list[str] | None,
     all_namespaces: bool,
@@ -263,6 +273,8 @@ def run(
     *,
     metrics_port: int = 0,
     prometheus_url: str = render_mod.DEFAULT_PROMETHEUS_URL,
+    activator_service: str | None = None,
+    activator_url: str | None = None,
 ) -> None:
     """Run the operator until interrupted (``kubellm operator``).
 
@@ -271,7 +283,11 @@ def run(
     ``http://0.0.0.0:8080/healthz``. ``standalone``: skip kopf peering (one operator replica).
     ``metrics_port``: serve the operator's Prometheus metrics (:mod:`.metrics`) there, 0 for none.
     ``prometheus_url``: the Prometheus that rendered KEDA ScaledObjects query.
+    ``activator_service``: ``NAMESPACE/NAME`` of the activator's Service, whose ready pods the Service of a
+    deployment scaled to zero is routed to; ``activator_url``: the activator's admin base URL (KEDA polls its
+    activity counts). Both None: no activator (docs/autoscaling.md, "Scale from zero").
     """
+    activator_key = parse_activator_service(activator_service) if activator_service else None
     if all_namespaces and namespaces:
         raise ValueError("pass either namespaces or all_namespaces, not both")
     if not all_namespaces and not namespaces:
@@ -283,5 +299,5 @@ def run(
         namespaces=list(namespaces or ()),
         liveness_endpoint=liveness,
         standalone=standalone,
-        memo=kopf.Memo(prometheus_url=prometheus_url),
+        memo=kopf.Memo(prometheus_url=prometheus_url, activator_service=activator_key, activator_url=activator_url),
     )

@@ -19,11 +19,11 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kubellm.operator import api, metrics, multinode, rollout_guard
+from kubellm.operator import activation, api, metrics, multinode, rollout_guard
 from kubellm.operator import render as render_mod
 from kubellm.operator import status as status_mod
-from kubellm.operator.children import read_children, read_replicasets
-from kubellm.operator.kube import Kube, merge_patch_diff
+from kubellm.operator.children import LABEL, read_children, read_replicasets
+from kubellm.operator.kube import Kube, merge_patch_diff, owned_by
 from kubellm.operator.tracking import Key, OperatorState, key_of
 
 logger = logging.getLogger(__name__)
@@ -84,10 +84,11 @@ async def observe_once(state: OperatorState, key: Key) -> bool:
                 deployment, hpa, pods = await read_children(state.kube, ld)
                 now = api.utc_now()
                 guard = await guard_rollout(state, ld, deployment, pods, now, steer=rec is not None and rec.error is None)
+                routing = await route(state, ld, deployment, previous)
                 new, events = status_mod.observe(
                     ld, deployment, hpa, pods, previous, now=now,
                     template_changed=rec.template_changed if rec else None,
-                    reconcile_error=rec.error if rec else None, guard=guard,
+                    reconcile_error=rec.error if rec else None, guard=guard, routing=routing,
                 )  # fmt: skip
         return await write_status(state.kube, body, new, events)
 
@@ -122,6 +123,42 @@ async def guard_rollout(
                     "replacing pods in place" if verdict.replace_in_place else "restoring the spec's rollout strategy")  # fmt: skip
         await state.kube.apply(manifest)
     return verdict
+
+
+async def route(
+    state: OperatorState, ld: api.LLMDeployment, deployment: Mapping[str, Any] | None, previous: Any
+) -> activation.Routing | None:
+    """Point the Service at the activator while no pod is ready, back at the pods once one is
+    (:func:`.activation.render_routing`): apply the activator's EndpointSlice or delete it. Nothing without an
+    activator, or for a deployment that neither scales to zero nor was routed to the activator last time."""
+    ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
+    if state.activator_service is None:
+        return activation.routing(ld, ready, None)
+    was_routed = (((previous or {}).get("autoscaling") or {}).get("activation") or {}).get("route") == (
+        activation.ROUTE_ACTIVATOR)
+    if not (activation.scales_to_zero(ld) or was_routed):
+        return None
+    activator = None
+    if activation.scales_to_zero(ld):
+        namespace, name = state.activator_service
+        activator = activation.activator_endpoints(await state.kube.list(
+            "discovery.k8s.io/v1", "EndpointSlice", namespace, {activation.SERVICE_NAME_LABEL: name}))
+    routing, slices = activation.render_routing(ld, ready, activator)
+    namespace, uid = ld.namespace or "default", ld.metadata.get("uid")
+    existing = [s for s in await state.kube.list("discovery.k8s.io/v1", "EndpointSlice", namespace,
+                                                 {LABEL: render_mod.label_value(ld)}) if owned_by(s, uid)]
+    current = {s["metadata"]["name"]: s for s in existing}
+    for s in slices:
+        now = current.get(s["metadata"]["name"]) or {}
+        if any(now.get(k) != s[k] for k in ("addressType", "ports", "endpoints")):  # else nothing to apply
+            await state.kube.apply({**s, "metadata": {**s["metadata"], "namespace": namespace}})
+    wanted = {s["metadata"]["name"] for s in slices}
+    for s in existing:
+        # The Kubernetes controller's slices of the Service carry its labels too, but the Service as owner.
+        if s["metadata"]["name"] not in wanted:
+            logger.info("%s/%s: routing the Service back to its pods", namespace, ld.name)
+            await state.kube.delete("discovery.k8s.io/v1", "EndpointSlice", namespace, s["metadata"]["name"])
+    return routing
 
 
 async def report_invalid(state: OperatorState, key: Key, message: str) -> None:

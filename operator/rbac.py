@@ -77,6 +77,24 @@ LEADER_WORKER_SETS: Grants = (
           "child LeaderWorkerSet (parallelism.nodes > 1); the observer lists it for its status"),
 )  # fmt: skip
 
+# Scale from zero, when the chart runs the activator (activator.enabled): in each watched namespace the operator
+# routes the Service of a deployment at zero to the activator with an EndpointSlice of its own, and in the
+# activator's namespace (the release's) it reads the activator's ready pods from its Service's slices.
+ACTIVATOR_ROUTING: Grants = (
+    Grant("discovery.k8s.io", "endpointslices", CHILD_VERBS,
+          "the EndpointSlice that routes a Service to the activator while its deployment has no ready pod"),
+)  # fmt: skip
+ACTIVATOR_ENDPOINTS: Grants = (
+    Grant("discovery.k8s.io", "endpointslices", ("list",), "the activator's ready pods, from its Service's slices"),
+)
+
+# The activator's own ServiceAccount, in each namespace it serves (operator/activator.py, ScaleWaker).
+ACTIVATOR: Grants = (
+    Grant("apps", "deployments/scale", ("get", "patch"), "wakes a Deployment at zero: reads its scale, sets 1"),
+    Grant(api.GROUP, api.PLURAL, ("get",), "finds the LLMDeployment to post the Activated Event on"),
+    Grant("", "events", ("create",), "posts Activated with the number of waiting requests"),
+)  # fmt: skip
+
 # Cluster-scoped, whatever the operator watches.
 CLUSTER: Grants = (
     Grant("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"),
@@ -90,11 +108,13 @@ NAMESPACE_DISCOVERY: Grants = (
 
 
 def namespaced_grants(
-    *, keda: bool, service_monitors: bool, inference_pools: bool = False, leader_worker_sets: bool = False
+    *, keda: bool, service_monitors: bool, inference_pools: bool = False, leader_worker_sets: bool = False,
+    activator: bool = False,
 ) -> Grants:
     """What the operator needs in each namespace it watches."""
     return (NAMESPACED + (KEDA if keda else ()) + (SERVICE_MONITORS if service_monitors else ())
-            + (INFERENCE_POOLS if inference_pools else ()) + (LEADER_WORKER_SETS if leader_worker_sets else ()))  # fmt: skip
+            + (INFERENCE_POOLS if inference_pools else ()) + (LEADER_WORKER_SETS if leader_worker_sets else ())
+            + (ACTIVATOR_ROUTING if activator else ()))  # fmt: skip
 
 
 def cluster_grants(*, all_namespaces: bool) -> Grants:

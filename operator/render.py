@@ -60,7 +60,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from kubellm.operator import api, crd, multinode, rollout_guard
+from kubellm.operator import activation, api, crd, multinode, rollout_guard
 from kubellm.runtime import engine_settings
 
 
@@ -142,6 +142,10 @@ PROMETHEUS_ADAPTER_RULE: dict[str, Any] = {
 PROMETHEUS_LLMDEPLOYMENT_LABEL = "kubellm_io_llmdeployment"
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 KEDA_POLLING_INTERVAL_SECONDS = 15
+# Scale to zero: "in flight" is running plus waiting (a pod busy with requests can have an empty queue). The
+# activity triggers' threshold is beyond any real count: they only tell KEDA "busy" (at most one pod).
+IN_FLIGHT_METRICS = ("kubellm:num_requests_running", api.QUEUE_DEPTH_METRIC)
+ACTIVITY_THRESHOLD = "1000000"
 SCRAPE_INTERVAL = "15s"
 SCRAPE_TIMEOUT = "10s"
 # HPA behaviour policies (the stabilisation windows come from the spec). Up: double or add 4 pods a minute,
@@ -776,22 +780,64 @@ def render_hpa(ld: api.LLMDeployment) -> dict[str, Any] | None:
     }
 
 
-def queue_depth_query(ld: api.LLMDeployment) -> str:
-    """PromQL: requests waiting over all the LLMDeployment's pods (0 when none report, e.g. at zero replicas)."""
+def _series_matchers(ld: api.LLMDeployment) -> str:
+    """PromQL label matchers selecting the LLMDeployment's pods' series."""
     matchers = []
     if ld.namespace:
         matchers.append(f'namespace="{ld.namespace}"')
     matchers.append(f'{PROMETHEUS_LLMDEPLOYMENT_LABEL}="{label_value(ld)}"')
-    return f"sum({api.QUEUE_DEPTH_METRIC}{{{','.join(matchers)}}}) or vector(0)"
+    return ",".join(matchers)
+
+
+def queue_depth_query(ld: api.LLMDeployment) -> str:
+    """PromQL: requests waiting over all the LLMDeployment's pods (0 when none report, e.g. at zero replicas)."""
+    return f"sum({api.QUEUE_DEPTH_METRIC}{{{_series_matchers(ld)}}}) or vector(0)"
+
+
+def in_flight_query(ld: api.LLMDeployment) -> str:
+    """PromQL: requests running or waiting over all the LLMDeployment's pods (0 when none report)."""
+    matchers = _series_matchers(ld)
+    return f"sum({IN_FLIGHT_METRICS[0]}{{{matchers}}} + {IN_FLIGHT_METRICS[1]}{{{matchers}}}) or vector(0)"
+
+
+def activity_url(ld: api.LLMDeployment, activator_url: str) -> str:
+    """The activator's count of requests it holds or forwards for ``ld`` (JSON ``{"requests": n, ...}``)."""
+    return f"{activator_url.rstrip('/')}/activity/{ld.namespace or 'default'}/{child_name(ld)}"
+
+
+def _activity_triggers(ld: api.LLMDeployment, prometheus_url: str, activator_url: str | None) -> list[dict]:
+    """KEDA triggers that keep a deployment with minReplicas 0 awake while any request is in flight (none
+    unless it scales to zero). Their threshold is beyond any real count, so they ask for one pod at most and
+    the queue-depth trigger alone sizes the deployment above that."""
+    if ld.spec.autoscaling.min_replicas != 0:
+        return []
+    triggers: list[dict[str, Any]] = [{
+        "type": "prometheus",
+        "name": "in-flight",
+        "metricType": "AverageValue",
+        "metadata": {"serverAddress": prometheus_url, "query": in_flight_query(ld),
+                     "threshold": ACTIVITY_THRESHOLD, "activationThreshold": "0"},
+    }]  # fmt: skip
+    if activator_url:
+        triggers.append({
+            "type": "metrics-api",
+            "name": "activator",
+            "metricType": "AverageValue",
+            "metadata": {"url": activity_url(ld, activator_url), "valueLocation": "requests", "format": "json",
+                         "targetValue": ACTIVITY_THRESHOLD, "activationTargetValue": "0"},
+        })  # fmt: skip
+    return triggers
 
 
 def render_scaled_object(
-    ld: api.LLMDeployment, *, prometheus_url: str = DEFAULT_PROMETHEUS_URL
+    ld: api.LLMDeployment, *, prometheus_url: str = DEFAULT_PROMETHEUS_URL, activator_url: str | None = None
 ) -> dict[str, Any] | None:
     """The keda.sh/v1alpha1 ScaledObject (backend keda), or None when the spec needs none.
 
     A Prometheus trigger on the summed queue depth with metricType AverageValue and threshold
-    targetQueueDepth, i.e. the same per-pod target as the HPA backend.
+    targetQueueDepth, i.e. the same per-pod target as the HPA backend. With minReplicas 0, triggers that say
+    whether any request is in flight (:func:`_activity_triggers`) and cooldownPeriod from
+    scaleToZeroAfterSeconds; ``activator_url`` is the activator's admin base URL, None without an activator.
     """
     validate(ld)
     autoscaling = ld.spec.autoscaling
@@ -806,8 +852,8 @@ def render_scaled_object(
             "minReplicaCount": autoscaling.min_replicas,
             "maxReplicaCount": autoscaling.max_replicas,
             "pollingInterval": KEDA_POLLING_INTERVAL_SECONDS,
-            # Only used for the last step to zero (minReplicaCount 0): as patient as scaling down.
-            "cooldownPeriod": autoscaling.scale_down_stabilization_seconds,
+            # Only used for the last step to zero (minReplicaCount 0): idle this long, every trigger inactive.
+            "cooldownPeriod": activation.idle_seconds(ld),
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(autoscaling)}},
             "triggers": [
                 {
@@ -818,7 +864,8 @@ def render_scaled_object(
                         "query": queue_depth_query(ld),
                         "threshold": str(autoscaling.target_queue_depth),
                     },
-                }
+                },
+                *_activity_triggers(ld, prometheus_url, activator_url),
             ],
         },
     }
@@ -915,21 +962,25 @@ def render(
     service_monitor_available: bool = False,
     prometheus_url: str = DEFAULT_PROMETHEUS_URL,
     replace_in_place: str | None = None,
+    activator_url: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every child manifest of ``ld``, in apply order. Pure: same input, same output; ``ld`` is not changed.
 
     ``service_monitor_available``: whether the monitoring.coreos.com ServiceMonitor CRD is installed (for
     monitoring.serviceMonitor Auto). ``prometheus_url``: the Prometheus the KEDA trigger queries.
     ``replace_in_place``: the rollout guard's decision (:func:`render_deployment`).
-    Raises :class:`InvalidSpec` when the spec cannot be rendered.
+    ``activator_url``: the activator's admin base URL (its activity counts feed KEDA), None without one.
+    The activator's EndpointSlice depends on observed state and is not among these
+    (:func:`.activation.render_routing`). Raises :class:`InvalidSpec` when the spec cannot be rendered.
     """
     validate(ld)
     children = [
         render_service(ld),
+        activation.render_pods_service(ld),
         render_workload(ld, replace_in_place=replace_in_place),
         render_pdb(ld),
         render_hpa(ld),
-        render_scaled_object(ld, prometheus_url=prometheus_url),
+        render_scaled_object(ld, prometheus_url=prometheus_url, activator_url=activator_url),
         render_service_monitor(ld, service_monitor_available=service_monitor_available),
         render_inference_pool(ld),
     ]

@@ -52,7 +52,8 @@ Events: ``RolloutStarted`` / ``RolloutComplete``, ``RolloutBlockedNoSpareGPU`` (
 (once, when Progressing turns to those reasons), ``ScaledUp`` / ``ScaledDown`` (the HPA's desired replicas
 changed since the last status), ``ModelLoaded``, and Warnings when Degraded turns True or changes reason
 (the reason is the problem's, e.g. ``ImagePullBackOff``), when autoscaling becomes blocked
-(``AutoscalingBlocked``), for ``InvalidSpec`` and ``ReconcileFailed``.
+(``AutoscalingBlocked``), for ``InvalidSpec`` and ``ReconcileFailed``; ``ScaledToZero`` once when a deployment
+with minReplicas 0 reaches zero (:mod:`.activation`; the activator posts ``Activated`` when it wakes one).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import ValidationError
 
+from kubellm.operator import activation, rollout_guard
 from kubellm.operator import render as render_mod
-from kubellm.operator import rollout_guard
 from kubellm.operator.api import (
     QUEUE_DEPTH_METRIC,
     AutoscalingStatus,
@@ -748,6 +749,7 @@ def observe(
     reconcile_error: str | None = None,
     service_name: str | None = None,
     guard: rollout_guard.Verdict | None = None,
+    routing: activation.Routing | None = None,
 ) -> tuple[LLMDeploymentStatus, list[Event]]:
     """The new status of ``ld`` and the Events to post, from its children and the status written last time.
 
@@ -759,6 +761,8 @@ def observe(
     False, Degraded True, reason ReconcileFailed). ``service_name`` defaults to the LLMDeployment's name.
     ``guard`` is :func:`.rollout_guard.decide`'s verdict on the rollout (blocked for want of a GPU, replacing in
     place), which then names Progressing.
+    ``routing``: where the Service sends requests now (:func:`.activation.routing`), for a deployment that
+    scales to zero (status.autoscaling.activation; scaledToZeroSince and the ScaledToZero Event need none).
     """
     now = now or utc_now()
     previous = _as_status(previous_status)
@@ -790,6 +794,10 @@ def observe(
         progressing = guarded
         if reconcile_error is None:
             events += guard_events(previous, progressing)
+    if status.autoscaling is not None and activation.scales_to_zero(ld):
+        events += [Event(*e) for e in activation.scale_to_zero_status(
+            status.autoscaling, previous.autoscaling, rollout.desired, routing,
+            idle_seconds=activation.idle_seconds(ld), now=now)]  # fmt: skip
     conditions = {
         ConditionType.READY: ready_condition(rollout, rolling, problem),
         ConditionType.PROGRESSING: progressing,

@@ -67,6 +67,8 @@ class OperatorState:
     kube: Kube
     service_monitor_available: bool = False
     prometheus_url: str = render_mod.DEFAULT_PROMETHEUS_URL  # what KEDA triggers query
+    activator_service: Key | None = None  # (namespace, name) of the activator's Service; None: no activator
+    activator_url: str | None = None  # the activator's admin base URL, which KEDA triggers poll
     observe_interval: float = 15.0  # seconds between observations without a child event
     debounce: float = 0.5  # child events arriving within this window trigger one observation
     objects: dict[Key, Tracked] = field(default_factory=dict)

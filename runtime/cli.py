@@ -213,7 +213,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
     if bool(args.namespaces) == bool(args.all_namespaces):
         raise ValueError("pass --namespace NS (repeatable) or --all-namespaces")
     run(args.namespaces, args.all_namespaces, args.liveness or None, args.standalone,
-        metrics_port=args.metrics_port, prometheus_url=args.prometheus_url)
+        metrics_port=args.metrics_port, prometheus_url=args.prometheus_url,
+        activator_service=args.activator_service, activator_url=args.activator_url)
     return 0
 
 
@@ -221,7 +222,7 @@ def cmd_activator(args: argparse.Namespace) -> int:
     from kubellm.operator.activator import run
 
     run(args.host, args.port, upstream_template=args.upstream, hold_timeout=args.hold_timeout,
-        max_held=args.max_held)
+        max_held=args.max_held, admin_port=args.admin_port if args.admin_port > 0 else None)
     return 0
 
 
@@ -313,6 +314,12 @@ def _add_operator(sub, parents: list[argparse.ArgumentParser]) -> None:
     o.add_argument("--prometheus-url", default="http://prometheus-operated.monitoring.svc:9090",
                    help="Prometheus that KEDA ScaledObjects (autoscaling.backend keda) query for the queue depth "
                         "(default http://prometheus-operated.monitoring.svc:9090)")
+    o.add_argument("--activator-service", default=None, metavar="NAMESPACE/NAME",
+                   help="the activator's Service: while an LLMDeployment with autoscaling.minReplicas 0 has no "
+                        "ready pod, its Service is routed to this Service's ready pods (default: no activator)")
+    o.add_argument("--activator-url", default=None,
+                   help="the activator's admin base URL, e.g. http://kubellm-activator.kubellm-system.svc:9090; "
+                        "KEDA ScaledObjects poll its /activity counts (default: none)")
     o.set_defaults(func=cmd_operator)
 
 
@@ -326,6 +333,9 @@ def _add_activator(sub, parents: list[argparse.ArgumentParser]) -> None:
                                    "that takes longer than --hold-timeout. See docs/autoscaling.md.")
     a.add_argument("--host", default="0.0.0.0")
     a.add_argument("--port", type=int, default=8000)
+    a.add_argument("--admin-port", type=int, default=9090,
+                   help="port of /healthz and /activity/NAMESPACE/NAME (the counts KEDA reads); 0: none "
+                        "(default 9090)")
     a.add_argument("--upstream", default=DEFAULT_UPSTREAM,
                    help="URL of a deployment's pods, formatted with {name}, {namespace} and {port} taken from the "
                         f"request's Host name.namespace[:port] (default {DEFAULT_UPSTREAM})")

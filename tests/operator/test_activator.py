@@ -226,3 +226,67 @@ async def test_an_unknown_host_gets_404_in_the_openai_shape():
             assert (await r.json())["error"]["code"] == "unknown_deployment"
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_activity_counts_held_and_forwarded_requests_for_keda():
+    """The admin port's /activity/NAMESPACE/NAME (a KEDA metrics-api trigger polls it) counts a request while it
+    is held and while its response streams back, and nothing once it is done, for that target only."""
+    ready, release = asyncio.Event(), asyncio.Event()
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response(status=200 if ready.is_set() else 503)
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"first ")
+        await release.wait()
+        await response.write(b"last")
+        return response
+
+    upstream_app = web.Application()
+    upstream_app.router.add_get("/health/ready", health)
+    upstream_app.router.add_post("/v1/completions", slow)
+    upstream = web.AppRunner(upstream_app)
+    await upstream.setup()
+    upstream_port = free_port()
+    await web.TCPSite(upstream, "127.0.0.1", upstream_port).start()
+    activator, runner, url = await start_activator(f"http://127.0.0.1:{upstream_port}", Wakes(), hold_timeout=10)
+    admin = web.AppRunner(activator.admin_app())
+    await admin.setup()
+    admin_port = free_port()
+    await web.TCPSite(admin, "127.0.0.1", admin_port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def activity(name: str = "tiny") -> dict:
+                async with session.get(f"http://127.0.0.1:{admin_port}/activity/ns/{name}") as r:
+                    return await r.json()
+
+            async def healthz() -> int:
+                async with session.get(f"http://127.0.0.1:{admin_port}/healthz") as r:
+                    return r.status
+
+            assert await healthz() == 200
+            assert await activity() == {"requests": 0, "held": 0, "forwarding": 0}
+
+            async def post() -> bytes:
+                async with session.post(f"{url}/v1/completions", json={"prompt": "x"}) as r:
+                    return await r.read()
+
+            client = asyncio.create_task(post())
+            await wait_for_held(activator, 1)
+            assert await activity() == {"requests": 1, "held": 1, "forwarding": 0}
+            assert await activity("other") == {"requests": 0, "held": 0, "forwarding": 0}
+            ready.set()
+            async with asyncio.timeout(10):
+                while (await activity())["forwarding"] != 1:
+                    await asyncio.sleep(0.02)
+            assert await activity() == {"requests": 1, "held": 0, "forwarding": 1}  # streaming back
+            release.set()
+            assert await client == b"first last"
+            assert await activity() == {"requests": 0, "held": 0, "forwarding": 0}
+    finally:
+        await runner.cleanup()
+        await admin.cleanup()
+        await upstream.cleanup()

@@ -23,7 +23,8 @@ from kubellm.operator import api, crd
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / f"{api.CRD_NAME}.yaml"
 EXAMPLES = ROOT / "examples"
-MY_EXAMPLES = ("cpu", "7b-bf16", "int4", "tp2", "autoscaled", "api-keys", "inferencepool", "multinode")
+MY_EXAMPLES = ("cpu", "7b-bf16", "int4", "tp2", "autoscaled", "api-keys", "inferencepool", "multinode",
+               "scale-to-zero")
 
 
 @functools.cache
@@ -398,6 +399,9 @@ INVALID = [
      TENSOR_MSG),
     ("rendezvous on the API port", {"parallelism": {"tensor": 2, "nodes": 2, "rendezvousPort": 8000}},
      "parallelism.rendezvousPort must differ from the runtime's API port 8000"),
+    ("idle time without scale to zero",
+     {"autoscaling": {"enabled": True, "backend": "keda", "minReplicas": 1, "scaleToZeroAfterSeconds": 600}},
+     "autoscaling.scaleToZeroAfterSeconds needs minReplicas 0: it is the idle time before the last pod goes"),
     ("s3 uri", {"model": {"uri": "s3://bucket/llama"}}, api.MODEL_URI_MESSAGE),
     ("hf uri without org", {"model": {"uri": "hf://llama"}}, api.MODEL_URI_MESSAGE),
     ("relative file uri", {"model": {"uri": "file://models/llama.gguf"}}, api.MODEL_URI_MESSAGE),
@@ -489,6 +493,8 @@ SCHEMA_INVALID = [
     ("cpu not a quantity", {"resources": {"cpu": "2 cores"}}),
     ("negative memory", {"resources": {"memory": "-1Gi"}}),
     ("unknown backend", {"autoscaling": {"backend": "vpa"}}),
+    ("idle time below a minute",
+     {"autoscaling": {"enabled": True, "backend": "keda", "minReplicas": 0, "scaleToZeroAfterSeconds": 30}}),
     ("service port 0", {"service": {"port": 0}}),
     ("unknown service monitor mode", {"monitoring": {"serviceMonitor": "Yes"}}),
     ("unknown pull policy", {"imagePullPolicy": "Sometimes"}),

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from test_crd import cel_violations, to_json_schema  # how tests/operator/test_crd.py admits our own CRD
 
-from kubellm.operator import api, crd, multinode, render
+from kubellm.operator import activation, api, crd, multinode, render
 from kubellm.operator.render import InvalidSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,9 +67,14 @@ def merged(base: dict[str, Any], *overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def by_kind(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One manifest per kind; the second Service (scale to zero's <name>-pods) is keyed PodsService."""
     kinds = [m["kind"] for m in manifests]
+    if kinds.count("Service") == 2:
+        second = kinds.index("Service", kinds.index("Service") + 1)
+        assert manifests[second]["metadata"]["name"].endswith(activation.PODS_SERVICE_SUFFIX)
+        kinds[second] = "PodsService"
     assert len(kinds) == len(set(kinds)), kinds
-    return {m["kind"]: m for m in manifests}
+    return dict(zip(kinds, manifests, strict=True))
 
 
 def workload(children: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -148,10 +153,15 @@ def restricted_violations(spec: dict[str, Any]) -> list[str]:
 
 def check_common(ld: api.LLMDeployment, m: dict[str, Any]) -> None:
     meta = m["metadata"]
-    assert meta["name"] == (multinode.lws_name(ld) if m["kind"] == "LeaderWorkerSet" else render.child_name(ld))
+    if meta["name"] == activation.pods_service_name(ld):  # scale to zero's second Service, for the activator
+        assert m["kind"] == "Service" and activation.scales_to_zero(ld)
+        labels = {**render.labels(ld), render.LABEL_COMPONENT: activation.PODS_SERVICE_COMPONENT}
+    else:
+        assert meta["name"] == (multinode.lws_name(ld) if m["kind"] == "LeaderWorkerSet" else render.child_name(ld))
+        labels = render.labels(ld)
     assert len(meta["name"]) <= 63 and _DNS1035.match(meta["name"])
     assert meta.get("namespace") == ld.namespace
-    assert meta["labels"] == render.labels(ld)
+    assert meta["labels"] == labels
     for value in meta["labels"].values():
         assert len(value) <= 63 and _LABEL_VALUE.match(value)
     if ld.metadata.get("uid"):
@@ -190,12 +200,18 @@ def check_scaled_object(ld: api.LLMDeployment, so: dict[str, Any]) -> None:
     for key in ("minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod"):
         assert isinstance(spec[key], int) and spec[key] >= 0
     assert spec["minReplicaCount"] <= spec["maxReplicaCount"]
-    (trigger,) = spec["triggers"]
+    trigger, *activity = spec["triggers"]
     assert trigger["type"] == "prometheus" and trigger["metricType"] in ("AverageValue", "Value")
     assert set(trigger["metadata"]) == {"serverAddress", "query", "threshold"}
-    assert all(
-        isinstance(v, str) and v for v in trigger["metadata"].values()
-    )  # KEDA metadata is map[string]string
+    # Scale to zero adds triggers that only say "busy": in flight in the pods, and held by the activator.
+    assert bool(activity) == (spec["minReplicaCount"] == 0)
+    for t in activity:
+        assert set(t) == {"type", "name", "metricType", "metadata"} and t["metricType"] == "AverageValue"
+        keys = {"prometheus": {"serverAddress", "query", "threshold", "activationThreshold"},
+                "metrics-api": {"url", "valueLocation", "format", "targetValue", "activationTargetValue"}}
+        assert set(t["metadata"]) == keys[t["type"]]
+    for t in spec["triggers"]:
+        assert all(isinstance(v, str) and v for v in t["metadata"].values())  # KEDA metadata is map[string]string
     assert set(spec["advanced"]) == {"horizontalPodAutoscalerConfig"}
     # The behaviour is an autoscaling/v2 HorizontalPodAutoscalerBehavior: validate it inside a synthetic HPA.
     hpa = {
@@ -271,7 +287,7 @@ def check_all(ld: api.LLMDeployment, manifests: list[dict[str, Any]]) -> None:
             check_inference_pool(ld, m, children)
         else:
             raise AssertionError(f"unexpected kind {m['kind']}")
-    order = [(m["apiVersion"], m["kind"]) for m in manifests]
+    order = list(dict.fromkeys((m["apiVersion"], m["kind"]) for m in manifests))
     assert order == [k for k in render.CHILD_KINDS if k in order]
     templates = pod_templates(workload(children))
     selector = render.selector_labels(ld)
@@ -401,6 +417,12 @@ def test_matrix_manifests_are_valid(spec, available):
 @pytest.mark.parametrize("namespace", [None, "team-a"])
 def test_names_fit_everywhere(name, namespace):
     ld = make(merged(CPU, {"model": {"uri": "smollm2"}}, AUTOSCALING["keda"]), name=name, namespace=namespace)
+    if len(render.child_name(ld)) > 63 - len(activation.PODS_SERVICE_SUFFIX):
+        # Scale to zero needs <name>-pods, which the activator derives from the Service name: refused, not cut.
+        with pytest.raises(InvalidSpec, match="shorten metadata.name to at most 58 characters"):
+            render.render(ld)
+        ld = make(merged(CPU, {"model": {"uri": "smollm2"}}, AUTOSCALING["keda"],
+                         {"autoscaling": {"minReplicas": 1}}), name=name, namespace=namespace)  # fmt: skip
     check_all(ld, render.render(ld, service_monitor_available=True))
     ld = make(merged(GPU, {"model": {"uri": "smollm2"}}, AUTOSCALING["hpa"]), name=name, namespace=namespace)
     check_all(ld, render.render(ld))
@@ -410,7 +432,7 @@ def test_names_fit_everywhere(name, namespace):
 
 def test_matrix_covers_what_it_claims():
     ids = [c[0] for c in CASES]
-    assert len([i for i in ids if i.startswith("example-")]) == 2 * len(EXAMPLES) == 16
+    assert len([i for i in ids if i.startswith("example-")]) == 2 * len(EXAMPLES) == 18
     kinds = set()
     for _, spec, available in CASES:
         kinds |= {m["kind"] for m in render.render(make(spec), service_monitor_available=available)}
@@ -980,8 +1002,11 @@ def test_scaled_object():
     check_scaled_object(ld, so)
     spec = so["spec"]
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 3)
-    assert spec["cooldownPeriod"] == 900
-    (trigger,) = spec["triggers"]
+    assert spec["cooldownPeriod"] == 900  # scaleDownStabilizationSeconds, as no scaleToZeroAfterSeconds is set
+    trigger, in_flight = spec["triggers"]  # no activator: no trigger polling it
+    assert in_flight["metadata"]["query"] == (
+        'sum(kubellm:num_requests_running{namespace="ml",kubellm_io_llmdeployment="qwen"} + '
+        'kubellm:num_requests_waiting{namespace="ml",kubellm_io_llmdeployment="qwen"}) or vector(0)')
     assert trigger["metadata"] == {
         "serverAddress": "http://prom.example:9090",
         "query": 'sum(kubellm:num_requests_waiting{namespace="ml",kubellm_io_llmdeployment="qwen"}) or vector(0)',
@@ -1275,7 +1300,8 @@ def test_main_renders_every_example(capsys):
     assert captured.err == ""
     docs = _rendered_docs(captured.out)
     names = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in EXAMPLES}
-    assert {d["metadata"]["name"].removesuffix(multinode.NAME_SUFFIX) for d in docs} == names
+    scale_to_zero = {f"{n}{activation.PODS_SERVICE_SUFFIX}" for n in names if n.endswith("-on-demand")}
+    assert {d["metadata"]["name"].removesuffix(multinode.NAME_SUFFIX) for d in docs} == names | scale_to_zero
     for d in docs:
         assert d["metadata"]["namespace"] == "default"
         assert "ownerReferences" not in d["metadata"]  # files have no uid
@@ -1286,6 +1312,7 @@ def test_main_renders_every_example(capsys):
     assert kinds.count("Deployment") == len(EXAMPLES) - 1
     assert kinds.count("LeaderWorkerSet") == 1  # the multinode example
     assert kinds.count("HorizontalPodAutoscaler") == 1  # the autoscaled example
+    assert kinds.count("ScaledObject") == 1  # the scale-to-zero example
     assert kinds.count("ServiceMonitor") == len(EXAMPLES)  # Auto + available, and Enabled
     # The output is exactly what render() gives for the same objects.
     expected = []

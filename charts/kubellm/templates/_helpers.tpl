@@ -93,6 +93,42 @@ every verb, and tests/delivery/test_chart.py checks that the two agree.
   resources: [leaderworkersets]
   verbs: [list, create, patch, delete]
 {{- end }}
+{{- if .Values.activator.enabled }}
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [list, create, patch, delete]
+{{- end }}
+{{- end -}}
+
+{{/* The activator's Deployment, Service, ServiceAccount and roles (kubellm-activator for release kubellm). */}}
+{{- define "kubellm.activatorName" -}}
+{{- printf "%s-activator" (include "kubellm.fullname" .) -}}
+{{- end -}}
+
+{{- define "kubellm.activatorSelectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: activator
+{{- end -}}
+
+{{- define "kubellm.activatorLabels" -}}
+{{ include "kubellm.activatorSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{/* What the activator needs in each namespace it serves (operator/rbac.py ACTIVATOR). */}}
+{{- define "kubellm.activatorRules" -}}
+- apiGroups: [apps]
+  resources: [deployments/scale]
+  verbs: [get, patch]
+- apiGroups: [kubellm.io]
+  resources: [llmdeployments]
+  verbs: [get]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
 {{- end -}}
 
 {{/* What kopf reads cluster-wide: CRDs always; namespaces when it serves a list of them. */}}

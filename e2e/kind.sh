@@ -13,9 +13,10 @@ Runs kubellm end to end on a kind cluster:
   3. installs kube-prometheus-stack (a small Prometheus, e2e/values/kube-prometheus-stack.yaml) and
      prometheus-adapter (charts/kubellm/files/prometheus-adapter-values.yaml) in namespace monitoring, and
      the LeaderWorkerSet controller (release LWS_VERSION, namespace lws-system) for multi-node LLMDeployments,
-     and the Gateway API Inference Extension's CRDs (release GAIE_VERSION) for InferencePools;
+     the Gateway API Inference Extension's CRDs (release GAIE_VERSION) for InferencePools, and KEDA
+     (KEDA_VERSION, namespace keda) for scale from zero;
   4. installs the chart charts/kubellm (release kubellm, namespace kubellm-system) with the operator image
-     just built;
+     just built and its activator;
   5. runs `pytest e2e/` against the cluster (PYTEST_ARGS are passed on).
 On failure the cluster's state and logs are written to $KUBELLM_E2E_ARTIFACTS (default e2e/artifacts).
 A cluster this script created is deleted at the end unless --keep-cluster (or KEEP_CLUSTER=1); a reused
@@ -33,6 +34,7 @@ Environment:
   LWS_VERSION              LeaderWorkerSet release (default v0.10.0, whose CRD tests/operator/data vendors)
   GAIE_VERSION             Gateway API Inference Extension release (default v1.6.0, whose InferencePool CRD
                            tests/operator/data vendors)
+  KEDA_VERSION             KEDA chart version (default 2.21.1): scale from zero
   PYTEST                   pytest to run (default .venv/bin/pytest)
   KEEP_CLUSTER=1, SKIP_BUILD=1   same as the flags
 EOF
@@ -53,6 +55,7 @@ KUBE_PROMETHEUS_STACK_VERSION="${KUBE_PROMETHEUS_STACK_VERSION:-92.1.0}"
 PROMETHEUS_ADAPTER_VERSION="${PROMETHEUS_ADAPTER_VERSION:-5.3.0}"
 LWS_VERSION="${LWS_VERSION:-v0.10.0}"
 GAIE_VERSION="${GAIE_VERSION:-v1.6.0}"
+KEDA_VERSION="${KEDA_VERSION:-2.21.1}"
 MONITORING_NS=monitoring
 OPERATOR_NS=kubellm-system
 ADAPTER_VALUES="${ROOT}/charts/kubellm/files/prometheus-adapter-values.yaml"
@@ -92,10 +95,11 @@ collect_artifacts() {
     kc get hpa -A -o yaml >"$ARTIFACTS/hpa.yaml" 2>&1 || true
     kc get leaderworkersets -A -o yaml >"$ARTIFACTS/leaderworkersets.yaml" 2>&1 || true
     kc get inferencepools -A -o yaml >"$ARTIFACTS/inferencepools.yaml" 2>&1 || true
+    kc get scaledobjects,endpointslices -A -o yaml >"$ARTIFACTS/scaledobjects-endpointslices.yaml" 2>&1 || true
     kc get --raw /apis/custom.metrics.k8s.io/v1beta1 >"$ARTIFACTS/custom-metrics.json" 2>&1 || true
     helm --kube-context "$CONTEXT" list -A >"$ARTIFACTS/helm-releases.txt" 2>&1 || true
     local ns pod
-    for ns in "$OPERATOR_NS" "$MONITORING_NS" lws-system; do
+    for ns in "$OPERATOR_NS" "$MONITORING_NS" lws-system keda; do
         for pod in $(kc get pods -n "$ns" -o name 2>/dev/null); do
             kc logs -n "$ns" "$pod" --all-containers --prefix --tail=5000 \
                 >"$ARTIFACTS/logs-${ns}-${pod#pod/}.txt" 2>&1 || true
@@ -162,9 +166,16 @@ kc apply --server-side -f \
     "https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/${GAIE_VERSION}/manifests.yaml"
 kc wait --for=condition=Established crd/inferencepools.inference.networking.k8s.io --timeout=60s
 
+log "installing KEDA $KEDA_VERSION"
+helm repo add kedacore https://kedacore.github.io/charts --force-update >/dev/null
+helm repo update kedacore >/dev/null
+helm --kube-context "$CONTEXT" upgrade --install keda kedacore/keda --version "$KEDA_VERSION" \
+    --namespace keda --create-namespace --wait --timeout 5m
+
 # rbac.serviceMonitors: the autoscaled test's LLMDeployment asks for a ServiceMonitor (Prometheus must scrape
 # the queue depth the HPA scales on), which the operator may create only with that grant. rbac.leaderWorkerSets:
-# the multi-node test's LeaderWorkerSet. rbac.inferencePools: the gateway test's InferencePool.
+# the multi-node test's LeaderWorkerSet. rbac.inferencePools: the gateway test's InferencePool. rbac.keda and
+# activator.enabled: the scale-from-zero test (its ScaledObject queries the Prometheus above).
 log "installing the kubellm chart with $OPERATOR_IMAGE"
 helm --kube-context "$CONTEXT" upgrade --install kubellm "$ROOT/charts/kubellm" \
     --namespace "$OPERATOR_NS" --create-namespace \
@@ -175,6 +186,9 @@ helm --kube-context "$CONTEXT" upgrade --install kubellm "$ROOT/charts/kubellm" 
     --set rbac.serviceMonitors=true \
     --set rbac.leaderWorkerSets=true \
     --set rbac.inferencePools=true \
+    --set rbac.keda=true \
+    --set activator.enabled=true \
+    --set autoscaling.prometheusUrl="http://prometheus-operated.${MONITORING_NS}.svc:9090" \
     --wait --timeout 5m
 kc wait --for=condition=Established crd/llmdeployments.kubellm.io --timeout=60s
 

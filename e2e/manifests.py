@@ -162,3 +162,20 @@ def inference_pool_deployment(image: str, namespace: str, *, pull_policy: str = 
 def secret(name: str, namespace: str, data: dict[str, str]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace},
             "type": "Opaque", "stringData": data}  # fmt: skip
+
+
+def scale_to_zero_deployment(image: str, namespace: str, *, pull_policy: str = "IfNotPresent") -> dict[str, Any]:
+    """examples/llmdeployment-scale-to-zero.yaml on a CPU: minReplicas 0 through KEDA, woken by the activator.
+
+    Kept: backend keda, minReplicas 0, the ServiceMonitor (the idle signal is the pods' metrics). Changed: the
+    baked demo model (a new pod loads in seconds, no download), one CPU, one replica at most, and the shortest
+    idle time the CRD allows (60 s) so the test reaches zero quickly."""
+    doc = load_example("llmdeployment-scale-to-zero.yaml")
+    doc["metadata"]["namespace"] = namespace
+    spec = doc["spec"]
+    spec["model"] = {"uri": f"file://{BAKED_DEMO_MODEL}", "servedModelName": SERVED_MODEL_NAME}
+    spec["resources"] = copy.deepcopy(load_example("llmdeployment-cpu.yaml")["spec"]["resources"])
+    spec["resources"]["cpu"] = "1"
+    spec["autoscaling"].update(maxReplicas=1, scaleToZeroAfterSeconds=60)
+    _use_image(doc, image, pull_policy)
+    return doc

@@ -153,3 +153,18 @@ def test_inference_pool_deployment_keeps_the_examples_pool_on_one_cpu_pod():
     container = _runtime_container(children["Deployment"])
     assert container["image"] == IMAGE and "nvidia.com/gpu" not in str(container["resources"])
     assert pool["spec"]["targetPorts"] == [{"number": container["ports"][0]["containerPort"]}]
+
+
+def test_scale_to_zero_deployment_sleeps_after_a_minute_through_keda():
+    doc = manifests.scale_to_zero_deployment(IMAGE, NAMESPACE)
+    example = manifests.load_example("llmdeployment-scale-to-zero.yaml")
+    assert doc["metadata"]["name"] == example["metadata"]["name"]
+    assert (doc["spec"]["autoscaling"]["backend"], doc["spec"]["autoscaling"]["minReplicas"]) == ("keda", 0)
+    ld = render.load(doc)
+    children = render.render(ld, service_monitor_available=True, activator_url="http://a.b.svc:9090")
+    (so,) = [c for c in children if c["kind"] == "ScaledObject"]
+    assert so["spec"]["cooldownPeriod"] == 60 and so["spec"]["maxReplicaCount"] == 1
+    assert [t.get("name") for t in so["spec"]["triggers"]] == [None, "in-flight", "activator"]
+    services = [c["metadata"]["name"] for c in children if c["kind"] == "Service"]
+    assert services == [doc["metadata"]["name"], doc["metadata"]["name"] + "-pods"]
+    assert "ServiceMonitor" in [c["kind"] for c in children], "KEDA's idle signal is the pods' scraped metrics"

@@ -29,8 +29,9 @@ TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-
 
 def _weight(n: int, k: int, bits: int, group: int, zero_mode: str, seed: int, g_idx: torch.Tensor | None = None):
     """A QuantizedWeight as the readers return them. zero_mode: ``asym`` (unsigned values, zeros anywhere in
-    range: AWQ, GPTQ asymmetric), ``mid`` (unsigned values, zero 2^(bits-1) stored: GPTQ symmetric) or
-    ``signed`` (signed values, no zeros: compressed-tensors symmetric)."""
+    range: AWQ, GPTQ asymmetric), ``mid`` (unsigned values, zero 2^(bits-1) stored: GPTQ symmetric),
+    ``signed`` (signed values, no zeros: compressed-tensors symmetric) or ``signed-asym`` (signed values and
+    zeros: compressed-tensors asymmetric)."""
     gen = torch.Generator().manual_seed(seed)
     groups = 1 if group <= 0 else k // group
     top = 1 << bits
@@ -38,8 +39,10 @@ def _weight(n: int, k: int, bits: int, group: int, zero_mode: str, seed: int, g_
     scales = torch.rand(n, groups, generator=gen) / (10 if bits == 4 else 300) + 1e-3
     if zero_mode == "signed":
         return QuantizedWeight((values - top // 2).to(torch.int8), scales, None, group, g_idx)
-    zeros = (torch.randint(0, top, (n, groups), generator=gen) if zero_mode == "asym"
+    zeros = (torch.randint(0, top, (n, groups), generator=gen) if zero_mode.endswith("asym")
              else torch.full((n, groups), top // 2))
+    if zero_mode == "signed-asym":
+        return QuantizedWeight((values - top // 2).to(torch.int8), scales, zeros - top // 2, group, g_idx)
     return QuantizedWeight(values.to(torch.int32), scales, zeros.to(torch.int32), group, g_idx)
 
 
@@ -54,7 +57,7 @@ def _expected(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("zero_mode", ["asym", "mid", "signed"])
+@pytest.mark.parametrize("zero_mode", ["asym", "mid", "signed", "signed-asym"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_equals_the_dequantized_weight_over_groups_and_zero_points(bits, zero_mode, dtype):
     """M 3 and 17 (a partial second row tile), N 40 and 24 (partial column tiles), K 256, 128 and 200 (per

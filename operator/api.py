@@ -1042,6 +1042,37 @@ class AutoscalingStatus(_Status):
     """Scale from zero (minReplicas 0): where the Service sends requests and the last wake-up."""
 
 
+class PoolParentStatus(_Status):
+    """How one parent of the InferencePool (a Gateway) takes it, copied from the pool's status.parents."""
+
+    parent: str
+    """Kind, namespace and name of the parent, e.g. Gateway ml/inference-gateway."""
+
+    accepted: bool | None = None
+    """Its Accepted condition: whether the gateway routes to the pool (unset while Unknown)."""
+
+    resolved_refs: bool | None = None
+    """Its ResolvedRefs condition: whether the gateway found the endpoint picker (unset while Unknown)."""
+
+    reason: str | None = None
+    """Reason of the first of those two that is False."""
+
+    message: str | None = None
+    """Message of the first of those two that is False."""
+
+
+class InferencePoolStatus(_Status):
+    """The InferencePool as the gateways report it (with spec.gateway.inferencePool.enabled)."""
+
+    name: str | None = None
+    """The InferencePool's name (an HTTPRoute's backendRef)."""
+
+    parents: list[PoolParentStatus] | None = Field(
+        default=None, max_length=32, json_schema_extra={"x-kubernetes-list-type": "atomic"}
+    )
+    """The gateways that use the pool; empty until an HTTPRoute attached to a Gateway names it."""
+
+
 class LLMDeploymentStatus(_Status):
     """The observed state of an LLMDeployment, written by the operator."""
 
@@ -1068,6 +1099,9 @@ class LLMDeploymentStatus(_Status):
 
     autoscaling: AutoscalingStatus | None = None
     """Autoscaler state (when spec.autoscaling.enabled)."""
+
+    inference_pool: InferencePoolStatus | None = None
+    """The InferencePool and the gateways that take it (when spec.gateway.inferencePool.enabled)."""
 
     conditions: list[Condition] | None = Field(
         default=None,

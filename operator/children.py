@@ -231,6 +231,20 @@ async def read_children(
     return deployment, hpa, pods
 
 
+async def read_inference_pool(kube: Kube, ld: api.LLMDeployment) -> dict[str, Any] | None:
+    """The owned InferencePool; None when there is none yet, its CRD is absent or the operator may not list it
+    (the reconcile reports those)."""
+    own = {LABEL: render_mod.label_value(ld)}
+    try:
+        pools = await kube.list(render_mod.INFERENCE_POOL_API_VERSION, "InferencePool", ld.namespace or "default", own)
+    except ApiError as e:
+        if e.status != 403:
+            raise
+        return None
+    name = render_mod.child_name(ld)
+    return next((p for p in pools if owned_by(p, ld.metadata.get("uid")) and p["metadata"]["name"] == name), None)
+
+
 async def read_replicasets(kube: Kube, deployment: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The ReplicaSets the Deployment owns (the rollout guard tells its new pods from the old ones by them)."""
     meta = deployment.get("metadata") or {}

@@ -3,8 +3,9 @@
 :func:`observe_once` is one pass of the observer daemon: read the LLMDeployment afresh, observe it only when
 its reconcile allows (:meth:`.tracking.Tracked.due`), read its children, compute the status
 (:func:`.status.observe`, or :func:`.status.invalid_spec_status`), patch the status subresource when it changed
-and post the Events; on the way :func:`guard_rollout` judges a rollout waiting for a GPU and steers the Deployment's
-strategy (:mod:`.rollout_guard`). :func:`report_invalid` and :func:`report_failure` write the InvalidSpec and
+and post the Events; on the way :func:`observe_inference_pool` copies what the gateways say about the
+InferencePool (:mod:`.gateway`) and :func:`guard_rollout` judges a rollout waiting for a GPU and steers the
+Deployment's strategy (:mod:`.rollout_guard`). :func:`report_invalid` and :func:`report_failure` write the InvalidSpec and
 ReconcileFailed statuses the same way. An object being deleted is left alone.
 """
 
@@ -19,10 +20,10 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kubellm.operator import activation, api, metrics, multinode, rollout_guard
+from kubellm.operator import activation, api, gateway, metrics, multinode, rollout_guard
 from kubellm.operator import render as render_mod
 from kubellm.operator import status as status_mod
-from kubellm.operator.children import LABEL, read_children, read_replicasets
+from kubellm.operator.children import LABEL, read_children, read_inference_pool, read_replicasets
 from kubellm.operator.kube import Kube, merge_patch_diff, owned_by
 from kubellm.operator.tracking import Key, OperatorState, key_of
 
@@ -90,7 +91,24 @@ async def observe_once(state: OperatorState, key: Key) -> bool:
                     template_changed=rec.template_changed if rec else None,
                     reconcile_error=rec.error if rec else None, guard=guard, routing=routing,
                 )  # fmt: skip
+                events += await observe_inference_pool(state.kube, ld, new, previous)
         return await write_status(state.kube, body, new, events)
+
+
+async def observe_inference_pool(
+    kube: Kube, ld: api.LLMDeployment, new: api.LLMDeploymentStatus, previous: Mapping[str, Any] | None
+) -> list[status_mod.Event]:
+    """Fill ``new.inferencePool`` from the owned pool (left out when the spec asks for none); the Events of
+    gateways that newly take or refuse it."""
+    if not ld.spec.gateway.inference_pool.enabled:
+        new.inference_pool = None
+        return []
+    new.inference_pool = gateway.pool_status(await read_inference_pool(kube, ld))
+    try:
+        before = api.LLMDeploymentStatus.model_validate(previous or {}).inference_pool
+    except ValidationError:
+        before = None
+    return gateway.pool_events(before, new.inference_pool)
 
 
 async def guard_rollout(

@@ -406,11 +406,24 @@ async def test_inference_pool_without_its_crd_says_what_to_install_and_is_applie
     assert owned_by_ld(applied)
     assert applied["spec"]["selector"]["matchLabels"] == live(server, SERVICES)[NAME]["spec"]["selector"]
     assert applied["spec"]["endpointPickerRef"]["name"] == "llama-epp"
+    await until(lambda: ld_object(server)["status"].get("inferencePool") == {"name": NAME}, "status.inferencePool")
 
-    # Turned off: the owned pool is deleted like any child no longer rendered.
+    # A gateway reports that it cannot find the endpoint picker: the status and an Event say so.
+    refusal = {"type": "ResolvedRefs", "status": "False", "reason": "InvalidExtensionRef",
+               "message": "Service llama-epp not found", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    await patch(server, f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/{NAME}", {
+        "status": {"parents": [{"parentRef": {"name": "inference-gateway"}, "conditions": [refusal]}]}})  # fmt: skip
+    warning = await until(lambda: events(server, "InferencePoolNotAccepted"), "an InferencePoolNotAccepted Event")
+    assert warning[0]["type"] == "Warning" and "Service llama-epp not found" in warning[0]["message"]
+    assert ld_object(server)["status"]["inferencePool"]["parents"] == [
+        {"parent": f"Gateway {NS}/inference-gateway", "resolvedRefs": False, "reason": "InvalidExtensionRef",
+         "message": "Service llama-epp not found"}]  # fmt: skip
+
+    # Turned off: the owned pool is deleted like any child no longer rendered, and the status forgets it.
     await patch(server, f"{LD_PATH}/{NAME}", {"metadata": {"generation": 2},
                                               "spec": {"gateway": {"inferencePool": {"enabled": False}}}})  # fmt: skip
     await until(lambda: NAME not in live(server, INFERENCE_POOLS), "the InferencePool to go")
+    await until(lambda: "inferencePool" not in ld_object(server)["status"], "status.inferencePool to go")
 
 
 @pytest.mark.asyncio

@@ -15,6 +15,9 @@ It sits in front of an LLMDeployment only while that has no ready pod (docs/auto
    of it reached a runtime, so resending it is safe.
 4. A request still held after ``hold_timeout`` seconds, or one beyond ``max_held`` waiting for the same
    target, gets 503 with ``Retry-After`` and an OpenAI-style error body.
+
+A second port (:meth:`Activator.admin_app`) answers the kubelet's probes, KEDA's ``/activity`` polls (requests
+held or still streaming per target, which keep the deployment from being scaled back to zero) and Prometheus.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +119,14 @@ class Activator:
         self.poll_interval, self.wake_interval, self.retry_after = poll_interval, wake_interval, retry_after
         self.gates: dict[Target, _Gate] = {}
         self._session: aiohttp.ClientSession | None = None
+        # Its own registry: the admin port's /metrics, and no clash between activators in one process (tests).
+        self.registry = CollectorRegistry()
+        self.outcomes = Counter("kubellm_activator_requests", "Requests the activator finished, by outcome: "
+                                "forwarded, activation_timeout, too_many_waiting, unknown_deployment.",
+                                ["namespace", "name", "outcome"], registry=self.registry)  # fmt: skip
+        self.wakes = Counter("kubellm_activator_wakes", "Wake calls (scale from zero) made for waiting requests.",
+                             ["namespace", "name"], registry=self.registry)  # fmt: skip
+        self.registry.register(_InFlight(self))
 
     # --- the aiohttp application --------------------------------------------------------------------
 
@@ -151,16 +164,20 @@ class Activator:
         return {"requests": held + forwarding, "held": held, "forwarding": forwarding}
 
     def admin_app(self) -> web.Application:
-        """The admin port: ``/healthz`` for the kubelet, ``/activity/{namespace}/{name}`` for KEDA. Apart from
-        the proxy port, whose every path belongs to the deployments."""
+        """The admin port: ``/healthz`` for the kubelet, ``/activity/{namespace}/{name}`` for KEDA, ``/metrics``
+        for Prometheus. Apart from the proxy port, whose every path belongs to the deployments."""
         async def healthz(_request: web.Request) -> web.Response:
             return web.Response(text="ok")
 
         async def activity(request: web.Request) -> web.Response:
             return web.json_response(self.activity(request.match_info["namespace"], request.match_info["name"]))
 
+        async def metrics(_request: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
         app = web.Application()
         app.router.add_get("/healthz", healthz)
+        app.router.add_get("/metrics", metrics)
         app.router.add_get("/activity/{namespace}/{name}", activity)
         return app
 
@@ -170,6 +187,7 @@ class Activator:
         try:
             target = self.resolve(request)
         except UnknownTarget as e:
+            self.outcomes.labels("", "", "unknown_deployment").inc()
             return web.json_response(error_body(str(e), "unknown_deployment", "invalid_request_error"), status=404)
         body = await request.read()
         deadline = asyncio.get_running_loop().time() + self.hold_timeout
@@ -178,10 +196,14 @@ class Activator:
             if not gate.ready.is_set():
                 refusal = await self._hold(target, gate, deadline)
                 if refusal is not None:
-                    return refusal
+                    message, code = refusal
+                    self.outcomes.labels(target.namespace, target.name, code).inc()
+                    return self._unavailable(message, code)
             gate.forwarding += 1
             try:
-                return await self._forward(request, target, body)
+                response = await self._forward(request, target, body)
+                self.outcomes.labels(target.namespace, target.name, "forwarded").inc()
+                return response
             except aiohttp.ClientConnectorError:
                 # Refused before anything was sent: the pods went away again. Hold it like a new one.
                 logger.info("%s/%s: upstream unreachable, holding the request again", target.namespace, target.name)
@@ -189,10 +211,10 @@ class Activator:
             finally:
                 gate.forwarding -= 1
 
-    async def _hold(self, target: Target, gate: _Gate, deadline: float) -> web.Response | None:
-        """Wait until the target is ready; a 503 response instead when the bound (count or time) is hit."""
+    async def _hold(self, target: Target, gate: _Gate, deadline: float) -> tuple[str, str] | None:
+        """Wait until the target is ready; (message, code) of the 503 instead when the bound (count or time) is hit."""
         if gate.held >= self.max_held:
-            return self._unavailable(
+            return (
                 f"{gate.held} requests already wait for {target.namespace}/{target.name} to start; retry later",
                 "too_many_waiting")
         gate.held += 1
@@ -203,7 +225,7 @@ class Activator:
             await asyncio.wait_for(gate.ready.wait(), timeout=max(remaining, 0))
             return None
         except TimeoutError:
-            return self._unavailable(
+            return (
                 f"{target.namespace}/{target.name} did not become ready within {self.hold_timeout:g}s of the "
                 "request (it was scaled to zero and is starting); retry later", "activation_timeout")
         finally:
@@ -221,6 +243,7 @@ class Activator:
             if loop.time() >= next_wake:
                 next_wake = loop.time() + self.wake_interval
                 try:
+                    self.wakes.labels(target.namespace, target.name).inc()
                     await self.wake(target, gate.held)
                 except Exception:  # noqa: BLE001 - keep polling: the pods may come up anyway, or the next try works
                     logger.exception("waking %s/%s failed", target.namespace, target.name)
@@ -257,6 +280,24 @@ class Activator:
                 await response.write(chunk)
             await response.write_eof()
             return response
+
+
+class _InFlight:
+    """Gauges read at scrape time from the gates: requests held and being forwarded, per target."""
+
+    def __init__(self, activator: Activator) -> None:
+        self.activator = activator
+
+    def collect(self):
+        held = GaugeMetricFamily("kubellm_activator_requests_held", "Requests waiting for their deployment to "
+                                 "become ready.", labels=["namespace", "name"])  # fmt: skip
+        forwarding = GaugeMetricFamily("kubellm_activator_requests_forwarding", "Requests forwarded whose "
+                                       "response is still streaming back.", labels=["namespace", "name"])  # fmt: skip
+        for t, g in list(self.activator.gates.items()):
+            held.add_metric([t.namespace, t.name], g.held)
+            forwarding.add_metric([t.namespace, t.name], g.forwarding)
+        yield held
+        yield forwarding
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1042,6 +1042,11 @@ def main(argv: list[str] | None = None) -> int:
         "--prometheus-url", default=DEFAULT_PROMETHEUS_URL,
         help=f"Prometheus the KEDA trigger queries (default {DEFAULT_PROMETHEUS_URL})",
     )  # fmt: skip
+    parser.add_argument(
+        "--activator-url", default=None,
+        help="the activator's admin base URL, as the operator's --activator-url (the chart's: "
+        "http://kubellm-activator.kubellm-system.svc:9090); scale-to-zero ScaledObjects poll it (default: none)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     out: list[dict[str, Any]] = []
@@ -1071,6 +1076,7 @@ def main(argv: list[str] | None = None) -> int:
                     ld,
                     service_monitor_available=args.service_monitor_available,
                     prometheus_url=args.prometheus_url,
+                    activator_url=args.activator_url,
                 )
             except InvalidSpec as e:
                 print(f"kubellm render: {where}: {e}", file=sys.stderr)

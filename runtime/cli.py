@@ -334,7 +334,7 @@ def _add_activator(sub, parents: list[argparse.ArgumentParser]) -> None:
     a.add_argument("--host", default="0.0.0.0")
     a.add_argument("--port", type=int, default=8000)
     a.add_argument("--admin-port", type=int, default=9090,
-                   help="port of /healthz and /activity/NAMESPACE/NAME (the counts KEDA reads); 0: none "
+                   help="port of /healthz, /metrics and /activity/NAMESPACE/NAME (the counts KEDA reads); 0: none "
                         "(default 9090)")
     a.add_argument("--upstream", default=DEFAULT_UPSTREAM,
                    help="URL of a deployment's pods, formatted with {name}, {namespace} and {port} taken from the "

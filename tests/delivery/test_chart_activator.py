@@ -42,6 +42,7 @@ CASES: dict[str, dict[str, Any]] = {
         "operator": {"image": {"repository": "registry.example:5000/kubellm/operator", "tag": "dev"},
                      "imagePullSecrets": [{"name": "registry"}], "logLevel": "debug"},
     },
+    "activator-scraped": {**ON, "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "activator-own-rbac": {**ON, "rbac": {"create": False},
                            "serviceAccount": {"create": False, "name": "ops-kubellm"}},
 }  # fmt: skip
@@ -77,6 +78,8 @@ def test_helm_lint_strict_passes(helm, case):
 @pytest.mark.parametrize("case", CASES)
 def test_rendered_objects_are_valid(rendered, case):
     for doc in rendered[case]:
+        if doc["kind"] == "ServiceMonitor":
+            continue  # no upstream schema: test_service_monitor_scrapes_the_activators_metrics
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
         if doc["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "Role",
@@ -218,3 +221,18 @@ def test_helm_rejects_activator_values_the_schema_forbids(helm, bad, complaint):
     assert result.returncode != 0 and complaint in result.stderr, result.stderr
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(SCHEMA).validate(merged(VALUES, bad))
+
+
+def test_service_monitor_scrapes_the_activators_metrics(rendered):
+    assert not [m for m in of_kind(rendered["activator"], "ServiceMonitor")]  # metrics.serviceMonitor is off
+    docs = rendered["activator-scraped"]
+    monitor = named(docs, "ServiceMonitor", ACTIVATOR)
+    service = named(docs, "Service", ACTIVATOR)
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    operator_metrics = [s for s in of_kind(docs, "Service") if s["metadata"]["name"].endswith("-metrics")]
+    assert not any(monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+                   for s in operator_metrics)  # fmt: skip
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["port"] == "admin" and monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}

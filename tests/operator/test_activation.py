@@ -274,3 +274,13 @@ def test_no_scale_to_zero_status_for_deployments_that_keep_a_pod():
     new, events = observe(ld, 1, 1, None, T0)
     assert new.autoscaling.scaled_to_zero_since is None and new.autoscaling.activation is None
     assert not [e for e in events if e.reason == "ScaledToZero"]
+
+
+def test_kubellm_render_takes_the_operators_activator_url(capsys):
+    path = str(ROOT / "examples" / "llmdeployment-scale-to-zero.yaml")
+    assert render.main(["-f", path, "--activator-url", ACTIVATOR_URL]) == 0
+    (so,) = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d and d["kind"] == "ScaledObject"]
+    assert so["spec"]["triggers"][-1]["metadata"]["url"] == f"{ACTIVATOR_URL}/activity/default/smollm2-on-demand"
+    assert render.main(["-f", path]) == 0  # without an activator: no trigger polling one
+    (so,) = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d and d["kind"] == "ScaledObject"]
+    assert [t["type"] for t in so["spec"]["triggers"]] == ["prometheus", "prometheus"]

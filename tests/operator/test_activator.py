@@ -175,6 +175,9 @@ async def test_a_held_request_times_out_with_503_and_retry_after():
             error = (await r.json())["error"]
         assert error["code"] == "activation_timeout" and error["type"] == "service_unavailable"
         assert "did not become ready within 0.5s" in error["message"]
+        assert activator.registry.get_sample_value(
+            "kubellm_activator_requests_total",
+            {"namespace": "ns", "name": "tiny", "outcome": "activation_timeout"}) == 1
         assert wakes.calls, "the deployment was never asked to wake"
         # Nothing is left behind: no held count, and the activation task stops with no one waiting.
         assert activator.held() == {}
@@ -278,6 +281,10 @@ async def test_activity_counts_held_and_forwarded_requests_for_keda():
             await wait_for_held(activator, 1)
             assert await activity() == {"requests": 1, "held": 1, "forwarding": 0}
             assert await activity("other") == {"requests": 0, "held": 0, "forwarding": 0}
+            async with session.get(f"http://127.0.0.1:{admin_port}/metrics") as r:
+                exposition = await r.text()
+            assert 'kubellm_activator_requests_held{name="tiny",namespace="ns"} 1.0' in exposition
+            assert 'kubellm_activator_wakes_total{name="tiny",namespace="ns"} 1.0' in exposition
             ready.set()
             async with asyncio.timeout(10):
                 while (await activity())["forwarding"] != 1:
@@ -286,6 +293,8 @@ async def test_activity_counts_held_and_forwarded_requests_for_keda():
             release.set()
             assert await client == b"first last"
             assert await activity() == {"requests": 0, "held": 0, "forwarding": 0}
+            assert activator.registry.get_sample_value(
+                "kubellm_activator_requests_total", {"namespace": "ns", "name": "tiny", "outcome": "forwarded"}) == 1
     finally:
         await runner.cleanup()
         await admin.cleanup()

@@ -20,10 +20,10 @@ import pydantic
 import pytest
 import pytest_asyncio
 
-from kubellm.operator import api, handlers
+from kubellm.operator import api, handlers, render
 from kubellm.operator import kube as kube_mod
 from kubellm.operator import status as status_mod
-from kubellm.operator.children import replicas_handover
+from kubellm.operator.children import as_deployment, replicas_handover, template_id
 from kubellm.operator.kube import Kube, merge_patch_diff
 from kubellm.operator.testing import (  # noqa: F401  (re-exported: test_operator_rbac.py reads them here)
     CLOSE,
@@ -688,3 +688,25 @@ def test_no_replicas_handover_when_nothing_would_be_lost(case):
     else:
         child, existing = _deployment(replicas_in_spec=False)[0], None
     assert replicas_handover(child, existing, "kubellm-operator") is None
+
+
+def test_as_deployment_reads_a_leader_worker_set_in_the_deployments_shape():
+    spec = {"model": {"uri": "hf://org/llama"}, "parallelism": {"tensor": 2, "nodes": 2}, "replicas": 3}
+    ld = api.LLMDeployment.model_validate({**llmdeployment(), "spec": spec})
+    lws = render.render_workload(ld)
+    lws["metadata"]["generation"] = 4
+    available = {"type": "Available", "status": "True", "reason": "AllGroupsReady", "message": "",
+                 "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+    lws["status"] = {"replicas": 3, "readyReplicas": 2, "updatedReplicas": 3, "observedGeneration": 4,
+                     "hpaPodSelector": "x", "conditions": [available]}  # fmt: skip
+    shaped = as_deployment(lws)
+    assert shaped["status"] == {"replicas": 3, "readyReplicas": 2, "availableReplicas": 2, "updatedReplicas": 3,
+                                "observedGeneration": 4, "conditions": [available]}  # fmt: skip
+    assert shaped["spec"]["replicas"] == 3 and shaped["metadata"]["generation"] == 4
+    assert shaped["spec"]["selector"]["matchLabels"] == render.serving_selector(ld)  # the leaders
+    assert shaped["spec"]["template"] == lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    assert template_id(lws) == lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["annotations"][
+        render.SPEC_HASH_ANNOTATION]  # fmt: skip
+    # A Deployment passes through as it is; no workload stays None.
+    deployment = render.render_deployment(ld)
+    assert as_deployment(deployment) == deployment and as_deployment(None) is None

@@ -1,8 +1,9 @@
 """Tensor parallelism (``--tensor-parallel-size N``): one process per rank, each holding 1/N of every layer.
 
-Megatron-style sharding of the Llama layers: q/k/v and gate/up are split by output (whole heads, whole
-intermediate channels), o_proj and down_proj by input, and the two partial outputs per layer are summed with
-an all-reduce; embeddings, norms and the LM head are replicated, so every rank ends a step with the same
+Megatron-style sharding by the layer types of runtime/layers/parallel_linear.py, which load their own slices:
+q/k/v and gate/up are split by output (whole heads, whole intermediate channels), o_proj and down_proj by
+input, and the two partial outputs per layer are summed with an all-reduce; embeddings, norms and the LM head
+are replicated, so every rank ends a step with the same
 hidden states and only rank 0 samples. Each rank's KV pool holds its own kv heads, in blocks numbered alike
 on every rank, so one scheduler (rank 0's) serves them all.
 

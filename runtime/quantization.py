@@ -180,7 +180,7 @@ def quantize_model(model: nn.Module, method: str, kernels: KernelChoice | None =
         return 0
     layers = model.get_submodule("model.layers")
     # Mixture-of-experts routers (mlp.gate) stay in the model dtype: a rounded router picks other experts.
-    targets = [(name, m) for name, m in layers.named_modules() if type(m) is nn.Linear and not name.endswith(".gate")]
+    targets = [(name, m) for name, m in layers.named_modules() if isinstance(m, nn.Linear) and not name.endswith(".gate")]
     before = sum(m.weight.numel() * m.weight.element_size() for _, m in targets)
     layer_type = Int8Linear if method == "int8" else Int4Linear
     for name, linear in targets:

@@ -49,7 +49,7 @@ def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`; returns how many were replaced."""
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not targets or not can_pack(targets[0][1].weight.device, targets[0][1].weight.dtype):
         return 0
     for name, linear in targets:

@@ -10,7 +10,8 @@
 - Gemma 2: attention logits and final logits soft-capped; Gemma 3: RMSNorm on each head of q and k, and
   separate rotary tables for local (``rope_local_base_freq``) and global layers (``rope_theta``, scaling).
 
-The projections keep Llama's names and fusions, so loading and tensor parallelism are the Llama family's.
+The projections are Llama's layers (same names, fusions and tensor-parallel layer types), so loading and
+sharding are theirs; the norms are replicated.
 """
 
 from __future__ import annotations

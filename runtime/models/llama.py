@@ -1,12 +1,14 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): one module, variations from the config.
 
 Inputs are flat: all tokens of a step in one ``[num_tokens]`` tensor, no padding. q/k/v and
-gate/up projections are fused into one matmul each; ``load_weights`` maps Hugging Face names onto
-the fused parameters, so every architecture shares one loading path.
+gate/up projections are fused into one matmul each. The projections are the tensor-parallel layer types of
+runtime/layers/parallel_linear.py, which load and slice their own weights; ``load_weights`` only maps Hugging
+Face names onto parameters and shard ids (``packed_modules_mapping``), so every family shares one loading path.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
@@ -14,6 +16,13 @@ from torch import nn
 
 from kubellm.kernels import cpu_layer_ops as ops
 from kubellm.runtime.layers.attention import Attention, AttentionMetadata, LayerOptions
+from kubellm.runtime.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    ShardId,
+    replicated_loader,
+)
 from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
@@ -58,8 +67,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.attention_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp)
         self.rotary = rotary
         opts = LayerOptions(window=cfg.attention_window)  # Mistral v0.1, Phi-3 4k: every layer windowed
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, opts)
@@ -89,8 +99,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.intermediate = cfg.intermediate_size // tp.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, dict.fromkeys((0, 1), cfg.intermediate_size),
+                                                       False, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -142,35 +153,17 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual)[0]
 
 
-# HF parameter name fragment -> (our fused parameter, shard index)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-
-
-# Tensor parallelism: HF weights split by output rows (whole heads, whole MLP channels; biases alike) or by
-# input columns (o_proj, down_proj); everything else is replicated.
-_SPLIT_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_SPLIT_COLUMNS = ("o_proj", "down_proj")
-
-
-def tp_shard(name: str, tensor: torch.Tensor, tp: Group) -> torch.Tensor:
-    """This rank's slice of the HF tensor ``name``."""
-    if tp.size == 1:
-        return tensor
-    part = name.split(".")[-2] if "." in name else ""
-    dim = 0 if part in _SPLIT_ROWS else 1 if part in _SPLIT_COLUMNS and name.endswith("weight") else None
-    if dim is None:
-        return tensor
-    n = tensor.shape[dim] // tp.size
-    return tensor.narrow(dim, tp.rank * n, n)
-
-
 class LlamaForCausalLM(nn.Module):
     # Families that change only the attention block (Qwen3) or the MLP (mixtures of experts) swap these.
     attention_cls = LlamaAttention
     mlp_factory = staticmethod(dense_mlp)  # (cfg, tp, layer index) -> the layer's MLP module
+    # Checkpoint name component -> (our component, part of the fused layer it fills, or None for a rename).
+    # Checkpoints that store the fused tensors (Phi-3's qkv_proj, gate_up_proj) need no entry: the fused
+    # layer loads them whole.
+    packed_modules_mapping: dict[str, tuple[str, ShardId]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int | None = None,
                  tp: Group | None = None):
@@ -195,73 +188,49 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] → float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
 
-    def shard_sizes(self, target: str) -> list[int]:
-        """Rows of each part of the fused parameter ``target`` (q/k/v, or gate/up), on this rank."""
-        module = self.get_submodule(target.rsplit(".", 2)[0])
-        if isinstance(module, LlamaAttention):
-            return [module.q_size, module.kv_size, module.kv_size]
-        return [module.intermediate] * 2
+    def parameter_of(self, name: str) -> tuple[str, ShardId]:
+        """Checkpoint tensor name → (our parameter name, shard id), by ``packed_modules_mapping``."""
+        parts, shard_id = name.split("."), None
+        for i, part in enumerate(parts):
+            if (mapped := self.packed_modules_mapping.get(part)) is not None:
+                parts[i] = mapped[0]
+                shard_id = mapped[1] if mapped[1] is not None else shard_id
+        return ".".join(parts), shard_id
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
-        """Copy HF-named tensors into our (partly fused) parameters; complain about any gap."""
+        """Hand each checkpoint tensor to the ``weight_loader`` of the module owning its parameter (this rank's
+        slice with tensor parallelism; replicated where the module has none); complain about any gap."""
+        source = source or "checkpoint"
         params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
+        modules = dict(self.named_modules(remove_duplicate=False))
+        tied = self.config.tie_word_embeddings
+        loaded: dict[str, set[ShardId]] = defaultdict(set)
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # tied: the embedding provides it
-            if (key := self.load_special(name, tensor)) is not None:
-                loaded.add(key)
-                continue
-            target, shard = name, None
-            for part, (fused, idx) in _FUSED.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(part, fused), idx
-                    break
+            if "rotary_emb.inv_freq" in name or name == "lm_head.weight" and tied:
+                continue  # rotary tables are computed; a tied head is the embedding
+            target, shard_id = self.parameter_of(name)
             param = params.get(target)
             if param is None:
-                raise CheckpointError(f"unexpected tensor {name!r} in {source or 'checkpoint'}")
-            tensor = tp_shard(name, tensor, self.tp)
-            dst = param.data
-            if shard is not None:
-                sizes = self.shard_sizes(target)
-                offset = sum(sizes[:shard])
-                dst = dst.narrow(0, offset, sizes[shard])
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise CheckpointError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(dst.shape)}"
-                    f" ({source or 'checkpoint'})")
-            dst.copy_(tensor)
-            loaded.add(f"{target}#{shard}")
-        expected = self.special_keys()
+                raise CheckpointError(f"unexpected tensor {name!r} in {source}")
+            loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", replicated_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except CheckpointError as e:
+                raise CheckpointError(f"tensor {name!r} {e} ({source})") from None
+            loaded[target].add(shard_id)
+        missing = []
         for pname in params:
-            if pname == "lm_head.weight" and self.config.tie_word_embeddings or self.loads_specially(pname):
+            if pname == "lm_head.weight" and tied:
                 continue
-            fused = pname.split(".")[-2]
-            if fused in ("qkv_proj", "gate_up_proj") and pname.endswith("weight") or (
-                    fused == "qkv_proj" and pname.endswith("bias")):
-                expected.update(f"{pname}#{i}" for i in range(3 if fused == "qkv_proj" else 2))
-            else:
-                expected.add(f"{pname}#None")
-        missing = sorted(expected - loaded)
+            got = loaded.get(pname, set())
+            if None in got:
+                continue  # loaded whole
+            parts = getattr(modules[pname.rpartition(".")[0]], "shard_ids", None)
+            missing += [pname] if parts is None else [f"{pname} (part {p!r})" for p in parts if p not in got]
         if missing:
-            shown = ", ".join(m.split("#")[0] for m in missing[:5])
-            raise CheckpointError(f"{source or 'checkpoint'} is missing {len(missing)} tensors, e.g. {shown}")
-
-
-    def load_special(self, name: str, tensor: torch.Tensor) -> str | None:
-        """Load a tensor the generic mapping does not cover (experts); return its key, or None if not ours."""
-        return None
-
-    def special_keys(self) -> set[str]:
-        """Keys :meth:`load_special` must have returned by the end of loading."""
-        return set()
-
-    def loads_specially(self, param_name: str) -> bool:
-        """Whether :meth:`load_special` fills this parameter (so the generic check skips it)."""
-        return False
+            shown = ", ".join(missing[:5])
+            raise CheckpointError(f"{source} is missing {len(missing)} tensors, e.g. {shown}")
 
 
 def use_native_ops(model: nn.Module, enabled: bool) -> None:

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-from kubellm.runtime.layers.moe import ExpertLoading, moe_mlp
+from kubellm.runtime.layers.moe import moe_mlp
 from kubellm.runtime.models.llama import LlamaForCausalLM
 
 
-class MixtralForCausalLM(ExpertLoading, LlamaForCausalLM):
-    moe_block = "block_sparse_moe"
-    moe_parts = {"w1": "gate", "w3": "up", "w2": "down"}
+class MixtralForCausalLM(LlamaForCausalLM):
     mlp_factory = staticmethod(moe_mlp)
+    packed_modules_mapping = {
+        **LlamaForCausalLM.packed_modules_mapping,
+        "block_sparse_moe": ("mlp", None), "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),
+    }

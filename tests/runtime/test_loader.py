@@ -181,6 +181,24 @@ def test_missing_tensor_is_reported(broken):
         _load(broken)
 
 
+def test_a_missing_part_of_a_fused_layer_is_named(broken):
+    """k_proj fills one part of the fused qkv_proj: without it, the parameter is only partly loaded."""
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.weight"], tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing 2 tensors, e\.g\. model\.layers\.0\.self_attn\.qkv_proj\.weight "
+                                              r"\(part 'k'\), model\.layers\.1\.mlp\.gate_up_proj\.weight \(part 1\)"):
+        _load(broken)
+
+
+def test_unexpected_tensor_is_named(broken):
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.layers.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight'"):
+        _load(broken)
+
+
 def test_wrong_shape_names_the_tensor(broken):
     tensors = load_file(broken / "model.safetensors")
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 3)

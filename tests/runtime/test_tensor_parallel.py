@@ -15,8 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_engine_parity import _engine, _prompts, _run_and_compare
+from test_engine_parity import _engine, _prompts, _run_and_compare, tiny_phi3, tiny_qwen3_moe  # noqa: F401 (fixtures)
 
+from kubellm.runtime.layers.parallel_linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from kubellm.runtime.models.loader import build_model, read_checkpoint
 from kubellm.runtime.parallel import Group
 from kubellm.runtime.sampling_params import SamplingParams
@@ -54,6 +59,43 @@ def test_each_rank_holds_its_slice_of_every_split_layer(tiny_qwen2):
     for m in ranks:
         assert torch.equal(m.model.embed_tokens.weight, full.model.embed_tokens.weight)
         assert torch.equal(m.lm_head.weight, full.lm_head.weight)
+
+
+def _put_back(module, name: str, shards: list[torch.Tensor]) -> tuple[str, torch.Tensor]:
+    """The unsharded tensor from the ranks' shards of one parameter, by the rule of the layer type holding it."""
+    if isinstance(module, MergedColumnParallelLinear):  # each part sliced by rows, parts one after the other
+        rows = [r // len(shards) for r in module.part_rows.values()]  # the unsharded module's part sizes
+        parts = [s.split(rows) for s in shards]
+        return "fused parts", torch.cat([torch.cat([p[j] for p in parts]) for j in range(len(rows))])
+    if isinstance(module, ColumnParallelLinear):
+        return "rows", torch.cat(shards)
+    if isinstance(module, RowParallelLinear) and name.endswith("weight"):
+        return "columns", torch.cat(shards, dim=1)
+    if isinstance(module, RowParallelLinear):  # the bias, added once by rank 0
+        assert all(not s.any() for s in shards[1:])
+        return "rank 0", shards[0]
+    assert all(torch.equal(s, shards[0]) for s in shards)
+    return "replicated", shards[0]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_phi3", "tiny_qwen3_moe"])
+def test_fused_checkpoints_and_experts_shard_by_their_layer_types(fixture, request):
+    """Phi-3's checkpoint stores q/k/v and gate/up fused: each part is sliced on its own, so a rank gets whole
+    heads. Experts: every expert's gate/up by rows, its down by columns; routers and q/k norms replicated. Every
+    parameter of the two ranks, put back together by its layer's rule, is the unsharded model's."""
+    ckpt = read_checkpoint(request.getfixturevalue(fixture))
+    full, cfg = build_model(ckpt, torch.float32, "cpu", 256, False)
+    ranks = [build_model(ckpt, torch.float32, "cpu", 256, False, tp=Group(rank=r, size=2))[0] for r in (0, 1)]
+    modules, rules = dict(full.named_modules()), set()
+    for name, whole in full.named_parameters():
+        rule, put_back = _put_back(modules[name.rpartition(".")[0]], name, [m.get_parameter(name) for m in ranks])
+        assert torch.equal(put_back, whole), f"{name} ({rule})"
+        rules.add(rule)
+    assert rules == {"fused parts", "columns", "replicated"}
+    if cfg.moe is not None:
+        expert = ranks[1].model.layers[0].mlp.experts[3]
+        assert expert.gate_up_proj.weight.shape == (cfg.moe.intermediate_size, cfg.hidden_size)
+        assert expert.down_proj.weight.shape == (cfg.hidden_size, cfg.moe.intermediate_size // 2)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])

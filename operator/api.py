@@ -73,7 +73,7 @@ GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # node label spec.resources.gpu.pr
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 
 QUANTIZATIONS = engine_settings.QUANTIZATIONS  # spec.quantization's choices
-GPU_ONLY_QUANTIZATIONS = ("int4", "fp8", "awq", "gptq")
+GPU_ONLY_QUANTIZATIONS = ("int4",)  # pre-quantized formats (fp8, awq, gptq) serve on CPU too
 
 
 class ConditionType(StrEnum):
@@ -843,7 +843,7 @@ class LLMDeploymentSpec(KubeModel):
         Rule(
             rule=f"!(self.quantization in {list(GPU_ONLY_QUANTIZATIONS)!r}) "
             "|| !has(self.resources.gpu.count) || self.resources.gpu.count > 0",
-            message="quantization int4, fp8, awq and gptq need a GPU; set resources.gpu.count or quantization=none",
+            message="quantization int4 needs a GPU; set resources.gpu.count or quantization=none",
             message_expression="'quantization ' + self.quantization "
             "+ ' needs a GPU; set resources.gpu.count or quantization=none'",
             check=lambda s: (

@@ -19,6 +19,7 @@ class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
                  "msg": record.getMessage()}
+        entry.update(getattr(record, "fields", None) or {})  # structured values a message carries (extra=)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)

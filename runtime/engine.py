@@ -22,7 +22,7 @@ from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatche
 from kubellm.runtime.model_runner import ModelRunner, kv_block_bytes
 from kubellm.runtime.models.config import ModelConfig, text_tower_config
 from kubellm.runtime.models.loader import build_model, read_checkpoint
-from kubellm.runtime.quantization import quantize_model
+from kubellm.runtime.quantization import check_checkpoint, log_weight_bytes, quantize_model
 from kubellm.runtime.sampler import Sampler, TokenLogprobs
 from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
 from kubellm.runtime.scheduler import Scheduler
@@ -116,6 +116,7 @@ class LLMEngine:
         self.model_path = path
         self.max_model_len = _max_model_len(ckpt, config)
         cfg = ModelConfig.from_hf(ckpt.config, ckpt.source)
+        check_checkpoint(config.quantization, ckpt.config, ckpt.source)
         check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, config.tensor_parallel_size)
         self.kernels = kernel_choice.for_engine(config, cfg, config.tensor_parallel_size)  # every rank's
         self.tp = Group(device=config.device)
@@ -123,8 +124,9 @@ class LLMEngine:
             self.tp = parallel.start(config, self.max_model_len, self.kernels)
         try:
             model, self.model_config = build_model(ckpt, config.dtype, self.tp.device, self.max_model_len, progress,
-                                                   tp=self.tp)
+                                                   tp=self.tp, kernels=self.kernels)
             quantize_model(model, config.quantization, self.kernels)  # before the KV cache is sized from what is left
+            self.weight_bytes = log_weight_bytes(model)
             num_blocks = self._num_kv_blocks()
             if self.tp.size > 1:  # every rank's pool has rank 0's block count: one scheduler serves them all
                 self.tp.broadcast(num_blocks)

@@ -131,10 +131,11 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         choices=("none", "int8", "int4", "fp8", "awq", "gptq", "gguf"), crd_field="quantization",
         help="weight quantization: int8 = weight-only int8 per output channel (about half bf16's weight memory); "
         "int4 = 4-bit weights in groups of 128 inputs (about a quarter; fast only on CUDA); fp8, awq, gptq and "
-        "gguf are refused: not implemented yet",
-        doc="Weight quantization. none: weights in dtype (GGUF files are dequantized); int8: weight-only int8; "
-        "gguf: keep a GGUF file's quantized blocks; int4, fp8, awq and gptq need a GPU (awq and gptq load "
-        "checkpoints already quantized that way).",
+        "gguf name a checkpoint's own format: the checkpoint decides (none), naming it is a check",
+        doc="Weight quantization. none: as the checkpoint is (a pre-quantized AWQ, GPTQ, compressed-tensors or FP8 "
+        "checkpoint is served quantized, detected from its config.json; GGUF files are dequantized); int8: "
+        "weight-only int8; int4 needs a GPU; fp8, awq, gptq, gguf: the checkpoint must be quantized that way "
+        "(a check, refused at start-up when it is not).",
     ),
     EngineSetting(
         "tensor_parallel_size", int, 1, flag="--tensor-parallel-size", crd_field="parallelism.tensor", ge=1,

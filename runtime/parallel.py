@@ -169,7 +169,7 @@ def build_rank_runner(config, tp: Group, max_model_len: int, kernels: KernelChoi
         host_malloc.tune()
     kernel_choice.load(kernels)
     ckpt = read_checkpoint(config.model)
-    model, cfg = build_model(ckpt, config.dtype, tp.device, max_model_len, False, tp=tp)
+    model, cfg = build_model(ckpt, config.dtype, tp.device, max_model_len, False, tp=tp, kernels=kernels)
     quantize_model(model, config.quantization, kernels)
     num_blocks = tp.broadcast()
     return ModelRunner(model, cfg, num_blocks, config.block_size, config.dtype, tp.device, Sampler([]), kernels)

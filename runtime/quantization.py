@@ -21,9 +21,11 @@ nibbles in registers, once its start-up check passed (not yet run on a GPU); els
 dequantizes per call (correct, slow: the LLMDeployment API admits int4 only on GPUs).
 
 Embeddings, norms and the LM head stay in the model dtype, as in most weight-only schemes: they are a small
-share of the weights of a large model and the LM head decides the tokens. The other methods the
-LLMDeployment API names (fp8, awq, gptq, gguf) are not implemented in the runtime yet and are refused at
-start-up with that message.
+share of the weights of a large model and the LM head decides the tokens.
+
+The other methods the LLMDeployment API names (fp8, awq, gptq, gguf) are formats of checkpoints quantized
+elsewhere: the checkpoint decides (``runtime/prequantized.py`` detects it, ``runtime/models/quantized_loading.py``
+loads it), and naming one is a check that the checkpoint is quantized that way (:func:`check_checkpoint`).
 """
 
 from __future__ import annotations
@@ -42,15 +44,39 @@ log = logging.getLogger("kubellm.quantization")
 METHODS = ("none", "int8", "int4")
 # Above this many rows torch's int8 GEMM loses to dequantize-then-GEMM (measured on 2 cores, SmolLM2 shapes).
 INT8_GEMM_MAX_ROWS = 32
-NOT_YET = ("fp8", "awq", "gptq", "gguf")
+PREQUANTIZED = ("fp8", "awq", "gptq", "gguf")  # what a checkpoint brings: named only as a check
 INT4_GROUP = 128
 
 
 def check_method(method: str) -> None:
-    if method in NOT_YET:
-        raise ValueError(f"quantization {method!r} is not implemented in this runtime yet; use none, int8 or int4")
-    if method not in METHODS:
-        raise ValueError(f"quantization: unknown {method!r}; use none, int8 or int4")
+    if method not in METHODS + PREQUANTIZED:
+        raise ValueError(f"quantization: unknown {method!r}; use {', '.join(METHODS + PREQUANTIZED)}")
+
+
+def checkpoint_method(config: dict, source: str = "") -> str | None:
+    """How the checkpoint is quantized (``prequantized.detect``'s method, or ``gguf``), None when it is not;
+    a CheckpointError for a quantization it declares that is not supported."""
+    from kubellm.runtime import prequantized
+
+    spec = prequantized.detect(config, f" in {source}" if source else "")
+    if spec is not None:
+        return spec.method
+    return "gguf" if str(source).endswith(".gguf") else None
+
+
+def check_checkpoint(method: str, config: dict, source: str = "") -> None:
+    """``--quantization`` against the checkpoint: none lets the checkpoint decide; a format's name must be the
+    checkpoint's; int8/int4 quantize full-precision weights only."""
+    found = checkpoint_method(config, source)
+    if method == "none" or method == found or (method == "fp8" and found == "fp8"):
+        return
+    if method in PREQUANTIZED:
+        raise ValueError(f"quantization {method!r} was asked for, but {source or 'the checkpoint'} is "
+                         f"{'quantized as ' + repr(found) if found else 'not quantized'}; set quantization to "
+                         f"{found or 'none'} or leave it unset")
+    if found is not None and found != "gguf":
+        raise ValueError(f"quantization {method!r} quantizes full-precision weights, but {source or 'the checkpoint'}"
+                         f" is already quantized as {found!r}; leave quantization unset (none) to serve it as stored")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,12 +198,47 @@ class Int4Linear(nn.Module):
         return int4_weights.dequantize_int4(self.qweight, self.scales, self.group, dtype)
 
 
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of weights ``model`` holds per storage type: the dtype's name, or ``int4``/``int8``/
+    ``float8_e4m3fn`` for quantized values (their scales and zero points count under their own dtype).
+    Tied tensors count once; buffers that are not weights (rotary tables) not at all."""
+    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def add(kind: str, t: torch.Tensor | None) -> None:
+        if t is None or t.numel() == 0 or t.data_ptr() in seen:
+            return
+        seen.add(t.data_ptr())
+        out[kind] = out.get(kind, 0) + t.numel() * t.element_size()
+
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            for kind, n in m.weight_bytes().items():
+                out[kind] = out.get(kind, 0) + n
+        elif isinstance(m, (Int8Linear, Int4Linear)):
+            add("int8" if isinstance(m, Int8Linear) else "int4", m.qweight)
+            add(str(m.scales.dtype).removeprefix("torch."), m.scales)
+        for p in m.parameters(recurse=False):
+            add(str(p.dtype).removeprefix("torch."), p)
+    return dict(sorted(out.items()))
+
+
+def log_weight_bytes(model: nn.Module) -> dict[str, int]:
+    """One log line with :func:`weight_bytes` (as ``weight_bytes`` in JSON logs); returns it."""
+    sizes = weight_bytes(model)
+    log.info("weight bytes by dtype: %s (total %.1f MiB)", " ".join(f"{k}={v}" for k, v in sizes.items()),
+             sum(sizes.values()) / 2**20, extra={"fields": {"weight_bytes": sizes}})
+    return sizes
+
+
 def quantize_model(model: nn.Module, method: str, kernels: KernelChoice | None = None) -> int:
     """Replace the decoder layers' ``nn.Linear`` modules (experts' too, not routers) per ``method``, each with
     the GEMM ``kernels`` chose (``auto`` per layer without); returns how many were replaced."""
     check_method(method)
-    if method == "none":
-        return 0
+    if method == "none" or method in PREQUANTIZED:
+        return 0  # a pre-quantized checkpoint's layers were built quantized at load
     layers = model.get_submodule("model.layers")
     # Mixture-of-experts routers (mlp.gate) stay in the model dtype: a rounded router picks other experts.
     targets = [(name, m) for name, m in layers.named_modules() if isinstance(m, nn.Linear) and not name.endswith(".gate")]

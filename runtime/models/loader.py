@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kubellm.runtime.kernel_choice import KernelChoice
 from kubellm.runtime.layers.rotary import RotaryEmbedding
+from kubellm.runtime.models import quantized_loading
 from kubellm.runtime.models.checkpoint import Checkpoint, CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM
@@ -34,15 +36,20 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len: int,
-                progress: bool = True, tp: Group | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The model with its weights (this rank's shards with tensor parallelism) on ``device``."""
+                progress: bool = True, tp: Group | None = None,
+                kernels: KernelChoice | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model with its weights (this rank's shards with tensor parallelism) on ``device``; the linears of a
+    pre-quantized checkpoint stay quantized, computed by the GEMMs ``kernels`` chose."""
     cfg = ModelConfig.from_hf(ckpt.config, ckpt.source)
     start = time.perf_counter()
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, dtype, max_positions=max_model_len, tp=tp)
+        quantized = quantized_loading.prepare(model, ckpt.config, kernels, ckpt.source)
     # Materialise directly in the target dtype/device; weights are copied in by load_weights.
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty() materialises shared parameters separately
+    if quantized is not None:
+        quantized.attach(model, device, dtype)
     for module in model.modules():  # every rotary table (Gemma 3 has one per layer type)
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)
@@ -52,9 +59,12 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len
         def stream():
             for name, t in ckpt.tensors():
                 bar.update(1)
-                yield name, t.to(device=device, dtype=dtype)
+                if quantized is None or not quantized.take(name, t):  # quantized tensors keep their dtype
+                    yield name, t.to(device=device, dtype=dtype)
 
         model.load_weights(stream(), ckpt.source)
+        if quantized is not None:
+            quantized.finish()
     model.eval()
     log.info("loaded %s (%s, %d layers) in %.1fs", ckpt.source, cfg.architecture, cfg.num_layers,
              time.perf_counter() - start)

@@ -1248,8 +1248,8 @@ def test_api_rules_are_rechecked():
     with the API's own message."""
     ld = make()
     ld.spec.resources.gpu.count = 0
-    ld.spec.quantization = "fp8"
-    with pytest.raises(InvalidSpec, match="quantization fp8 needs a GPU"):
+    ld.spec.quantization = "int4"
+    with pytest.raises(InvalidSpec, match="quantization int4 needs a GPU"):
         render.render(ld)
 
 

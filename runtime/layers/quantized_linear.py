@@ -1,0 +1,215 @@
+"""A linear layer that computes from weights quantized elsewhere (AWQ, GPTQ, compressed-tensors, FP8, GGUF).
+
+It takes the one form every reader returns (``runtime/prequantized.py``'s :class:`QuantizedWeight`:
+values ``[out, in]``, scales and zero points per (output, group of inputs), an optional input → group map)
+and keeps it in what its GEMM reads, chosen per layer (``KernelChoice.grouped_path``):
+
+* ``native`` 4-bit: ``kernels/cpu_int4_gemm.py`` (values 0..15 packed by its ``pack``; zeros always given:
+  signed formats are shifted by 8, values and zeros alike, which leaves ``values - zeros`` unchanged).
+* ``native`` 5..8-bit: ``kernels/cpu_grouped_int8_gemm.py`` (int8 values; unsigned 0..255 formats are
+  shifted by -128, values and zeros alike).
+* ``dequantize``: values kept compact (two 4-bit values per byte, else one per byte; FP8 as e4m3), the
+  ``[out, in]`` weight rebuilt in the activation dtype on every call. Correct on every device and dtype;
+  the memory saving holds, the speed-up does not. FP8 takes this path everywhere for now.
+
+* ``triton`` (CUDA, 4 and 8 bits, once its start-up check passed): ``kernels/triton_grouped_gemm.py``, in its
+  own packed layout (GPTQ-style int32 words, act-order sorted by its ``pack``).
+
+FP8 and any other kernel plug in as entries of :data:`GEMMS` (``path -> fn(layer, x_rows) -> y_rows``, named
+by the kernel choice); until then FP8 dequantizes on CUDA too.
+
+Act-order (GPTQ ``desc_act``, compressed-tensors ``actorder: group``): the inputs of a group are scattered.
+When every group has ``group_size`` members, the layer sorts the weight's input columns by group once at
+load and gathers ``x``'s columns into that order on every call (``x[:, perm]``), so the GEMM sees contiguous
+groups; otherwise it keeps ``g_idx`` and dequantizes per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm
+from kubellm.runtime.prequantized import QuantizedWeight
+
+PATHS = ("native", "triton", "dequantize")
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with ``W = (values - zeros) * scales`` per group; ``bits`` of each value
+    (4, 5..8; 8 for FP8). Buffers only: loaders and ``load_state_dict`` never see it as an ``nn.Linear``."""
+
+    def __init__(self, weight: QuantizedWeight, bits: int, path: str = "dequantize",
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        if path not in PATHS and path not in GEMMS:
+            raise ValueError(f"quantized GEMM path {path!r}; use one of {', '.join((*PATHS, *GEMMS))}")
+        self.out_features, self.in_features = weight.values.shape
+        if path == "triton" and not weight.values.is_floating_point():
+            self._pack_for_triton(weight, bits, bias)
+            return
+        self.bits = bits
+        self.float_values = weight.values.is_floating_point()  # FP8
+        self.group_size = self.in_features if weight.group_size <= 0 else weight.group_size
+        values, scales, zeros, g_idx = weight.values, weight.scales.float(), weight.zeros, weight.g_idx
+        zeros = None if zeros is None else zeros.float()
+        perm = None
+        if g_idx is not None:
+            perm = contiguous_order(g_idx, self.group_size)
+            if perm is None:
+                path = "dequantize"  # groups of unequal sizes: only the general g_idx gather serves them
+            else:
+                values, g_idx = values[:, perm], None
+                if torch.equal(perm, torch.arange(perm.numel(), device=perm.device)):
+                    perm = None  # already in order
+        self.register_buffer("perm", perm)
+        self.register_buffer("g_idx", None if g_idx is None else g_idx.long())
+        if not self.float_values:
+            values, zeros = _kernel_range(values, zeros, scales, bits)
+        if path == "native" and (self.float_values or self.in_features % self.group_size):
+            path = "dequantize"
+        self.path = path
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        if path == "native":
+            if bits == 4:
+                zeros = zeros if zeros is not None else torch.zeros_like(scales)
+                self.register_buffer("qweight", cpu_int4_gemm.pack(values))
+            else:
+                self.register_buffer("qweight", cpu_grouped_int8_gemm.pack(values))
+            self.register_buffer("scales", scales.t().contiguous())  # [groups, out]: the kernels' order
+            self.register_buffer("zeros", None if zeros is None else zeros.t().contiguous())
+        else:
+            packed = bits == 4 and not self.float_values and self.in_features % 2 == 0
+            self.nibbles = packed
+            self.register_buffer("qweight", _pack_nibbles(values) if packed else values.contiguous())
+            self.register_buffer("scales", scales.contiguous())  # [out, groups]
+            self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
+
+    def _pack_for_triton(self, weight: QuantizedWeight, bits: int, bias: torch.Tensor | None) -> None:
+        """CUDA: ``kernels/triton_grouped_gemm.py``'s layout (it sorts act-order inputs and gathers x itself)."""
+        from kubellm.kernels import triton_grouped_gemm
+
+        self.bits, self.path, self.float_values, self.nibbles = bits, "triton", False, False
+        packed = triton_grouped_gemm.pack(weight, 4 if bits == 4 else 8)
+        self.group_size = packed.group
+        self.register_buffer("qweight", packed.packed)
+        self.register_buffer("scales", packed.scales)  # [groups, out]
+        self.register_buffer("zeros", packed.zeros)
+        self.register_buffer("triton_perm", packed.perm)
+        self.register_buffer("perm", None)
+        self.register_buffer("g_idx", None)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.path == "triton":
+            from kubellm.kernels import triton_grouped_gemm
+
+            out = triton_grouped_gemm.grouped_gemm(rows, self.qweight, self.scales, self.zeros, self.triton_perm,
+                                                   self.bias, self.group_size, 4 if self.bits == 4 else 8)
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.perm is not None:
+            rows = rows.index_select(1, self.perm)
+        if self.path == "native" and rows.dtype == torch.bfloat16:
+            rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+            if self.bits == 4:
+                out = cpu_int4_gemm.int4_gemm(rows, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+            else:
+                out = cpu_grouped_int8_gemm.grouped_int8_gemm(rows, self.qweight, self.scales, self.zeros,
+                                                              self.group_size, self.bias)
+        elif self.path in GEMMS:
+            out = GEMMS[self.path](self, rows)
+        else:
+            out = nn.functional.linear(rows, self.dequantized(rows.dtype),
+                                       None if self.bias is None else self.bias.to(rows.dtype))
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[out, in]`` weight in the layer's own input order (after the act-order sort, if any)."""
+        values = self.values().float()
+        scales = self.scales if self.path != "native" else self.scales.t()
+        zeros = self.zeros if self.path != "native" or self.zeros is None else self.zeros.t()
+        if self.g_idx is not None or self.in_features % self.group_size:
+            g = self.g_idx if self.g_idx is not None else torch.arange(self.in_features,
+                                                                       device=values.device) // self.group_size
+            w = values if zeros is None else values - zeros[:, g]
+            return (w * scales[:, g]).to(dtype)
+        n, groups = self.out_features, self.in_features // self.group_size
+        w = values.view(n, groups, self.group_size)
+        if zeros is not None:
+            w = w - zeros.unsqueeze(-1)
+        return (w * scales.unsqueeze(-1)).view(n, self.in_features).to(dtype)
+
+    def values(self) -> torch.Tensor:
+        """``[out, in]`` values as the GEMM sees them (int4: 0..15; 8-bit: int8; FP8: e4m3)."""
+        q = self.qweight
+        if self.path == "native":
+            n, k = self.out_features, self.in_features
+            if self.bits == 4:  # [N/16, K/4, 16, 2] bytes: low nibbles k, k+1; high k+2, k+3
+                nib = torch.stack([q & 0xF, q >> 4], dim=-1)  # [N/16, K/4, 16, 2 (j), 2 (low/high)]
+                return nib.permute(0, 2, 1, 4, 3).reshape(-1, k)[:n]
+            return q.permute(0, 2, 1, 3).reshape(-1, k)[:n]
+        return _unpack_nibbles(q) if self.nibbles else q
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes held per dtype name (the load log's accounting)."""
+        out: dict[str, int] = {}
+        for key, b in self.named_buffers():
+            if key in ("perm", "g_idx", "triton_perm"):
+                name = "index"
+            elif b is self.qweight:
+                name = f"int{self.bits}" if not self.float_values else "float8_e4m3fn"
+            else:
+                name = str(b.dtype).removeprefix("torch.")
+            out[name] = out.get(name, 0) + b.numel() * b.element_size()
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, path={self.path}, act_order={self.perm is not None}")
+
+
+# path -> GEMM(layer, x_rows [M, in] in the layer's input order) -> [M, out]; a CUDA kernel registers here.
+GEMMS: dict[str, Callable[[QuantizedLinear, torch.Tensor], torch.Tensor]] = {}
+
+
+def contiguous_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """The input order that makes act-order groups contiguous (a stable sort by group), or None when the
+    groups do not each hold ``group_size`` inputs (the last one may hold fewer), which a sort cannot fix."""
+    g = g_idx.long()
+    counts = torch.bincount(g)
+    if counts.numel() > 1 and not bool((counts[:-1] == group_size).all()) or int(counts[-1]) > group_size:
+        return None
+    return torch.argsort(g, stable=True)
+
+
+def _kernel_range(values: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor, bits: int
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Shift values (and zeros by the same amount) into the kernels' ranges: 4-bit 0..15, 5..8-bit int8."""
+    lo, hi = int(values.min()), int(values.max())
+    if bits == 4:
+        shift = 8 if lo < 0 else 0
+        if lo + shift < 0 or hi + shift > 15:
+            raise ValueError(f"4-bit values must lie in 0..15 or -8..7, got {lo}..{hi}")
+        target = torch.uint8
+    else:
+        shift = -128 if hi > 127 else 0
+        if lo + shift < -128 or hi + shift > 127:
+            raise ValueError(f"{bits}-bit values must lie in -128..127 or 0..255, got {lo}..{hi}")
+        target = torch.int8
+    if shift:
+        values = values.to(torch.int16) + shift
+        zeros = (zeros if zeros is not None else torch.zeros_like(scales)) + shift
+    return values.to(target), zeros
+
+
+def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` 0..15 → ``[N, K/2]`` uint8, even inputs in the low nibbles."""
+    v = values.to(torch.uint8)
+    return v[:, 0::2] | (v[:, 1::2] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)

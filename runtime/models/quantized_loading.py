@@ -1,0 +1,259 @@
+"""Loading a checkpoint quantized elsewhere: its decoder linears become :class:`QuantizedLinear` layers built
+straight from the stored tensors, never dequantized at load.
+
+:func:`prepare` runs on the model while it is still on the meta device: it swaps every decoder linear
+(q/k/v, o, gate/up, down; fused or not) for a placeholder that holds no weights, so materialising the model
+allocates nothing for them. The loader then offers every checkpoint tensor to :meth:`QuantizedLoading.take`
+before casting it to the model dtype; the quantized ones (``qweight``/``qzeros``/``scales``/``g_idx``,
+``weight_packed``/``weight_scale``/``weight_zero_point``/``weight_shape``, FP8 ``weight`` with
+``weight_scale``/``weight_scale_inv``) and their biases stay here, everything else (embeddings, norms, the
+LM head, modules the config leaves unquantized) goes on to the model's own ``load_weights``. A layer is built
+as soon as its last part arrives: q/k/v (gate/up) parts are read into :class:`QuantizedWeight` each and
+concatenated along the outputs, which is exact since groups run along the inputs. :meth:`finish` names any
+layer the checkpoint left incomplete.
+
+Served: dense decoder layers (every family of the registry). Refused by name: quantized experts of mixtures
+of experts, tensor parallelism > 1, a quantized LM head, q/k/v parts with different act-order maps.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kubellm.runtime import kernel_choice, prequantized
+from kubellm.runtime.kernel_choice import KernelChoice
+from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.prequantized import QuantizedWeight, QuantSpec
+
+log = logging.getLogger("kubellm.loader")
+
+# Our fused module -> the checkpoint's parts, in output order (each alternative is one way checkpoints write it).
+_PARTS = {
+    "qkv_proj": (("q_proj", "k_proj", "v_proj"), ("qkv_proj",)),
+    "gate_up_proj": (("gate_proj", "up_proj"), ("gate_up_proj",)),
+}
+# Tensors of a quantized linear that serve nothing here: static activation scales (activations stay in the
+# model dtype) and trivial group maps.
+_DROPPED = ("input_scale", "output_scale")
+
+
+class _Pending(nn.Module):
+    """Where a quantized linear will go; holds no weights, so materialising the model allocates none."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
+
+    def forward(self, x):  # pragma: no cover - replaced before the model runs
+        raise RuntimeError("quantized layer was never loaded")
+
+
+@dataclass
+class _Target:
+    module: str  # our module's path
+    out_features: int
+    alternatives: tuple[tuple[str, ...], ...]  # the checkpoint prefixes of the parts, per alternative
+    bias: bool
+    got: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # prefix -> suffix -> tensor
+
+
+def _required(spec: QuantSpec) -> set[str]:
+    if spec.method == "awq":
+        return {"qweight", "qzeros", "scales"}
+    if spec.method == "gptq":
+        return {"qweight", "qzeros", "scales"} | ({"g_idx"} if spec.act_order else set())
+    if spec.method == "compressed-tensors":
+        return ({"weight_packed", "weight_scale", "weight_shape"} | (set() if spec.symmetric else
+                {"weight_zero_point"}) | ({"weight_g_idx"} if spec.act_order else set()))
+    return {"weight", "weight_scale"}  # fp8 (weight_scale_inv is filed as weight_scale)
+
+
+def _ignored_patterns(config: dict) -> list[str]:
+    qc = config.get("quantization_config") or config.get("compression_config") or {}
+    return list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignore") or [])
+
+
+def _is_ignored(prefix: str, patterns: list[str]) -> bool:
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], prefix):
+                return True
+        elif p in prefix:  # AWQ's modules_to_not_convert are substrings; compressed-tensors' names
+            return True
+    return False
+
+
+def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None,
+            source: str = "") -> QuantizedLoading | None:
+    """For a checkpoint whose config.json declares a quantization: swap the decoder linears of ``model`` (on
+    the meta device) for placeholders and return what loads them; None for a checkpoint that is not quantized."""
+    where = f" in {source}" if source else ""
+    spec = prequantized.detect(config, where)
+    if spec is None:
+        return None
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.size > 1:
+        raise CheckpointError(f"pre-quantized checkpoints ({spec.method}){where} are served with tensor "
+                              "parallelism 1 only; set tensor_parallel_size 1")
+    patterns = _ignored_patterns(config)
+    targets: list[_Target] = []
+    layers = model.get_submodule("model.layers")
+    for name, m in list(layers.named_modules()):
+        if not isinstance(m, nn.Linear):  # the parallel linears are nn.Linear subclasses
+            continue
+        if ".experts." in name:
+            raise CheckpointError(f"pre-quantized mixture-of-experts checkpoints ({spec.method}){where} are not "
+                                  "served yet (dense models only)")
+        if name.endswith(".gate"):
+            continue  # a router
+        path = f"model.layers.{name}"
+        parent, _, leaf = path.rpartition(".")
+        alternatives = tuple(tuple(f"{parent}.{p}" for p in alt) for alt in _PARTS.get(leaf, ((leaf,),)))
+        ignored = [_is_ignored(p, patterns) for alt in alternatives for p in alt]
+        if all(ignored):
+            continue
+        if any(ignored):
+            raise CheckpointError(f"{path}{where}: the quantization config leaves some of its parts unquantized; "
+                                  "fused layers must be quantized alike")
+        targets.append(_Target(path, m.out_features, alternatives, m.bias is not None))
+        setattr(model.get_submodule(parent), leaf, _Pending(m.in_features, m.out_features, m.bias is not None))
+    return QuantizedLoading(spec, targets, kernels, source)
+
+
+class QuantizedLoading:
+    """Collects the quantized tensors from the checkpoint stream and installs each layer once complete."""
+
+    def __init__(self, spec: QuantSpec, targets: list[_Target], kernels: KernelChoice | None, source: str):
+        self.spec, self.kernels, self.source = spec, kernels, source
+        self.required = _required(spec)
+        self.pending = {t.module: t for t in targets}
+        self.by_prefix = {p: t for t in targets for alt in t.alternatives for p in alt}
+        self.model: nn.Module | None = None
+        self.device, self.dtype = torch.device("cpu"), torch.bfloat16
+        self.built = 0
+
+    def attach(self, model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> None:
+        """The materialised model the layers go into (after ``to_empty``), its device and dtype."""
+        self.model, self.device, self.dtype = model, torch.device(device), dtype
+
+    def take(self, name: str, tensor: torch.Tensor) -> bool:
+        """Keep ``name`` if it belongs to a quantized layer (True); False: the model loads it."""
+        if name.endswith((".k_scale", ".v_scale")):
+            return True  # FP8 KV-cache scales: the cache stays in the model dtype
+        prefix, _, suffix = name.rpartition(".")
+        target = self.by_prefix.get(prefix)
+        if target is None:
+            if name == "lm_head.qweight" or name.startswith("lm_head.") and suffix in ("weight_packed", "qweight"):
+                raise CheckpointError(f"a quantized LM head ({name}) is not supported{self._where()}")
+            return False
+        if suffix == "weight_scale_inv":
+            suffix = "weight_scale"
+        if suffix == "weight" and not self.spec.float_weights:
+            raise CheckpointError(f"{name}{self._where()} is not quantized, but the checkpoint's "
+                                  f"quantization_config ({self.spec.method}) says its layer is")
+        if suffix in _DROPPED or suffix in ("g_idx", "weight_g_idx") and not self.spec.act_order:
+            return True
+        if suffix not in self.required and suffix != "bias":
+            raise CheckpointError(f"unexpected tensor {name!r} for a {self.spec.method} layer{self._where()}")
+        target.got.setdefault(prefix, {})[suffix] = tensor
+        self._build_if_complete(target)
+        return True
+
+    def finish(self) -> None:
+        """After the stream: every quantized layer must have been built."""
+        if self.pending:
+            names = sorted(self.pending)
+            raise CheckpointError(f"{self.source or 'checkpoint'} is missing quantized tensors of {len(names)} "
+                                  f"layers, e.g. {', '.join(names[:3])} (expected {', '.join(sorted(self.required))})")
+        log.info("%d linear layers loaded pre-quantized (%s, %d-bit%s)", self.built, self.spec.method,
+                 self.spec.bits, ", act-order" if self.spec.act_order else "")
+
+    # ---------------------------------------------------------------------------------------------------
+    def _where(self) -> str:
+        return f" in {self.source}" if self.source else ""
+
+    def _build_if_complete(self, target: _Target) -> None:
+        need = self.required | ({"bias"} if target.bias else set())
+        for alt in target.alternatives:
+            if all(need <= set(target.got.get(p, {})) for p in alt):
+                break
+        else:
+            return
+        assert self.model is not None, "attach() the model before streaming tensors"
+        device = self.device
+        parts = [self._read(target.got[p], p) for p in alt]
+        weight = _concatenate(parts, target.module, self._where())
+        if weight.values.shape[0] != target.out_features:
+            raise CheckpointError(f"{target.module}{self._where()}: the quantized parts have "
+                                  f"{weight.values.shape[0]} outputs, the config implies {target.out_features}")
+        bias = torch.cat([target.got[p]["bias"].float() for p in alt]) if target.bias else None
+        weight = QuantizedWeight(*(None if t is None else t.to(device) for t in
+                                   (weight.values, weight.scales, weight.zeros)), weight.group_size,
+                                 None if weight.g_idx is None else weight.g_idx.to(device))
+        layer = QuantizedLinear(weight, self.spec.bits, self._path(weight, device),
+                                None if bias is None else bias.to(device))
+        parent, _, leaf = target.module.rpartition(".")
+        setattr(self.model.get_submodule(parent), leaf, layer)
+        del self.pending[target.module]
+        target.got.clear()
+        self.built += 1
+
+    def _path(self, weight: QuantizedWeight, device: torch.device) -> str:
+        out_features, in_features = weight.values.shape
+        kernels = self.kernels or kernel_choice.for_quantized_layer(device, self.dtype, self.spec.method)
+        if self.spec.float_weights:
+            return "dequantize"
+        return kernels.grouped_path(self.spec.bits, out_features, in_features, weight.group_size)
+
+    def _read(self, t: dict[str, torch.Tensor], prefix: str) -> QuantizedWeight:
+        s = self.spec
+        try:
+            if s.method == "awq":
+                return prequantized.read_awq(t["qweight"], t["qzeros"], t["scales"], s.group_size)
+            if s.method == "gptq":
+                return prequantized.read_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), s.bits,
+                                              s.group_size)
+            if s.method == "compressed-tensors":
+                return prequantized.read_compressed(t["weight_packed"], t["weight_scale"], t["weight_shape"].tolist(),
+                                                    s.bits, s.group_size, t.get("weight_zero_point"),
+                                                    t.get("weight_g_idx"))
+            return fp8_weight(t["weight"], t["weight_scale"], s.block)
+        except (RuntimeError, IndexError, ValueError) as e:
+            raise CheckpointError(f"cannot read the {s.method} tensors of {prefix}{self._where()}: {e}") from e
+
+
+def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> QuantizedWeight:
+    """FP8 e4m3 ``weight [out, in]`` and its scale (per tensor, per output channel, or per block of
+    ``block`` = (rows, columns)) as a :class:`QuantizedWeight`: one scale per (output, group of ``columns``
+    inputs) for blocks, per output otherwise, so fused parts concatenate whatever their sizes."""
+    out_features = weight.shape[0]
+    s = scale.float()
+    if block is not None:
+        rows, cols = block
+        return QuantizedWeight(weight, s.repeat_interleave(rows, 0)[:out_features].contiguous(), None, cols)
+    if s.numel() == 1:
+        s = s.reshape(1, 1).expand(out_features, 1)
+    return QuantizedWeight(weight, s.reshape(out_features, 1).contiguous(), None, -1)
+
+
+def _concatenate(parts: list[QuantizedWeight], module: str, where: str) -> QuantizedWeight:
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if any(p.group_size != first.group_size for p in parts):
+        raise CheckpointError(f"{module}{where}: its parts have different group sizes")
+    maps = [p.g_idx for p in parts]
+    if any(m is not None for m in maps) and not all(m is not None and torch.equal(m, maps[0]) for m in maps):
+        raise CheckpointError(f"{module}{where}: its parts were quantized with different act-order group maps "
+                              "(g_idx); fused layers need one")
+    zeros = None
+    if any(p.zeros is not None for p in parts):
+        zeros = torch.cat([p.zeros if p.zeros is not None else torch.zeros_like(p.scales) for p in parts])
+    return QuantizedWeight(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]), zeros,
+                           first.group_size, maps[0])

@@ -1,0 +1,316 @@
+"""Serving checkpoints quantized elsewhere (runtime/models/quantized_loading.py, runtime/layers/quantized_linear.py).
+
+Each format's writer turns a tiny Llama / Qwen3 checkpoint into that format's published layout (AWQ and GPTQ v1
+by the small writers of test_prequantized.py, compressed-tensors by its own compressor, FP8 by hand), and a
+dense twin whose decoder weights are our readers' documented dequantization of the very tensors stored. The
+engine loads the quantized checkpoint (nothing dequantized at load) and must compute what transformers
+computes on the twin: greedy tokens equal, logits within tolerance, through the dequantize path (float32) and
+the native CPU kernels (bfloat16)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_engine_parity import LogitRecorder, _engine, _prompts, _run_and_compare
+from test_prequantized import _pack_cols, _pack_rows, _quantize
+
+from kubellm.runtime import prequantized as pq
+from kubellm.runtime.layers.quantized_linear import QuantizedLinear, contiguous_order
+from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.models.quantized_loading import fp8_weight
+from kubellm.runtime.prequantized import QuantizedWeight
+from kubellm.runtime.sampling_params import SamplingParams
+from tiny_checkpoints import load_hf_model
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Wide enough for groups of 128 and several groups of 32 per layer; k/v rows a multiple of 16 (native int4).
+SHAPE = dict(hidden_size=128, intermediate_size=256, head_dim=32)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def dense(request, tiny_checkpoint_factory):
+    return tiny_checkpoint_factory(request.param, **SHAPE)
+
+
+# ---------------------------------------------------------------------------------------------- writers
+def _awq(name, w, group, layer_perm):
+    q, scale, zero = _quantize(w, 4, group, symmetric=False)
+
+    def pack(m):  # [r, c] -> [r, c / 8], word nibble i holding column AWQ_ORDER[i] of its eight
+        return _pack_cols(m.view(m.shape[0], -1, 8)[:, :, list(pq.AWQ_ORDER)].reshape(m.shape[0], -1), 4)
+
+    stored = {"qweight": pack(q.t().contiguous()), "qzeros": pack(zero.t().contiguous()),
+              "scales": scale.t().contiguous().half()}
+    return stored, pq.read_awq(stored["qweight"], stored["qzeros"], stored["scales"], group)
+
+
+def _gptq(bits, symmetric, act_order):
+    def write(name, w, group, layer_perm):
+        n_in = w.shape[1]
+        if act_order:  # the inputs quantized in the order of one permutation per input (q/k/v share it)
+            perm = layer_perm(n_in)
+            g_idx = torch.empty(n_in, dtype=torch.int32)
+            g_idx[perm] = (torch.arange(n_in) // group).to(torch.int32)
+            q_perm, scale, zero = _quantize(w[:, perm].contiguous(), bits, group, symmetric)
+            q = torch.empty_like(q_perm)
+            q[:, perm] = q_perm
+        else:
+            g_idx = (torch.arange(n_in) // group).to(torch.int32)
+            q, scale, zero = _quantize(w, bits, group, symmetric)
+        stored = {"qweight": _pack_rows(q.t().contiguous(), bits), "qzeros": _pack_cols((zero - 1).t().contiguous(), bits),
+                  "scales": scale.t().contiguous().half(), "g_idx": g_idx}
+        return stored, pq.read_gptq(stored["qweight"], stored["qzeros"], stored["scales"], stored["g_idx"], bits,
+                                    group)
+    return write
+
+
+def _compressed(bits, strategy):
+    def write(name, w, group, layer_perm):
+        from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+        from compressed_tensors.quantization.utils import calculate_qparams
+
+        args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy,
+                                group_size=group if strategy == "group" else None)
+        view = w.view(w.shape[0], -1, group) if strategy == "group" else w.view(w.shape[0], 1, -1)
+        scale, zp = calculate_qparams(view.amin(-1), view.amax(-1), args)
+        scheme = QuantizationScheme(targets=["Linear"], weights=args)
+        stored = dict(PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale,
+                                                             "weight_zero_point": zp}, scheme))
+        return stored, pq.read_compressed(stored["weight_packed"], stored["weight_scale"], stored["weight_shape"],
+                                          bits, group if strategy == "group" else -1)
+    return write
+
+
+def _fp8(block):
+    def write(name, w, group, layer_perm):
+        if block:
+            rows = -(-w.shape[0] // 128)
+            blocks = torch.nn.functional.pad(w, (0, -w.shape[1] % 128, 0, -w.shape[0] % 128)).abs()
+            scale = blocks.view(rows, 128, -1, 128).amax(dim=(1, 3)) / 448
+            full = scale.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+            stored = {"weight": (w / full).to(torch.float8_e4m3fn), "weight_scale_inv": scale}
+            return stored, fp8_weight(stored["weight"], scale, (128, 128))
+        scale = w.abs().amax(dim=1, keepdim=True) / 448
+        stored = {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale}
+        return stored, fp8_weight(stored["weight"], scale, None)
+    return write
+
+
+def _ct_config(fmt, weights, activations=None):
+    group = {"targets": ["Linear"], "weights": weights}
+    if activations:
+        group["input_activations"] = activations
+    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group},
+            "ignore": ["lm_head"]}
+
+
+# name -> (writer, group size, quantization_config)
+FORMATS = {
+    "awq-4bit-g128": (_awq, 128, {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                  "version": "gemm"}),
+    "gptq-4bit-asym-g128": (_gptq(4, False, False), 128, {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                                          "sym": False, "desc_act": False}),
+    "gptq-4bit-sym-desc_act-g32": (_gptq(4, True, True), 32, {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                                              "sym": True, "desc_act": True}),
+    "gptq-8bit-sym-g128": (_gptq(8, True, False), 128, {"quant_method": "gptq", "bits": 8, "group_size": 128,
+                                                        "sym": True, "desc_act": False}),
+    "w4a16-group128": (_compressed(4, "group"), 128, _ct_config("pack-quantized", {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128})),
+    "w8a16-channel": (_compressed(8, "channel"), -1, _ct_config("pack-quantized", {
+        "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"})),
+    "fp8-channel": (_fp8(False), -1, _ct_config(
+        "float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
+        {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True})),
+    "fp8-block128": (_fp8(True), -1, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}),
+}
+
+
+def write_quantized(dense_dir, out_dir, fmt: str):
+    """(the checkpoint in ``fmt``'s layout, its dense twin with the stored weights dequantized by our readers)."""
+    writer, group, qconfig = FORMATS[fmt]
+    quant_dir, twin_dir = out_dir / "quantized", out_dir / "twin"
+    shutil.copytree(dense_dir, quant_dir)
+    shutil.copytree(dense_dir, twin_dir)
+    tensors = load_file(dense_dir / "model.safetensors")
+    quantized, twin = {}, dict(tensors)
+    gen = torch.Generator().manual_seed(7)
+    perms: dict[tuple[str, int], torch.Tensor] = {}
+
+    def layer_perm(key):  # one act-order permutation per (layer, input): q/k/v share one, gate/up another
+        return lambda n: perms.setdefault((key, n), torch.randperm(n, generator=gen))
+
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if not (name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in PROJECTIONS):
+            quantized[name] = t
+            continue
+        prefix = name.removesuffix(".weight")
+        key = f"{parts[2]}:{'qkv' if parts[-2] in ('q_proj', 'k_proj', 'v_proj') else parts[-2]}"
+        key = key.replace("gate_proj", "gate_up").replace("up_proj", "gate_up")
+        stored, read = writer(name, t.float(), group if group > 0 else t.shape[1], layer_perm(key))
+        quantized.update({f"{prefix}.{k}": v for k, v in stored.items()})
+        twin[name] = read.dequantize(t.dtype).contiguous()
+    save_file(quantized, quant_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(twin, twin_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((quant_dir / "config.json").read_text())
+    config["quantization_config"] = qconfig
+    (quant_dir / "config.json").write_text(json.dumps(config))
+    return quant_dir, twin_dir
+
+
+# ------------------------------------------------------------------------------------------- engine parity
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_engine_on_the_quantized_checkpoint_equals_transformers_on_its_dequantized_twin(fmt, dense, tmp_path):
+    """float32: every layer dequantizes per call; the twin's weights are exactly what the layers compute with."""
+    quant_dir, twin_dir = write_quantized(dense, tmp_path, fmt)
+    llm = _engine(quant_dir)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * len(model.model.layers) and all(m.path == "dequantize" for m in layers)
+    assert not any(type(m) is torch.nn.Linear for m in model.model.layers.modules())
+    _run_and_compare(llm, twin_dir, _prompts())
+
+
+@pytest.mark.parametrize("fmt", ["awq-4bit-g128", "gptq-4bit-sym-desc_act-g32", "gptq-8bit-sym-g128",
+                                 "w8a16-channel"])
+def test_native_cpu_kernels_serve_the_quantized_checkpoint(fmt, dense, tmp_path, native_int4, native_grouped_int8):
+    """bfloat16 on the AVX512-BF16 kernels (4-bit: cpu_int4_gemm; 8-bit: cpu_grouped_int8_gemm), act-order
+    through the load-time column sort: logits within bf16 rounding of the float32 twin's on the same tokens."""
+    quant_dir, twin_dir = write_quantized(dense, tmp_path, fmt)
+    llm = _engine(quant_dir, dtype="bfloat16")
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.path == "native" for m in layers)
+    assert all(m.perm is not None for m in layers) == ("desc_act" in fmt)
+    _compare_teacher_forced(llm, twin_dir, _prompts(), max_new=12, atol=BF16_LOGIT_ATOL)
+
+
+BF16_LOGIT_ATOL = 0.75  # the dense model in bf16 differs from float32 by up to 0.38 here (logits O(1-10))
+
+
+@torch.inference_mode()
+def _compare_teacher_forced(llm, twin_dir, prompts, max_new, atol):
+    """bf16 greedy may part from float32's at a near tie, so the reference scores the engine's own tokens:
+    transformers (float32, the twin) over prompt + generated tokens gives the logits each step should have;
+    ours must be within ``atol`` of them and every chosen token within 2 * ``atol`` of the reference's best."""
+    recorder = LogitRecorder(llm.engine.runner.sampler)
+    llm.engine.runner.sampler = recorder
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True),
+                        use_tqdm=False)
+    model = load_hf_model(twin_dir, torch.float32)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt + out.token_ids[:-1]])
+        ref = model(ids).logits[0, len(prompt) - 1:].float()
+        ours = torch.stack(recorder.rows[out.request_id])
+        torch.testing.assert_close(ours, ref, atol=atol, rtol=0)
+        chosen = ref.gather(1, torch.tensor(out.token_ids).unsqueeze(1)).squeeze(1)
+        assert bool((chosen >= ref.max(dim=-1).values - 2 * atol).all()), "a token the reference ranks far lower"
+
+
+# --------------------------------------------------------------------------------------------- the layer
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("path", ["dequantize", "native", "triton"])  # triton: the interpreter on CPU here
+def test_quantized_linear_equals_a_matmul_on_the_dequantized_weight(bits, act_order, path, request):
+    """Act-order: the layer sorts the weight's columns by group once and gathers x's columns per call."""
+    if path == "native":
+        request.getfixturevalue("native_int4" if bits == 4 else "native_grouped_int8")
+    out_f, in_f, group = 48, 128, 32
+    gen = torch.Generator().manual_seed(bits)
+    values = torch.randint(0, 1 << bits, (out_f, in_f), generator=gen)
+    scales = torch.rand(out_f, in_f // group, generator=gen) / 8 + 0.01
+    zeros = torch.randint(0, 1 << bits, (out_f, in_f // group), generator=gen).float()
+    g_idx = None
+    if act_order:
+        g_idx = (torch.randperm(in_f, generator=gen) // group).to(torch.int32)
+    weight = QuantizedWeight(values, scales, zeros, group, g_idx)
+    bias = torch.randn(out_f, generator=gen)
+    dtype = torch.bfloat16 if path == "native" else torch.float32
+    layer = QuantizedLinear(weight, bits, path, bias)
+    perm = layer.triton_perm if path == "triton" else layer.perm
+    assert layer.path == path and (perm is not None) == act_order
+    x = torch.randn(5, in_f, generator=gen).to(dtype)
+    expected = x.float() @ weight.dequantize().T + bias
+    torch.testing.assert_close(layer(x).float(), expected, atol=0.05 if path == "native" else 1e-4, rtol=0.02)
+    if path == "triton":
+        return
+    # What the layer stores reads back as the values it was given (in its sorted order).
+    order = layer.perm if layer.perm is not None else torch.arange(in_f)
+    shift = 128 if bits == 8 else 0
+    assert torch.equal(layer.values().long() + shift, values[:, order])
+
+
+def test_act_order_groups_of_unequal_sizes_fall_back_to_the_gather():
+    g_idx = torch.tensor([0, 1, 1, 1, 0, 2, 2, 2], dtype=torch.int32)  # group 0 holds 2 inputs, not 4
+    assert contiguous_order(g_idx, 4) is None
+    assert torch.equal(contiguous_order(torch.tensor([1, 0, 1, 0]), 2), torch.tensor([1, 3, 0, 2]))
+    weight = QuantizedWeight(torch.randint(0, 16, (16, 8)), torch.rand(16, 3), None, 4, g_idx)
+    layer = QuantizedLinear(weight, 4, "native")
+    assert layer.path == "dequantize" and layer.perm is None
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer(x), x @ weight.dequantize().T)
+
+
+# ----------------------------------------------------------------------------------------- what is refused
+def _rewrite_config(quant_dir, **changes):
+    config = json.loads((quant_dir / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (quant_dir / "config.json").write_text(json.dumps(config))
+
+
+def test_quantization_setting_checks_the_checkpoint(tiny_checkpoint_factory, tmp_path):
+    dense_dir = tiny_checkpoint_factory("llama", **SHAPE)
+    quant_dir, _ = write_quantized(dense_dir, tmp_path, "gptq-4bit-asym-g128")
+    with pytest.raises(ValueError, match="quantization 'awq' was asked for, but .* is quantized as 'gptq'"):
+        _engine(quant_dir, quantization="awq")
+    with pytest.raises(ValueError, match="'int8' quantizes full-precision weights, but .* already quantized as 'gptq'"):
+        _engine(quant_dir, quantization="int8")
+    with pytest.raises(ValueError, match="quantization 'gptq' was asked for, but .* is not quantized"):
+        _engine(dense_dir, quantization="gptq")
+    assert _engine(quant_dir, quantization="gptq").engine.runner.model is not None
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"checkpoint_format": "gptq_v2"}, "GPTQ checkpoint format 'gptq_v2'"),
+    ({"bits": 3}, "GPTQ with 3 bits"),
+    ({"quant_method": "awq", "version": "gemv"}, "AWQ version 'gemv'"),
+])  # fmt: skip
+def test_unsupported_variants_are_refused_by_name(changes, message, tiny_checkpoint_factory, tmp_path):
+    quant_dir, _ = write_quantized(tiny_checkpoint_factory("llama", **SHAPE), tmp_path, "gptq-4bit-asym-g128")
+    _rewrite_config(quant_dir, **changes)
+    with pytest.raises(CheckpointError, match=message):
+        _engine(quant_dir)
+
+
+def test_a_missing_quantized_tensor_is_named(tiny_checkpoint_factory, tmp_path):
+    quant_dir, _ = write_quantized(tiny_checkpoint_factory("llama", **SHAPE), tmp_path, "awq-4bit-g128")
+    tensors = load_file(quant_dir / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.qzeros"]
+    save_file(tensors, quant_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing quantized tensors of 1 layers, e.g. model.layers.1.mlp.gate_up"):
+        _engine(quant_dir)
+
+
+def test_load_logs_weight_bytes_by_dtype_in_one_structured_line(tiny_checkpoint_factory, tmp_path, caplog):
+    from kubellm.runtime.cli import _JsonFormatter
+
+    quant_dir, _ = write_quantized(tiny_checkpoint_factory("llama", **SHAPE), tmp_path, "gptq-4bit-asym-g128")
+    with caplog.at_level(logging.INFO, logger="kubellm"):
+        llm = _engine(quant_dir)
+    lines = [r for r in caplog.records if r.getMessage().startswith("weight bytes by dtype")]
+    assert len(lines) == 1
+    sizes = json.loads(_JsonFormatter().format(lines[0]))["weight_bytes"]
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    # Two 4-bit values per byte; float32: the dense parameters plus the layers' scales, zeros and biases.
+    assert sizes["int4"] == sum(m.out_features * m.in_features // 2 for m in layers)
+    dense = sum(t.numel() * 4 for name, t in load_file(quant_dir / "model.safetensors").items()
+                if name.endswith(".weight"))  # embeddings, norms, the LM head: float32 as stored
+    per_group = sum(m.scales.numel() * 4 * 2 for m in layers)
+    assert sizes == {"float32": dense + per_group, "int4": sizes["int4"]}

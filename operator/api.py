@@ -687,12 +687,63 @@ class ServiceSpec(KubeModel):
     """Service port; it forwards to the runtime's container port 8000."""
 
 
+# A Prometheus duration ("90s", "10m", "1h30m"), the form a PrometheusRule's `for` takes.
+PROMETHEUS_DURATION_PATTERN = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
+
+
+class AlertsSpec(KubeModel):
+    """A PrometheusRule (monitoring.coreos.com/v1, named like the LLMDeployment) with alerts on this
+    LLMDeployment alone: no ready replicas, pods failing readiness, queue above target at maxReplicas, KV cache
+    full with preemptions, TTFT p99 above an SLO, refused requests, failing reconciles. Needs the Prometheus
+    operator's CRDs and the chart's rbac.prometheusRules; docs/operations.md lists the alerts."""
+
+    enabled: bool = False
+    """Create the PrometheusRule."""
+
+    ttft_p99_seconds_slo: float | None = Field(default=None, gt=0, le=3600, alias="ttftP99SecondsSLO")
+    """Time to first token, in seconds, that the 99th percentile must stay under (KubellmSlowFirstToken fires
+    after 15 minutes above it). Unset: no TTFT alert."""
+
+    error_ratio: float = Field(default=0.05, gt=0, le=1)
+    """Share of requests refused with 429 (queue_full, kv_cache_full) above which KubellmShedding fires
+    after 10 minutes."""
+
+    kv_cache_usage: float = Field(default=0.95, gt=0, le=1)
+    """KV-cache usage (0-1) above which, with sequences being preempted, KubellmKVCacheSaturated fires."""
+
+    queue_at_max_for: str = Field(default="10m", max_length=32, pattern=PROMETHEUS_DURATION_PATTERN)
+    """How long the queue per pod may stay above autoscaling.targetQueueDepth at maxReplicas before
+    KubellmQueueAboveTargetAtMaxReplicas fires (a Prometheus duration such as 10m). Only with autoscaling."""
+
+    labels: dict[str, str] | None = Field(default=None, json_schema_extra={"maxProperties": 16})
+    """Labels added to every alert for Alertmanager's routing, e.g. {team: ml, severity: page} (severity here
+    replaces each alert's own warning or critical)."""
+
+    k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            # Prometheus label names, less the reserved __ prefix; alertname is the alert's own name.
+            rule="!has(self.labels) || self.labels.all(k, k.matches('^[a-zA-Z_][a-zA-Z0-9_]*$') "
+            "&& !k.startsWith('__') && k != 'alertname')",
+            message="monitoring.alerts.labels: names must be Prometheus label names ([a-zA-Z_][a-zA-Z0-9_]*), "
+            "not start with __ and not be alertname",
+            check=lambda s: all(
+                re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", k) and not k.startswith("__") and k != "alertname"
+                for k in s.labels or ()
+            ),
+            field_path=".labels",
+        ),
+    )
+
+
 class MonitoringSpec(KubeModel):
     """Prometheus integration."""
 
     service_monitor: Literal["Auto", "Enabled", "Disabled"] = "Auto"
     """Auto: create a ServiceMonitor when the monitoring.coreos.com CRDs are installed; Enabled: always
     (fail visibly without them); Disabled: never."""
+
+    alerts: AlertsSpec = _sub(AlertsSpec)
+    """Prometheus alerts on this LLMDeployment (a PrometheusRule)."""
 
 
 EPP_GRPC_PORT = 9002  # the endpoint picker's ext-proc gRPC port (the upstream EPP's default)
@@ -958,6 +1009,7 @@ def all_rules() -> dict[str, tuple[Rule, ...]]:
         GPUSpec,
         AutoscalingSpec,
         RolloutSpec,
+        AlertsSpec,
         Toleration,
         EnvVar,
         LLMDeploymentSpec,

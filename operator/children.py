@@ -28,6 +28,7 @@ MANAGED_KINDS: tuple[tuple[str, str], ...] = tuple(render_mod.CHILD_KINDS)
 ADDONS: dict[str, tuple[str, str, str]] = {
     "ScaledObject": ("KEDA", "rbac.keda", "autoscaling.backend: hpa"),
     "ServiceMonitor": ("the Prometheus operator", "rbac.serviceMonitors", "monitoring.serviceMonitor: Auto"),
+    "PrometheusRule": ("the Prometheus operator", "rbac.prometheusRules", "monitoring.alerts.enabled: false"),
     "InferencePool": ("the Gateway API Inference Extension CRDs (v1.0 or later)", "rbac.inferencePools",
                       "gateway.inferencePool.enabled: false"),
     multinode.KIND: (f"the LWS controller ({multinode.INSTALL_URL})", "rbac.leaderWorkerSets",

@@ -111,6 +111,7 @@ async def reconcile(
                 generation, template_changed=any(seen) if seen else None, error=message
             )
             state.poke(key)
+            metrics.note_reconcile_failing(key, True)
             return kopf.TemporaryError(message, delay=delay)
 
         try:
@@ -126,6 +127,7 @@ async def reconcile(
                     f"could not report the invalid spec: {api_error}", delay=_backoff(retry)
                 ) from e
             outcome.result = "invalid_spec"
+            metrics.note_reconcile_failing(key, False)  # nothing failed to apply; InvalidSpec says the rest
             return  # not retried: only a new spec can fix it
         except Exception as e:  # a bug in parsing or rendering: log it, say so in the status, retry slowly
             logger.exception("rendering failed unexpectedly")
@@ -146,6 +148,7 @@ async def reconcile(
             raise failed(f"internal error: {type(e).__name__}: {e}", 60) from e
         state.track(key).reconciled = Reconciled(generation, template_changed=any(seen) if seen else None)
         state.poke(key)
+        metrics.note_reconcile_failing(key, False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,6 +188,7 @@ async def observe_daemon(name: str, namespace: str, memo: Any, stopped: Any, log
     finally:
         metrics.MANAGED.dec()
         metrics.note_rollout_blocked(key, False)
+        metrics.note_reconcile_failing(key, None)
         state.forget(key)
 
 

@@ -10,12 +10,16 @@ the runtime's. :mod:`.handlers` feeds them (the API errors come from :mod:`.kube
 * ``kubellm_operator_observations_total{result}``: status observations, ``ok`` or ``error``.
 * ``kubellm_operator_api_errors_total{method,code}``: failed requests to the API server (code 0: not reached).
   404 is not counted: it answers "not installed" or "already gone", which the operator expects.
+* ``kubellm_operator_reconcile_failing{llmdeployment_namespace,llmdeployment}``: 1 while an LLMDeployment's last
+  reconcile failed (its Degraded ReconcileFailed), 0 once one succeeds; gone with the object. Per object, so
+  its own PrometheusRule (monitoring.alerts) can page on it; the label names avoid the scrape's namespace.
 * ``kubellm_operator_rollouts_blocked``: LLMDeployments this replica observes whose rollout has a new pod
   waiting past ``rollout.surgeTimeoutSeconds`` for a GPU (:mod:`.rollout_guard`); which ones, their status says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,6 +83,12 @@ ROLLOUTS_BLOCKED = Gauge(
     "(Progressing RolloutBlockedNoSpareGPU, or ReplacingInPlace until that pod schedules).",
     registry=REGISTRY,
 )
+RECONCILE_FAILING = Gauge(
+    "kubellm_operator_reconcile_failing",
+    "1 while the last reconcile of this LLMDeployment failed (Degraded, reason ReconcileFailed; kopf retries it).",
+    ["llmdeployment_namespace", "llmdeployment"],
+    registry=REGISTRY,
+)
 _blocked: set[tuple[str, str]] = set()  # (namespace, name) of the rollouts ROLLOUTS_BLOCKED counts
 
 
@@ -89,6 +99,16 @@ def note_rollout_blocked(key: tuple[str, str], blocked: bool) -> None:
     else:
         _blocked.discard(key)
     ROLLOUTS_BLOCKED.set(len(_blocked))
+
+
+def note_reconcile_failing(key: tuple[str, str], failing: bool | None) -> None:
+    """Record whether ``key``'s last reconcile failed; None: the object is no longer observed, drop its series."""
+    namespace, name = key
+    if failing is None:
+        with contextlib.suppress(KeyError):  # never reconciled by this replica
+            RECONCILE_FAILING.remove(namespace, name)
+        return
+    RECONCILE_FAILING.labels(llmdeployment_namespace=namespace, llmdeployment=name).set(1 if failing else 0)
 
 
 for _result in RECONCILE_RESULTS:  # export every result at 0 from the start, so rate() sees the first one

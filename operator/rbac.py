@@ -58,15 +58,19 @@ NAMESPACED: Grants = (
           "child HPA (backend hpa); the observer reads KEDA's HPA by name; kopf watches them"),
 )  # fmt: skip
 
-# Namespaced too, granted only when the chart is asked to (rbac.keda, rbac.serviceMonitors, rbac.inferencePools,
-# rbac.leaderWorkerSets): without them the operator still runs, and LLMDeployments that need these kinds say so
-# in their status.
+# Namespaced too, granted only when the chart is asked to (rbac.keda, rbac.serviceMonitors, rbac.prometheusRules,
+# rbac.inferencePools, rbac.leaderWorkerSets): without them the operator still runs, and LLMDeployments that need
+# these kinds say so in their status.
 KEDA: Grants = (
     Grant("keda.sh", "scaledobjects", CHILD_VERBS, "child ScaledObject (autoscaling.backend keda)"),
 )
 SERVICE_MONITORS: Grants = (
     Grant("monitoring.coreos.com", "servicemonitors", CHILD_VERBS,
           "child ServiceMonitor (monitoring.serviceMonitor Enabled, or Auto with the Prometheus operator)"),
+)  # fmt: skip
+PROMETHEUS_RULES: Grants = (
+    Grant("monitoring.coreos.com", "prometheusrules", CHILD_VERBS,
+          "child PrometheusRule (monitoring.alerts.enabled, the Prometheus operator)"),
 )  # fmt: skip
 INFERENCE_POOLS: Grants = (
     Grant("inference.networking.k8s.io", "inferencepools", CHILD_VERBS,
@@ -109,10 +113,11 @@ NAMESPACE_DISCOVERY: Grants = (
 
 def namespaced_grants(
     *, keda: bool, service_monitors: bool, inference_pools: bool = False, leader_worker_sets: bool = False,
-    activator: bool = False,
+    activator: bool = False, prometheus_rules: bool = False,
 ) -> Grants:
     """What the operator needs in each namespace it watches."""
     return (NAMESPACED + (KEDA if keda else ()) + (SERVICE_MONITORS if service_monitors else ())
+            + (PROMETHEUS_RULES if prometheus_rules else ())
             + (INFERENCE_POOLS if inference_pools else ()) + (LEADER_WORKER_SETS if leader_worker_sets else ())
             + (ACTIVATOR_ROUTING if activator else ()))  # fmt: skip
 

@@ -3,7 +3,7 @@
 :func:`render` returns every child manifest in apply order (Service, Deployment or, for multi-node replicas,
 LeaderWorkerSet (:mod:`.multinode`), PodDisruptionBudget, then
 the HorizontalPodAutoscaler or KEDA ScaledObject when autoscaling is enabled, then the ServiceMonitor when
-monitoring asks for one, then the InferencePool when gateway.inferencePool asks for one). Each child kind has
+monitoring asks for one and the PrometheusRule when monitoring.alerts does (:mod:`.alerts`), then the InferencePool when gateway.inferencePool asks for one). Each child kind has
 its own ``render_<kind>`` function; the optional ones return None when the spec does not call for that child,
 so the operator can delete a child it owns that is no longer rendered (:data:`CHILD_KINDS` lists every kind
 it may own). Specs the API server accepts but that cannot be rendered raise :class:`InvalidSpec` with a
@@ -60,7 +60,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from kubellm.operator import activation, api, crd, multinode, rollout_guard
+from kubellm.operator import activation, alerts, api, crd, multinode, rollout_guard
 from kubellm.runtime import engine_settings
 
 
@@ -92,6 +92,7 @@ CHILD_KINDS: tuple[tuple[str, str], ...] = (
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),  # monitoring.alerts.enabled (:mod:`.alerts`)
     (INFERENCE_POOL_API_VERSION, "InferencePool"),
 )
 
@@ -982,6 +983,7 @@ def render(
         render_hpa(ld),
         render_scaled_object(ld, prometheus_url=prometheus_url, activator_url=activator_url),
         render_service_monitor(ld, service_monitor_available=service_monitor_available),
+        alerts.render_prometheus_rule(ld),
         render_inference_pool(ld),
     ]
     return [c for c in children if c is not None]

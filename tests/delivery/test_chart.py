@@ -47,7 +47,8 @@ CASES: dict[str, dict[str, Any]] = {
     "leader-worker-sets": {"rbac": {"leaderWorkerSets": True}},
     "everything": {
         "watchNamespaces": ["ml"],
-        "rbac": {"keda": True, "serviceMonitors": True, "inferencePools": True, "leaderWorkerSets": True},
+        "rbac": {"keda": True, "serviceMonitors": True, "prometheusRules": True, "inferencePools": True,
+                 "leaderWorkerSets": True},
         "metrics": {"port": 9100, "serviceMonitor": {"enabled": True, "interval": "15s", "scrapeTimeout": "5s"}},
         "operator": {
             "image": {"repository": "registry.example:5000/kubellm/operator", "tag": "dev", "pullPolicy": "Always"},
@@ -380,6 +381,7 @@ def test_rbac_grants_exactly_what_the_operator_uses(rendered, case):
         assert not of_kind(docs, "ServiceAccount")
         return
     namespaced = rbac.namespaced_grants(keda=values["rbac"]["keda"], service_monitors=values["rbac"]["serviceMonitors"],
+                                        prometheus_rules=values["rbac"]["prometheusRules"],
                                         inference_pools=values["rbac"]["inferencePools"],
                                         leader_worker_sets=values["rbac"]["leaderWorkerSets"])
     namespaces = values["watchNamespaces"]

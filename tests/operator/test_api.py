@@ -44,7 +44,8 @@ FULL_DEFAULTS = {
     "image": api.DEFAULT_IMAGE,
     "imagePullPolicy": "IfNotPresent",
     "service": {"type": "ClusterIP", "port": 80},
-    "monitoring": {"serviceMonitor": "Auto"},
+    "monitoring": {"serviceMonitor": "Auto",
+                   "alerts": {"enabled": False, "errorRatio": 0.05, "kvCacheUsage": 0.95, "queueAtMaxFor": "10m"}},
     "auth": {},
     "gateway": {"inferencePool": {"enabled": False}},
 }
@@ -107,7 +108,9 @@ def test_round_trip_camel_case():
         "podLabels": {"team": "ml"},
         "podAnnotations": {"a": "b"},
         "service": {"type": "LoadBalancer", "port": 8080},
-        "monitoring": {"serviceMonitor": "Disabled"},
+        "monitoring": {"serviceMonitor": "Disabled", "alerts": {
+            "enabled": True, "ttftP99SecondsSLO": 1.5, "errorRatio": 0.01, "kvCacheUsage": 0.9, "queueAtMaxFor": "1h",
+            "labels": {"team": "ml"}}},
         "auth": {"apiKeySecretRef": {"name": "keys", "key": "api-key"}},
         "gateway": {"inferencePool": {"enabled": True, "endpointPickerRef": {"name": "qwen-epp", "port": 9002,
                                                                             "failureMode": "FailOpen"}}},

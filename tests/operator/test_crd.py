@@ -365,6 +365,8 @@ def test_example_is_admitted(name, doc):
 GPU_COUNT_MSG = "resources.gpu.count must be 0 (CPU) or a multiple of the ranks in each pod, parallelism.tensor / parallelism.nodes; omit it to get that many GPUs"  # noqa: E501
 TENSOR_MSG = "more than one tensor-parallel rank per pod (parallelism.tensor / parallelism.nodes) needs resources.gpu.count >= that many (one GPU per rank)"  # noqa: E501
 
+ALERT_LABELS_MSG = "monitoring.alerts.labels: names must be Prometheus label names ([a-zA-Z_][a-zA-Z0-9_]*), not start with __ and not be alertname"  # noqa: E501
+
 INVALID = [
     ("gpu count not a multiple of tensor", {"parallelism": {"tensor": 2}, "resources": {"gpu": {"count": 3}}},
      GPU_COUNT_MSG),
@@ -420,6 +422,10 @@ INVALID = [
     ("tolerationSeconds without NoExecute",
      {"tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 5}]},
      "tolerationSeconds applies to effect NoExecute only"),
+    ("alert label with a dash", {"monitoring": {"alerts": {"enabled": True, "labels": {"team-name": "ml"}}}},
+     ALERT_LABELS_MSG),
+    ("alert label alertname", {"monitoring": {"alerts": {"labels": {"alertname": "x"}}}}, ALERT_LABELS_MSG),
+    ("alert label reserved", {"monitoring": {"alerts": {"labels": {"__name__": "x"}}}}, ALERT_LABELS_MSG),
 ]  # fmt: skip
 
 
@@ -503,7 +509,28 @@ SCHEMA_INVALID = [
     ("endpoint picker port 0", {"gateway": {"inferencePool": {"endpointPickerRef": {"name": "e", "port": 0}}}}),
     ("unknown failure mode", {"gateway": {"inferencePool": {"endpointPickerRef": {"name": "e", "failureMode": "Open"}}}}),
     ("inferencePool as a boolean", {"gateway": {"inferencePool": True}}),
+    ("alert duration without a unit", {"monitoring": {"alerts": {"queueAtMaxFor": "10"}}}),
+    ("alert duration in words", {"monitoring": {"alerts": {"queueAtMaxFor": "ten minutes"}}}),
+    ("kv cache usage above 1", {"monitoring": {"alerts": {"kvCacheUsage": 1.5}}}),
+    ("error ratio 0", {"monitoring": {"alerts": {"errorRatio": 0}}}),
+    ("ttft slo 0", {"monitoring": {"alerts": {"ttftP99SecondsSLO": 0}}}),
+    ("alert label value not a string", {"monitoring": {"alerts": {"labels": {"team": 1}}}}),
 ]
+
+ALERTS_VALID = [
+    ("every knob", {"monitoring": {"alerts": {
+        "enabled": True, "ttftP99SecondsSLO": 0.5, "errorRatio": 0.01, "kvCacheUsage": 0.9,
+        "queueAtMaxFor": "1h30m", "labels": {"team": "ml", "severity": "page", "_x9": "y"}}}}),
+    ("enabled alone", {"monitoring": {"alerts": {"enabled": True}}}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "patch"), ALERTS_VALID, ids=[c for c, _ in ALERTS_VALID])
+def test_alert_specs_are_admitted(case, patch):
+    obj = deployment()
+    obj["spec"] = _merge(obj["spec"], patch)
+    assert admit(obj) == ([], []), case
+    assert pydantic_errors(obj) is None, case
 
 
 @pytest.mark.parametrize(("case", "patch"), SCHEMA_INVALID, ids=[c for c, _ in SCHEMA_INVALID])

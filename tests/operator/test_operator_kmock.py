@@ -20,7 +20,7 @@ import pydantic
 import pytest
 import pytest_asyncio
 
-from kubellm.operator import api, handlers, render
+from kubellm.operator import api, handlers, metrics, render
 from kubellm.operator import kube as kube_mod
 from kubellm.operator import status as status_mod
 from kubellm.operator.children import as_deployment, replicas_handover, template_id
@@ -424,6 +424,40 @@ async def test_inference_pool_without_its_crd_says_what_to_install_and_is_applie
                                               "spec": {"gateway": {"inferencePool": {"enabled": False}}}})  # fmt: skip
     await until(lambda: NAME not in live(server, INFERENCE_POOLS), "the InferencePool to go")
     await until(lambda: "inferencePool" not in ld_object(server)["status"], "status.inferencePool to go")
+
+
+PROMETHEUS_RULES = kmock.resource("monitoring.coreos.com", "v1", "prometheusrules")
+
+
+@pytest.mark.asyncio
+async def test_alerts_without_the_prometheus_operator_say_what_to_do_and_apply_once_it_is_installed(
+    server, operator, monkeypatch
+):
+    monkeypatch.setattr(kube_mod, "REDISCOVER_AFTER", 0.0)  # see the CRD at the next retry, not 30 s later
+    failing = {"llmdeployment_namespace": NS, "llmdeployment": NAME}
+    await create(server, llmdeployment(replicas=1, monitoring={"alerts": {"enabled": True, "ttftP99SecondsSLO": 2}}))
+    await until(lambda: condition(server, "Ready")["reason"] == "ReconcileFailed", "Ready=ReconcileFailed")
+    message = condition(server, "Ready")["message"]
+    assert "the PrometheusRule CRD is not installed: install the Prometheus operator" in message
+    assert "or set monitoring.alerts.enabled: false" in message
+    assert any(owned_by_ld(d) for d in live(server, DEPLOYMENTS).values())  # the pods are served all the same
+    # the operator's own gauge, which the rule's KubellmReconcileFailing reads, says so for this object
+    assert metrics.REGISTRY.get_sample_value("kubellm_operator_reconcile_failing", failing) == 1
+
+    server.resources["monitoring.coreos.com/v1/prometheusrules"] = kmock.ResourceInfo(
+        kind="PrometheusRule", namespaced=True, verbs=VERBS
+    )
+    await until(lambda: live(server, PROMETHEUS_RULES).get(NAME), "the PrometheusRule")
+    await until(lambda: condition(server, "Ready")["reason"] != "ReconcileFailed", "ReconcileFailed to clear")
+    assert metrics.REGISTRY.get_sample_value("kubellm_operator_reconcile_failing", failing) == 0
+    applied = live(server, PROMETHEUS_RULES)[NAME]
+    assert owned_by_ld(applied)
+    (group,) = applied["spec"]["groups"]
+    assert "KubellmSlowFirstToken" in {r["alert"] for r in group["rules"]}
+
+    await patch(server, f"{LD_PATH}/{NAME}", {"metadata": {"generation": 2},
+                                              "spec": {"monitoring": {"alerts": {"enabled": False}}}})  # fmt: skip
+    await until(lambda: NAME not in live(server, PROMETHEUS_RULES), "the PrometheusRule to go")
 
 
 @pytest.mark.asyncio

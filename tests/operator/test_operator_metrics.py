@@ -114,6 +114,29 @@ def test_reconciles_are_counted_and_timed_by_result():
     assert value("kubellm_operator_reconcile_duration_seconds_count") - timed_before == 3
 
 
+def test_reconcile_failing_is_set_per_object_and_cleared_by_a_success_then_dropped():
+    failing = "kubellm_operator_reconcile_failing"
+    labels = {"llmdeployment_namespace": NS, "llmdeployment": NAME}
+
+    async def scenario() -> list[float | None]:
+        raw = body(replicas=1)
+        kube = FakeKube(raw)
+        memo = state_for(kube)
+        seen = []
+        kube.fail_apply = ApiError(422, "Invalid", "refused by admission")
+        with pytest.raises(kopf.TemporaryError):
+            await reconcile(memo, raw)
+        seen.append(metrics.REGISTRY.get_sample_value(failing, labels))
+        kube.fail_apply = None
+        await reconcile(memo, raw)
+        seen.append(metrics.REGISTRY.get_sample_value(failing, labels))
+        metrics.note_reconcile_failing((NS, NAME), None)  # what the observer does when the object goes
+        seen.append(metrics.REGISTRY.get_sample_value(failing, labels))
+        return seen
+
+    assert asyncio.run(scenario()) == [1.0, 0.0, None]
+
+
 def test_a_cancelled_reconcile_is_not_an_outcome():
     before = value("kubellm_operator_reconcile_duration_seconds_count")
     with pytest.raises(asyncio.CancelledError), metrics.reconciling():

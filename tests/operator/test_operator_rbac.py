@@ -1,8 +1,9 @@
 """The operator's API requests against :mod:`kubellm.operator.rbac`, the permissions the Helm chart grants.
 
 The operator (kopf + handlers.py, in-process, scanning on as in production) runs through a life cycle against
-kmock (see test_operator_kmock.py) that makes it use every kind it may own: create with KEDA and a
-ServiceMonitor and an InferencePool, switch to the HPA backend without monitoring or pool (those three are deleted),
+kmock (see test_operator_kmock.py) that makes it use every kind it may own: create with KEDA, a
+ServiceMonitor, a PrometheusRule and an InferencePool, switch to the HPA backend without monitoring or pool (those
+four are deleted),
 spread over two nodes (a LeaderWorkerSet replaces the Deployment), clean up stale owned children of every kind,
 delete. Every recorded request (kopf's and the operator's own
 client's) is turned into the RBAC check the API server would make; each must be granted, and each grant must
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.kmock(cls=t.ApiServer)
 
 SCALED_OBJECTS = kmock.resource("keda.sh", "v1alpha1", "scaledobjects")
 SERVICE_MONITORS = kmock.resource("monitoring.coreos.com", "v1", "servicemonitors")
+PROMETHEUS_RULES = kmock.resource("monitoring.coreos.com", "v1", "prometheusrules")
 INFERENCE_POOLS = kmock.resource("inference.networking.k8s.io", "v1", "inferencepools")
 APPLY = "application/apply-patch+yaml"
 
@@ -115,6 +117,9 @@ def declare_everything(server: kmock.KubernetesEmulator) -> None:
     server.resources["monitoring.coreos.com/v1/servicemonitors"] = info(
         kind="ServiceMonitor", namespaced=True, verbs=t.VERBS
     )
+    server.resources["monitoring.coreos.com/v1/prometheusrules"] = info(
+        kind="PrometheusRule", namespaced=True, verbs=t.VERBS
+    )
     server.resources["inference.networking.k8s.io/v1/inferencepools"] = info(
         kind="InferencePool", namespaced=True, verbs=t.VERBS
     )
@@ -195,22 +200,25 @@ async def whole_life(server) -> None:
         async with server.post(collection, json=stale_child(api_version, kind), headers=t.CLOSE) as resp:
             assert resp.status < 300, await resp.text()
     autoscaling = {"enabled": True, "backend": "keda", "minReplicas": 1, "maxReplicas": 3}
-    await t.create(server, t.llmdeployment(autoscaling=autoscaling, monitoring={"serviceMonitor": "Enabled"},
+    monitoring = {"serviceMonitor": "Enabled", "alerts": {"enabled": True}}
+    await t.create(server, t.llmdeployment(autoscaling=autoscaling, monitoring=monitoring,
                                            gateway={"inferencePool": {"enabled": True}}))  # fmt: skip
     await t.until(lambda: exists(server, SCALED_OBJECTS, t.NAME), "the ScaledObject")
     await t.until(lambda: exists(server, SERVICE_MONITORS, t.NAME), "the ServiceMonitor")
+    await t.until(lambda: exists(server, PROMETHEUS_RULES, t.NAME), "the PrometheusRule")
     await t.until(lambda: exists(server, INFERENCE_POOLS, t.NAME), "the InferencePool")
     await t.until(lambda: not exists(server, t.DEPLOYMENTS, "stale"), "the stale children to go")
     await t.until(lambda: t.condition(server, "Ready"), "a status")
 
     await t.patch(server, f"{t.LD_PATH}/{t.NAME}", {
         "metadata": {"generation": 2},
-        "spec": {"autoscaling": {"backend": "hpa"}, "monitoring": {"serviceMonitor": "Disabled"},
+        "spec": {"autoscaling": {"backend": "hpa"}, "monitoring": {"serviceMonitor": "Disabled", "alerts": {"enabled": False}},
                  "gateway": {"inferencePool": {"enabled": False}}},
     })  # fmt: skip
     await t.until(lambda: exists(server, t.HPAS, t.NAME), "the HPA")
     await t.until(lambda: not exists(server, SCALED_OBJECTS), "the ScaledObject to go")
     await t.until(lambda: not exists(server, SERVICE_MONITORS), "the ServiceMonitor to go")
+    await t.until(lambda: not exists(server, PROMETHEUS_RULES), "the PrometheusRule to go")
     await t.until(lambda: not exists(server, INFERENCE_POOLS), "the InferencePool to go")
     await t.until(lambda: t.events(server), "an Event")
 
@@ -276,8 +284,8 @@ def triples_of(checks_: set[Check] | list[Check]) -> set[tuple[str, str, str]]:
 
 @pytest.mark.asyncio
 async def test_watching_every_namespace_needs_exactly_the_cluster_role(server, tmp_path, monkeypatch):
-    namespaced = rbac.namespaced_grants(keda=True, service_monitors=True, inference_pools=True,
-                                        leader_worker_sets=True)
+    namespaced = rbac.namespaced_grants(keda=True, service_monitors=True, prometheus_rules=True,
+                                        inference_pools=True, leader_worker_sets=True)
     cluster = rbac.cluster_grants(all_namespaces=True)
     denied = authorize(server, namespaced, cluster, namespaces=None)
     try:
@@ -299,7 +307,7 @@ async def test_watching_listed_namespaces_works_with_roles_there_and_little_clus
     cluster = rbac.cluster_grants(all_namespaces=False)
     denied = authorize(server, namespaced, cluster, namespaces={t.NS})
     await run_operator(server, tmp_path, monkeypatch, short_life, clusterwide=False)
-    optional = rbac.triples(rbac.KEDA + rbac.SERVICE_MONITORS + rbac.INFERENCE_POOLS + rbac.LEADER_WORKER_SETS)
+    optional = rbac.triples(rbac.KEDA + rbac.SERVICE_MONITORS + rbac.PROMETHEUS_RULES + rbac.INFERENCE_POOLS + rbac.LEADER_WORKER_SETS)
     assert triples_of(denied) <= optional, describe(set(denied))
     assert {c.namespace for c in denied} == {t.NS}
     recorded = recorded_checks(server)
@@ -323,8 +331,8 @@ async def discovered_plurals(server, kinds) -> dict[str, str]:
 
 @pytest.mark.asyncio
 async def test_every_kind_the_operator_may_own_can_be_applied_listed_and_deleted(server):
-    granted = rbac.triples(rbac.namespaced_grants(keda=True, service_monitors=True, inference_pools=True,
-                                                  leader_worker_sets=True))
+    granted = rbac.triples(rbac.namespaced_grants(keda=True, service_monitors=True, prometheus_rules=True,
+                                                  inference_pools=True, leader_worker_sets=True))
     plurals = await discovered_plurals(server, children.MANAGED_KINDS)
     for api_version, kind in children.MANAGED_KINDS:
         group = api_version.rpartition("/")[0]
@@ -334,7 +342,7 @@ async def test_every_kind_the_operator_may_own_can_be_applied_listed_and_deleted
 
 @pytest.mark.asyncio
 async def test_optional_grants_are_the_optional_kinds(server):
-    optional = {g.resource for g in rbac.KEDA + rbac.SERVICE_MONITORS + rbac.INFERENCE_POOLS + rbac.LEADER_WORKER_SETS}
+    optional = {g.resource for g in rbac.KEDA + rbac.SERVICE_MONITORS + rbac.PROMETHEUS_RULES + rbac.INFERENCE_POOLS + rbac.LEADER_WORKER_SETS}
     kinds = [(v, k) for v, k in children.MANAGED_KINDS if k in children.OPTIONAL_KINDS]
     assert {k for _, k in kinds} == children.OPTIONAL_KINDS
     assert optional == set((await discovered_plurals(server, kinds)).values())

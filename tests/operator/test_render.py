@@ -1,8 +1,8 @@
 """Rendering LLMDeployments into child manifests: every built-in kind validated against the upstream OpenAPI
 schemas (kubernetes-validate, strict: unknown fields fail), the LeaderWorkerSet against its CRD's schema (vendored
 in data/) with its pod templates through kubernetes-validate, the other CRD kinds (KEDA ScaledObject,
-ServiceMonitor) checked structurally, the InferencePool against its vendored upstream schema and CEL rules, plus
-the behaviours the operator relies on."""
+ServiceMonitor) checked structurally, the PrometheusRule against its vendored upstream schema (test_alerts), the
+InferencePool against its vendored upstream schema and CEL rules, plus the behaviours the operator relies on."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from test_alerts import check_prometheus_rule
 from test_crd import cel_violations, to_json_schema  # how tests/operator/test_crd.py admits our own CRD
 
 from kubellm.operator import activation, api, crd, multinode, render
@@ -285,6 +286,8 @@ def check_all(ld: api.LLMDeployment, manifests: list[dict[str, Any]]) -> None:
             check_service_monitor(ld, m, children)
         elif m["kind"] == "InferencePool":
             check_inference_pool(ld, m, children)
+        elif m["kind"] == "PrometheusRule":
+            check_prometheus_rule(ld, m)
         else:
             raise AssertionError(f"unexpected kind {m['kind']}")
     order = list(dict.fromkeys((m["apiVersion"], m["kind"]) for m in manifests))
@@ -362,6 +365,7 @@ FULL = merged(
         "auth": {"apiKeySecretRef": {"name": "llama-keys", "key": "keys"}},
         "gateway": {"inferencePool": {"enabled": True, "endpointPickerRef": {"name": "llama-epp", "port": 9003,
                                                                             "failureMode": "FailOpen"}}},
+        "monitoring": {"alerts": {"enabled": True, "ttftP99SecondsSLO": 3, "labels": {"team": "search"}}},
     },
 )  # fmt: skip
 
@@ -1314,6 +1318,7 @@ def test_main_renders_every_example(capsys):
     assert kinds.count("HorizontalPodAutoscaler") == 1  # the autoscaled example
     assert kinds.count("ScaledObject") == 1  # the scale-to-zero example
     assert kinds.count("ServiceMonitor") == len(EXAMPLES)  # Auto + available, and Enabled
+    assert kinds.count("PrometheusRule") == 1  # the autoscaled example's monitoring.alerts
     # The output is exactly what render() gives for the same objects.
     expected = []
     for path in EXAMPLES:

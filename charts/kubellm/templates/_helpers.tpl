@@ -83,6 +83,11 @@ every verb, and tests/delivery/test_chart.py checks that the two agree.
   resources: [servicemonitors]
   verbs: [list, create, patch, delete]
 {{- end }}
+{{- if .Values.rbac.prometheusRules }}
+- apiGroups: [monitoring.coreos.com]
+  resources: [prometheusrules]
+  verbs: [list, create, patch, delete]
+{{- end }}
 {{- if .Values.rbac.inferencePools }}
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]

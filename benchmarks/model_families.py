@@ -6,6 +6,10 @@ save_pretrained, plus what makes the family itself: Qwen3's q/k norms, Phi-3's f
 four norms, GeGLU, windows (Gemma 3: five local layers of six) and soft caps (Gemma 2), and for the mixtures
 of experts 8 experts of 768 with 2 active per token (the same active MLP width as the dense 1536).
 
+REAL_SHAPES are two more checkpoints at real models' layer shapes, for ``offline.py --model NAME``:
+qwen3-0.6b-shape (Qwen3-0.6B exactly) and qwen3-30b-a3b-4l-shape (Qwen3-30B-A3B's layers, 4 of its 48), each
+with a word-level tokenizer of the real 151,936-token vocabulary (the lm_head's cost).
+
 Each family then runs benchmarks/offline.py in a fresh process (kubellm, and vLLM's CPU build with
 --vllm-venv) on the same workload; the table gives output tok/s, the ratio to the Llama shape in kubellm, and
 kubellm / vLLM. Random weights make text meaningless but cost exactly what trained weights cost.
@@ -42,6 +46,23 @@ FAMILIES = {
     "mixtral": {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
                 "intermediate_size": 768},
 }  # fmt: skip
+# The real checkpoints' config.json values (Qwen/Qwen3-0.6B, Qwen/Qwen3-30B-A3B on the Hub), random weights. The
+# MoE keeps everything per layer (128 experts of 768, 8 active, 32/4 heads of 128, hidden 2048) and the
+# untied 151936-token vocabulary; only the depth is cut, from 48 layers to 4, so it fits in memory on a
+# small host (4 of 48 layers: 6.2 GB of bfloat16 weights instead of 61 GB).
+_QWEN3 = {"rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "head_dim": 128,
+          "vocab_size": 151936, "bos_token_id": 151643, "eos_token_id": 151645, "attention_bias": False,
+          "initializer_range": 0.02}
+REAL_SHAPES = {
+    "qwen3-0.6b-shape": {**_QWEN3, "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+                         "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                         "tie_word_embeddings": True},
+    "qwen3-30b-a3b-4l-shape": {**_QWEN3, "model_type": "qwen3_moe", "hidden_size": 2048,
+                               "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                               "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                               "mlp_only_layers": [], "num_hidden_layers": 4, "num_attention_heads": 32,
+                               "num_key_value_heads": 4, "tie_word_embeddings": False},
+}  # fmt: skip
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -67,6 +88,41 @@ def build(family: str, out: Path, tokenizer_dir: Path) -> Path:
         for name in TOKENIZER_FILES:
             if (tokenizer_dir / name).exists():
                 shutil.copy(tokenizer_dir / name, Path(tmp) / name)
+        Path(tmp).rename(folder)
+    return folder
+
+
+def word_level_tokenizer(folder: Path, vocab: int, eos: int, bos: int) -> None:
+    """A tokenizer.json whose every id up to ``vocab`` is a token (``t0`` … ``t{vocab-1}``, split on spaces).
+
+    The benchmarks feed token ids, so the tokenizer only has to cover the vocabulary: random ids and random
+    weights' outputs all decode. The real Qwen3 tokenizer (BPE, 151669 tokens) is not downloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": f"t{bos}", "eos_token": f"t{eos}",
+              "pad_token": f"t{bos}", "unk_token": "t0", "add_bos_token": False, "model_max_length": 40960}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def build_real_shape(name: str, out: Path) -> Path:
+    """The checkpoint of REAL_SHAPES[name] in bfloat16 with :func:`word_level_tokenizer` (built once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = out / name
+    if (folder / "config.json").exists():
+        return folder
+    print(f"building the random-weight checkpoint {name} in {out} (once)", file=sys.stderr, flush=True)
+    spec = REAL_SHAPES[name]
+    config = AutoConfig.for_model(**spec)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        del model
+        word_level_tokenizer(Path(tmp), spec["vocab_size"], spec["eos_token_id"], spec["bos_token_id"])
         Path(tmp).rename(folder)
     return folder
 

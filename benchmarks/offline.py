@@ -39,6 +39,8 @@ from tqdm import tqdm
 # This folder, explicitly: the scripts run in Python's safe-path mode too (PYTHONSAFEPATH, which keeps a
 # checkout's operator/ from shadowing the standard library), and that mode leaves a script's folder off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_families import REAL_SHAPES, build_real_shape  # noqa: E402
+
 from workload_args import check_systems_and_workload  # noqa: E402
 
 SYSTEMS = ("kubellm", "kubellm-int8", "hf-generate", "hf-static-batch", "hf-generate-batch", "vllm")
@@ -127,13 +129,19 @@ def _header(name: str) -> None:
 
 
 def prepare_model(model: str | None, dtype: str) -> Path:
-    """An HF folder as-is; a known kubellm model name or .gguf is exported once into the kubellm cache."""
+    """An HF folder as-is; a real-shape name (model_families.REAL_SHAPES: random weights at a real model's
+    layer shapes, built once into <kubellm cache>/families); a known kubellm model name or .gguf is exported
+    once into the kubellm cache."""
     from kubellm.runtime import model_store
 
     name = model or "smollm2"
     path = Path(name).expanduser()
     if path.is_dir():
         return path.resolve()
+    if name in REAL_SHAPES:
+        out = model_store.cache_root() / "families"
+        out.mkdir(parents=True, exist_ok=True)
+        return build_real_shape(name, out)
     return model_store.cached_hf_export(name, _TORCH_DTYPES[dtype])
 
 
@@ -668,8 +676,9 @@ to the number of cores that are really free: oversubscribed OpenMP threads wreck
     p.add_argument(
         "--model",
         default=None,
-        help="a Hugging Face folder, a .gguf file or a kubellm model name (default: smollm2); the "
-        "latter two are exported once to <kubellm cache>/hf/<name>-<dtype>",
+        help="a Hugging Face folder, a .gguf file, a kubellm model name (default: smollm2; the latter two are "
+        "exported once to <kubellm cache>/hf/<name>-<dtype>) or a random-weight real shape: "
+        + ", ".join(REAL_SHAPES) + " (built once into <kubellm cache>/families)",
     )
     p.add_argument("--dtype", choices=tuple(_TORCH_DTYPES), default="bfloat16")
     p.add_argument(

@@ -25,6 +25,9 @@ What ``auto`` picks:
   pack; else ``dequantize`` (the reference, also what AVX2-only CPUs run).
 * FP8 weight GEMM (e4m3, per-tensor / per-channel / block scales): ``triton`` (``triton_fp8_gemm``) on CUDA
   once its check passed, else ``dequantize``.
+* mixture-of-experts layers: ``native`` (``cpu_moe``: routing and every hit expert of a layer in one call,
+  AVX512-BF16) with native layer ops for bfloat16 without quantization where it loaded; else ``torch`` (one
+  GEMM per hit expert through the linear layers above).
 
 The Triton GEMMs for pre-quantized checkpoints are checked on CUDA when ``Target.quantization`` names a
 pre-quantized method (:data:`PREQUANTIZED`): the loader sets it from the checkpoint before deciding.
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubellm.kernels import cpu_extension, cpu_grouped_int8_gemm, cpu_int4_gemm, cpu_int8_gemm
+from kubellm.kernels import cpu_extension, cpu_grouped_int8_gemm, cpu_int4_gemm, cpu_int8_gemm, cpu_moe
 from kubellm.runtime.layers.linear import can_pack
 
 log = logging.getLogger("kubellm.kernels")
@@ -99,6 +102,7 @@ class Loaded:
     triton_grouped_int4: str | None = NOT_PROBED  # triton_grouped_gemm, bits=4
     triton_grouped_int8: str | None = NOT_PROBED  # triton_grouped_gemm, bits=8
     triton_fp8: str | None = NOT_PROBED  # triton_fp8_gemm
+    moe_cpu_kernel: str | None = NOT_PROBED  # cpu_moe (AVX512-BF16)
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class KernelChoice:
     grouped_int4_gemm: str = "dequantize"  # native | triton | dequantize: 4-bit values, per-group scales, zeros
     grouped_int8_gemm: str = "dequantize"  # native | triton | dequantize: 8-bit values, per-group scales (zeros)
     fp8_gemm: str = "dequantize"  # triton | dequantize: e4m3 weights with their scales
+    moe: str = "torch"  # native | torch: the routing and experts of mixture-of-experts layers
 
     def int8_path(self, weight: torch.Tensor) -> str:
         """The int8 GEMM of one layer (``weight`` ``[out, in]``): the native kernel needs packable shapes."""
@@ -143,7 +148,7 @@ class KernelChoice:
         grouped = (f", grouped 4-bit GEMM {self.grouped_int4_gemm}, 8-bit GEMM {self.grouped_int8_gemm}, "
                    f"FP8 GEMM {self.fp8_gemm}")
         return (f"attention {self.attention}, layer ops {self.layer_ops}, oneDNN prepacking "
-                f"{'on' if self.prepack else 'off'}{gemm.get(quantization, grouped)}")
+                f"{'on' if self.prepack else 'off'}{gemm.get(quantization, grouped)}, MoE experts {self.moe}")
 
 
 def cpu_head_size_ok(head_dim: int) -> bool:
@@ -156,15 +161,18 @@ def choose(settings: KernelSettings, target: Target, loaded: Loaded) -> KernelCh
     """The kernels for ``target`` given what loaded; raises ValueError for an explicit choice that cannot run."""
     native_cpu = target.cpu and cpu_head_size_ok(target.head_dim) and loaded.cpu_kernels is None
     int8_gemm, int8_fallback = _int8_gemm(target, loaded)
+    layer_ops = _layer_ops(settings.layer_ops, target, loaded, native_cpu)
     return KernelChoice(
         attention=_attention(settings.attention, target, loaded, native_cpu),
-        layer_ops=_layer_ops(settings.layer_ops, target, loaded, native_cpu),
+        layer_ops=layer_ops,
         prepack=_prepack(settings.prepack, loaded, native_cpu),
         int8_gemm=int8_gemm, int8_fallback=int8_fallback,
         int4_gemm="triton" if target.cuda and loaded.triton_int4 is None else "dequantize",
         grouped_int4_gemm=_grouped(target, loaded.grouped_int4_cpu_kernel, loaded.triton_grouped_int4),
         grouped_int8_gemm=_grouped(target, loaded.grouped_int8_cpu_kernel, loaded.triton_grouped_int8),
         fp8_gemm="triton" if target.cuda and loaded.triton_fp8 is None else "dequantize",
+        moe="native" if layer_ops == "native" and target.quantization == "none" and target.dtype == torch.bfloat16
+        and target.cpu and loaded.moe_cpu_kernel is None else "torch",
     )
 
 
@@ -255,6 +263,8 @@ def probe(settings: KernelSettings, target: Target) -> Loaded:
         for field, module in (("grouped_int4_cpu_kernel", cpu_int4_gemm), ("grouped_int8_cpu_kernel",
                                                                              cpu_grouped_int8_gemm)):
             found[field] = None if module.available() else f"no AVX512-BF16 {module.__name__} in this build"
+    if target.cpu and target.dtype == torch.bfloat16 and "cpu_kernels" in found:
+        found["moe_cpu_kernel"] = None if cpu_moe.available() else "no AVX512-BF16 cpu_moe in this build"
     if target.quantization == "int4" and target.cuda:
         found["triton_int4"] = triton_gemm_reason("int4", target.device, target.dtype)
     if target.quantization in PREQUANTIZED and target.cuda:
@@ -319,7 +329,8 @@ def decide(settings: KernelSettings, target: Target) -> KernelChoice:
 def load(choice: KernelChoice) -> None:
     """Load in this process what ``choice`` runs: a tensor-parallel rank runs rank 0's choice, and the CPU
     extension is loaded per process."""
-    native = "native" in (choice.layer_ops, choice.int8_gemm, choice.grouped_int4_gemm, choice.grouped_int8_gemm) \
+    native = "native" in (choice.layer_ops, choice.int8_gemm, choice.grouped_int4_gemm, choice.grouped_int8_gemm,
+                          choice.moe) \
         or choice.attention == "cpu"
     if native and (reason := _cpu_kernels_reason()):
         raise RuntimeError(f"the chosen kernels need kubellm's CPU kernels, which cannot load here: {reason}")

@@ -14,6 +14,7 @@ import torch
 from kubellm.runtime.kernel_choice import KernelChoice
 from kubellm.runtime.layers.attention import AttentionMetadata, PrefillSpan, attention_backend
 from kubellm.runtime.layers.linear import pack_linears
+from kubellm.runtime.layers.moe import pack_experts
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM, use_native_ops
 from kubellm.runtime.sampler import token_logprobs
@@ -64,6 +65,8 @@ class ModelRunner:
             attn = layer.self_attn.attn
             attn.k_cache, attn.v_cache, attn.backend = k, v, self.backend
         use_native_ops(model, kernels.layer_ops == "native")
+        if kernels.moe == "native":  # before prepacking, which would take the experts' linears
+            log.info("packed the experts of %d layers for the CPU kernel", pack_experts(model))
         if kernels.prepack:  # weights reordered once for oneDNN instead of inside every GEMM
             log.info("prepacked %d linear layers for oneDNN", pack_linears(model))
 

@@ -8,6 +8,11 @@ With tensor parallelism every rank holds every expert's slice of the intermediat
 gate/up is column-parallel and its down row-parallel (the layer types of runtime/layers/parallel_linear.py,
 which load their own slices), and the block all-reduces once over all experts; the router is replicated.
 Expert parallelism is not done.
+
+On CPUs with AVX512-BF16 serving bfloat16 without quantization, :func:`pack_experts` (the model runner calls
+it when the kernel choice says ``moe native``) moves every layer's experts into the packed form of
+kernels/cpu_moe.py, whose kernel routes and runs all hit experts of a layer in one call: with 128 experts and
+top-8 a decode step visits ~110 experts per layer, and the per-expert path spends ~10 PyTorch dispatches on each.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 
 from kubellm.kernels import cpu_layer_ops as ops
+from kubellm.kernels import cpu_moe
 from kubellm.runtime.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaMLP
@@ -54,8 +60,18 @@ class FusedMoE(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router, replicated
         self.experts = nn.ModuleList(Expert(hidden, inter, tp) for _ in range(num_experts))
 
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) of kernels/cpu_moe.py, set by pack_experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)
+        if self.packed is not None:  # routing included
+            return self.tp.all_reduce(cpu_moe.moe_experts(x, logits, *self.packed, self.top_k, self.renormalize))
+        weights, ids = route(logits, self.top_k, self.renormalize)
+        return self.tp.all_reduce(self.experts_one_by_one(x, weights, ids))
+
+    def experts_one_by_one(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts' output for router ``weights``/``ids`` [T, k], this rank's partial sum: one GEMM per hit
+        expert (any dtype, device, quantized or prepacked linears)."""
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k  # source token of each (token, choice) pair, grouped by expert
@@ -75,7 +91,35 @@ class FusedMoE(nn.Module):
                 h = nn.functional.silu(gate) * up
             out.index_add_(0, rows, expert.down_proj(h) * scale[start:start + n])
             start += n
-        return self.tp.all_reduce(out)
+        return out
+
+    def pack_for_cpu_kernel(self) -> None:
+        """Move the experts' weights (this rank's slices) into kernels/cpu_moe.py's packed form, one expert at a
+        time (so the extra memory is one expert's), and drop the per-expert linears."""
+        e, hidden, inter = self.num_experts, self.gate.in_features, self.inter
+        w13 = torch.empty(e, inter // 16, 2, hidden // 2, 16, 2, dtype=torch.bfloat16)
+        w2 = torch.empty(e, hidden // 16, inter // 2, 16, 2, dtype=torch.bfloat16)
+        for i, expert in enumerate(self.experts):
+            a, b = cpu_moe.pack(expert.gate_up_proj.weight.data[None], expert.down_proj.weight.data[None])
+            w13[i], w2[i] = a[0], b[0]
+            expert.gate_up_proj.weight = expert.down_proj.weight = None
+        self.experts = nn.ModuleList()
+        self.packed = (w13, w2)
+
+    def packable_for_cpu_kernel(self) -> bool:
+        """Plain bfloat16 expert layers (not replaced by quantized or prepacked ones) of sizes the kernel takes."""
+        return cpu_moe.packable(self.gate.in_features, self.inter, self.gate.weight.dtype) and all(
+            type(x.gate_up_proj) is MergedColumnParallelLinear and type(x.down_proj) is RowParallelLinear
+            for x in self.experts)
+
+
+def pack_experts(model: nn.Module) -> int:
+    """Pack the experts of every :class:`FusedMoE` of ``model`` that the CPU kernel takes (plain bfloat16
+    linears, sizes multiples of 16); returns how many layers were packed."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.packed is None and m.packable_for_cpu_kernel()]
+    for moe in layers:
+        moe.pack_for_cpu_kernel()
+    return len(layers)
 
 
 def moe_mlp(cfg: ModelConfig, tp: Group, layer: int) -> nn.Module:

@@ -84,6 +84,13 @@ tiny_phi3 = _tiny("phi3", "Phi-3: q/k/v and gate/up fused in the checkpoint.")
 
 
 @pytest.fixture(scope="module")
+def tiny_qwen3_moe_128(tiny_checkpoint_factory):
+    """Qwen3-30B-A3B's routing: 128 experts, 8 per token, every layer sparse (experts of 16)."""
+    return tiny_checkpoint_factory("qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=16,
+                                   mlp_only_layers=[])
+
+
+@pytest.fixture(scope="module")
 def tiny_mistral_window(tiny_checkpoint_factory):
     """Mistral v0.1's layout: every layer windowed (12 tokens: three 4-token KV blocks)."""
     return tiny_checkpoint_factory("mistral", sliding_window=12)
@@ -97,7 +104,7 @@ def tiny_phi3_window(tiny_checkpoint_factory):
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama3", "tiny_qwen2", "tiny_mistral",
                                      "tiny_llama_sharded", "tiny_qwen3", "tiny_phi3", "tiny_qwen3_moe",
-                                     "tiny_mixtral", "tiny_gemma2", "tiny_gemma3", "tiny_mistral_window",
+                                     "tiny_qwen3_moe_128", "tiny_mixtral", "tiny_gemma2", "tiny_gemma3", "tiny_mistral_window",
                                      "tiny_phi3_window"])
 def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fixture, request):
     model_dir = request.getfixturevalue(fixture)
@@ -203,6 +210,30 @@ def test_mixture_of_experts_with_two_tensor_parallel_ranks_equals_transformers(f
         _run_and_compare(llm, model_dir, _prompts()[:5])
     finally:
         llm.close()
+
+
+def test_native_moe_kernel_in_a_bfloat16_engine_matches_transformers(tiny_checkpoint_factory, native_moe):
+    """bfloat16 with 128 experts top-8: the engine packs every MoE layer for the CPU kernel (kernel choice
+    ``moe native``) and its prefill logits match transformers' in bfloat16 as closely as the per-expert path's
+    (``--layer-ops torch``). Compared on average: in bfloat16 a rounding difference can swap the 8th and 9th
+    expert of a token, which moves single logits by up to ~0.4 on every path, transformers' own float32 run
+    included; a wrong kernel moves them all by the logits' own size (~1-4 here)."""
+    from kubellm.runtime.layers.moe import FusedMoE
+
+    model_dir = tiny_checkpoint_factory("qwen3_moe", dtype=torch.bfloat16, num_experts=128, num_experts_per_tok=8,
+                                        moe_intermediate_size=32, mlp_only_layers=[])
+    prompts = _prompts()[:6]
+    _, ref_logits = hf_greedy(model_dir, prompts, 1, dtype=torch.bfloat16)
+    for settings, packed in (({}, True), ({"layer_ops": "torch"}, False)):
+        llm = _engine(model_dir, dtype="bfloat16", **settings)
+        moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert moes and all((m.packed is not None) == packed for m in moes)
+        recorder = LogitRecorder(llm.engine.runner.sampler)
+        llm.engine.runner.sampler = recorder
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+        errors = [(recorder.rows[out.request_id][0] - ref[0].float()).abs().mean() for out, ref in
+                  zip(outs, ref_logits, strict=True)]
+        assert sum(errors) / len(errors) < 0.03, f"{settings}: mean |logit error| per prompt {errors}"
 
 
 _BACKENDS = {"auto": {}, "torch": {"attention_backend": "torch", "layer_ops": "torch", "prepack_weights": "off"},

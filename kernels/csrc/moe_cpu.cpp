@@ -1,0 +1,266 @@
+// The experts of a mixture-of-experts MLP in one call per layer, for CPUs with AVX512-BF16 (bfloat16 weights):
+//   out[t] = sum over t's top-k choices (e, w) of w * down_e(T(T(silu(T(gate_e(x[t])))) * T(up_e(x[t]))))
+// with T() bfloat16 rounding where the PyTorch path (per-expert linears and silu_and_mul) rounds.
+//
+// Why: with 128 experts and top-8 (Qwen3-30B-A3B) a decode step of 32 sequences hits ~110 experts per layer
+// with one to a few rows each. One oneDNN call per expert linear plus the gathers, the activation and the
+// scatter is ~10 PyTorch ops per hit expert, dispatched one after another, each too small to keep both cores
+// busy. Here two parallel loops do a layer: one over every (hit expert, 16 intermediate channels) for gate, up
+// and the activation, one over blocks of 32 output channels for the down projection and the weighted sum, so
+// the threads stream the hit experts' weights back to back. Items are handed out dynamically (dynamic_for).
+//
+// Layouts (packed once by kernels/cpu_moe.py, the operand order of vdpbf16ps, as in int8_gemm_cpu.cpp):
+//   w13 [E, I/16, 2, H/2, 16, 2]: per expert and block j of 16 intermediate channels, the gate block then the
+//       up block, each the 16 channels' (w[n, k], w[n, k+1]) pairs for every input pair k.
+//   w2  [E, H/16, I/2, 16, 2]: the down projection, per block of 16 output channels.
+// The router's logits [T, E] come in; the kernel routes (see route()).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "scalar_math.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KUBELLM_MOE_CPU 1
+#endif
+
+namespace kubellm_cpu {
+namespace {
+
+bool moe_experts_available() {
+#ifdef KUBELLM_MOE_CPU
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef KUBELLM_MOE_CPU
+using math::exp_nonpos;
+using math::round_as;
+using math::to_f;
+using math::from_f;
+using BF16 = c10::BFloat16;
+
+constexpr int kMaxRows = 12;  // MR x 2 accumulators + 2 weights + 1 broadcast within the 32 zmm registers
+
+inline float silu(float x) {
+  const float e = exp_nonpos(-std::fabs(x));  // same formula as layer_ops_cpu.cpp's silu_and_mul
+  return (x >= 0.0f ? x : x * e) / (1.0f + e);
+}
+
+// acc[r][b] = sum over input pairs of rows[r] . weight block b (two 16-channel blocks, w_block_stride apart).
+template <int MR, int NB>
+void dot_tile(const int32_t* const* rows, const BF16* w, int64_t w_block_stride, int64_t K2, float* out) {
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(w + b * w_block_stride + kp * 32);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xb = _mm512_set1_epi32(rows[r][kp]);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xb, (__m512bh)wv[b]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + (r * NB + b) * 16, acc[r][b]);
+}
+
+template <int NB>
+void dot_rows(int mr, const int32_t* const* rows, const BF16* w, int64_t w_block_stride, int64_t K2, float* out) {
+  switch (mr) {
+#define KUBELLM_ROWS(R) \
+  case R: dot_tile<R, NB>(rows, w, w_block_stride, K2, out); break;
+    KUBELLM_ROWS(1) KUBELLM_ROWS(2) KUBELLM_ROWS(3) KUBELLM_ROWS(4) KUBELLM_ROWS(5) KUBELLM_ROWS(6)
+    KUBELLM_ROWS(7) KUBELLM_ROWS(8) KUBELLM_ROWS(9) KUBELLM_ROWS(10) KUBELLM_ROWS(11) KUBELLM_ROWS(12)
+#undef KUBELLM_ROWS
+    default: TORCH_CHECK(false, "moe_experts: bad row tile ", mr);
+  }
+}
+
+// Runs body(i, scratch) for i in [0, n) on the intra-op threads, items handed out one at a time from a shared
+// counter rather than split evenly up front: on a host whose cores are shared, a thread that is descheduled
+// for a while then delays only the item it holds, not a fixed half of the work. scratch is per thread.
+template <typename Body>
+void dynamic_for(int64_t n, const Body& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(std::max(1, at::get_num_threads()), std::max<int64_t>(n, 1));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) body(i, scratch);
+  });
+}
+
+// The router's choice, as the PyTorch path makes it: softmax over the E logits of a token in float32, the top_k
+// probabilities (ties to the lower expert id), rescaled to sum to 1 when renormalize; then the T * top_k
+// (token, choice) pairs counted and placed by expert, each expert's pairs in token order. In C++ because the
+// dozen small PyTorch ops it replaces each cost a parallel region's start and end, per layer and step.
+struct Routing {
+  std::vector<int64_t> offsets;  // [E + 1]: expert e's pairs are offsets[e] .. offsets[e + 1]
+  std::vector<int64_t> tokens;   // [P]: the token of each pair
+  std::vector<float> weights;    // [P]: its router weight
+};
+
+Routing route(const at::Tensor& logits, int64_t top_k, bool renormalize) {
+  const int64_t T = logits.size(0), E = logits.size(1), P = T * top_k;
+  const float* lp = logits.const_data_ptr<float>();
+  std::vector<int64_t> ids(P);
+  std::vector<float> w(P);
+  at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {  // serial below 256 tokens: a decode step
+    for (int64_t t = begin; t < end; ++t) {
+      const float* l = lp + t * E;
+      const float mx = *std::max_element(l, l + E);
+      float total = 0.0f;
+      for (int64_t e = 0; e < E; ++e) total += std::exp(l[e] - mx);
+      int64_t* id = ids.data() + t * top_k;
+      float* wt = w.data() + t * top_k;
+      for (int64_t j = 0; j < top_k; ++j) {  // top_k passes: k is small (8 of 128)
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e) {
+          if (std::find(id, id + j, e) != id + j) continue;
+          if (best < 0 || l[e] > l[best]) best = e;
+        }
+        id[j] = best;
+        wt[j] = std::exp(l[best] - mx) / total;
+      }
+      if (renormalize) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < top_k; ++j) sum += wt[j];
+        for (int64_t j = 0; j < top_k; ++j) wt[j] /= sum;
+      }
+    }
+  });
+  Routing r{std::vector<int64_t>(E + 1, 0), std::vector<int64_t>(P), std::vector<float>(P)};
+  for (int64_t p = 0; p < P; ++p) ++r.offsets[ids[p] + 1];
+  for (int64_t e = 0; e < E; ++e) r.offsets[e + 1] += r.offsets[e];
+  std::vector<int64_t> fill(r.offsets.begin(), r.offsets.end() - 1);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t at = fill[ids[p]]++;
+    r.tokens[at] = p / top_k;
+    r.weights[at] = w[p];
+  }
+  return r;
+}
+
+struct Item {
+  int64_t expert, block;
+};
+
+// The (expert, block) work items of the experts that received pairs.
+std::vector<Item> work_items(const int64_t* offsets, int64_t E, int64_t blocks) {
+  std::vector<Item> items;
+  for (int64_t e = 0; e < E; ++e)
+    if (offsets[e + 1] > offsets[e])
+      for (int64_t b = 0; b < blocks; ++b) items.push_back({e, b});
+  return items;
+}
+#endif
+
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& w13, const at::Tensor& w2,
+                       int64_t top_k, bool renormalize) {
+#ifndef KUBELLM_MOE_CPU
+  TORCH_CHECK(false, "moe_experts needs a build with AVX512-BF16 (-march of a CPU that has it)");
+#else
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be contiguous [T, H] bfloat16");
+  TORCH_CHECK(w13.dim() == 6 && w13.scalar_type() == at::kBFloat16 && w13.is_contiguous() && w13.size(2) == 2 &&
+                  w13.size(4) == 16 && w13.size(5) == 2,
+              "w13 must be a contiguous [E, I/16, 2, H/2, 16, 2] bfloat16 tensor");
+  TORCH_CHECK(w2.dim() == 5 && w2.scalar_type() == at::kBFloat16 && w2.is_contiguous() && w2.size(3) == 16 &&
+                  w2.size(4) == 2,
+              "w2 must be a contiguous [E, H/16, I/2, 16, 2] bfloat16 tensor");
+  const int64_t T = x.size(0), H = x.size(1), E = w13.size(0), IB = w13.size(1), I = IB * 16, HB = w2.size(1);
+  TORCH_CHECK(w13.size(3) * 2 == H && HB * 16 == H && w2.size(0) == E && w2.size(2) * 2 == I,
+              "weights do not match: x has ", H, " columns, w13 ", w13.sizes(), ", w2 ", w2.sizes());
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == T && logits.size(1) == E, "logits must be [T, E], got ",
+              logits.sizes());
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k must be 1..", E);
+  at::Tensor out = at::empty({T, H}, x.options());
+  if (T == 0) return out;
+  const Routing routing = route(logits.to(at::kFloat).contiguous(), top_k, renormalize);
+  const int64_t* off = routing.offsets.data();
+  const int64_t* tok = routing.tokens.data();
+  const float* wt = routing.weights.data();
+  const int64_t P = T * top_k;
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x.const_data_ptr<BF16>());
+  const BF16* w13p = w13.const_data_ptr<BF16>();
+  const BF16* w2p = w2.const_data_ptr<BF16>();
+
+  // Phase 1: h[p] = T(T(silu(T(gate))) * T(up)) for every pair, in sorted order.
+  at::Tensor h_buf = at::empty({P, I}, x.options());  // not zeroed: every element is written below
+  BF16* h = h_buf.mutable_data_ptr<BF16>();
+  const int64_t K2 = H / 2, w13_block = K2 * 32;  // one 16-channel block of H inputs, in bf16 elements
+  const std::vector<Item> items1 = work_items(off, E, IB);
+  dynamic_for(static_cast<int64_t>(items1.size()), [&](int64_t it, std::vector<float>&) {
+    const int32_t* rows[kMaxRows];
+    float acc[kMaxRows * 2 * 16];
+    const auto [e, j] = items1[it];
+    const BF16* w = w13p + (e * IB + j) * 2 * w13_block;
+    for (int64_t p0 = off[e]; p0 < off[e + 1]; p0 += kMaxRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, off[e + 1] - p0));
+      for (int r = 0; r < mr; ++r) rows[r] = xp + tok[p0 + r] * K2;
+      dot_rows<2>(mr, rows, w, w13_block, K2, acc);
+      for (int r = 0; r < mr; ++r) {
+        const float* g = acc + r * 32;
+        BF16* dst = h + (p0 + r) * I + j * 16;
+        for (int c = 0; c < 16; ++c)
+          dst[c] = from_f<BF16>(round_as<BF16>(silu(round_as<BF16>(g[c]))) * round_as<BF16>(g[16 + c]));
+      }
+    }
+  });
+
+  // Phase 2: out[t] = T(sum over t's pairs p of T(w[p]) * T(down(h[p]))), summed in float32 per token. A work item
+  // owns two 16-channel blocks of the output for every token, so items never write the same element and no
+  // separate combine pass is needed: it walks the hit experts, reading each one's slice of the down weight once.
+  const int64_t I2 = I / 2, w2_block = I2 * 32;
+  const int64_t items2 = (HB + 1) / 2;  // pairs of 16-channel output blocks (one for an odd tail)
+  const int32_t* hp = reinterpret_cast<const int32_t*>(h);
+  BF16* op = out.mutable_data_ptr<BF16>();
+  dynamic_for(items2, [&](int64_t pair, std::vector<float>& sums) {
+    const int32_t* rows[kMaxRows];
+    float acc[kMaxRows * 2 * 16];
+    const int64_t blk = pair * 2;
+    const int nb = static_cast<int>(std::min<int64_t>(2, HB - blk)), width = nb * 16;
+    sums.assign(static_cast<size_t>(T * width), 0.0f);
+    for (int64_t e = 0; e < E; ++e) {
+      const BF16* w = w2p + (e * HB + blk) * w2_block;
+      for (int64_t p0 = off[e]; p0 < off[e + 1]; p0 += kMaxRows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, off[e + 1] - p0));
+        for (int r = 0; r < mr; ++r) rows[r] = hp + (p0 + r) * I2;
+        if (nb == 2)
+          dot_rows<2>(mr, rows, w, w2_block, I2, acc);
+        else
+          dot_rows<1>(mr, rows, w, w2_block, I2, acc);
+        for (int r = 0; r < mr; ++r) {
+          const float scale = round_as<BF16>(wt[p0 + r]);
+          float* dst = sums.data() + tok[p0 + r] * width;
+          for (int c = 0; c < width; ++c) dst[c] += round_as<BF16>(acc[r * width + c]) * scale;
+        }
+      }
+    }
+    for (int64_t t = 0; t < T; ++t)
+      for (int c = 0; c < width; ++c) op[t * H + blk * 16 + c] = from_f<BF16>(sums[t * width + c]);
+  });
+  return out;
+#endif
+}
+
+}  // namespace
+}  // namespace kubellm_cpu
+
+TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
+  m.def("moe_experts(Tensor x, Tensor logits, Tensor w13, Tensor w2, int top_k, bool renormalize) -> Tensor");
+  m.def("moe_experts_available() -> bool", &kubellm_cpu::moe_experts_available);  // no tensors: not dispatched
+}
+
+TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) { m.impl("moe_experts", &kubellm_cpu::moe_experts); }

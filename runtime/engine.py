@@ -124,7 +124,8 @@ class LLMEngine:
             self.tp = parallel.start(config, self.max_model_len, self.kernels)
         try:
             model, self.model_config = build_model(ckpt, config.dtype, self.tp.device, self.max_model_len, progress,
-                                                   tp=self.tp, kernels=self.kernels)
+                                                   tp=self.tp, kernels=self.kernels,
+                                                   keep_packed=config.quantization in ("none", "gguf"))
             quantize_model(model, config.quantization, self.kernels)  # before the KV cache is sized from what is left
             self.weight_bytes = log_weight_bytes(model)
             num_blocks = self._num_kv_blocks()

@@ -31,3 +31,6 @@ class Checkpoint:
     tokenizer_config: dict = field(default_factory=dict)
     generation_config: dict = field(default_factory=dict)
     source: str = ""  # path it was read from, for error messages and logs
+    # GGUF: tensors() with the decoder linears' quantized blocks as kernels/gguf_blocks.BlockForm instead of
+    # dequantized (None: the format has no such form); the loader keeps them packed.
+    packed_tensors: Callable[[], Iterator[tuple[str, object]]] | None = None

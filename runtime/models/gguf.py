@@ -9,6 +9,10 @@ the runtime never needs to know which format a model came in:
 * tensors  -> ``(HF name, tensor)`` pairs, dequantized one at a time to the requested dtype, with
   llama.cpp's rotary row permutation of ``q_proj``/``k_proj`` undone;
 * tokenizer metadata -> a ``tokenizers.Tokenizer`` plus a ``tokenizer_config.json``-style dict.
+
+``packed_tensors()`` yields the same names with the decoder linears kept in their blocks
+(``kernels/gguf_blocks.BlockForm``, q/k rows unpermuted) when every one of them is Q8_0, Q4_0, Q4_1, Q4_K, Q5_K
+or Q6_K in a dense model; the loader (runtime/models/quantized_loading.py) keeps them packed.
 """
 
 from __future__ import annotations
@@ -125,10 +129,13 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
     _check_tensors(config, arch, gguf_tensors, path)
     tokenizer, tokenizer_config = _tokenizer(meta, config)
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         # The closure keeps ``reader`` (and its memory map) alive as long as the Checkpoint is.
         for tensor in reader.tensors:
             if tensor.name in _NON_PARAMETER_TENSORS:
+                continue
+            if packed and (form := _blocks(tensor, arch, config)) is not None:
+                yield _hf_name(tensor.name, arch), form
                 continue
             name, value = _hf_name(tensor.name, arch), _decode(tensor, arch, config, dtype, path)
             if (m := _LAYER_NAME.fullmatch(tensor.name)) and m[2] in _EXPERT_TENSORS:  # [experts, out, in]
@@ -145,7 +152,41 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
         tokenizer_config=tokenizer_config,
         generation_config=_generation_config(meta),
         source=str(path),
+        packed_tensors=(lambda: tensors(packed=True)) if _all_linears_packable(reader, config) else None,
     )
+
+
+# Decoder linears kept packed (GGUF names); experts are not (their blocks are stacked per layer).
+_PACKED_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "ffn_gate", "ffn_up", "ffn_down"}
+
+
+def _all_linears_packable(reader, config: dict) -> bool:
+    """Whether every decoder linear is in a type kernels/gguf_blocks.py reads (a file with some in F16 or an
+    unread type is dequantized whole), in a dense model (stacked experts are not kept packed)."""
+    from kubellm.kernels import gguf_blocks
+
+    if config.get("num_experts") or config.get("num_local_experts"):
+        return False
+    types = [t.tensor_type.name for t in reader.tensors
+             if (m := _LAYER_NAME.fullmatch(t.name)) and m[2] in _PACKED_LINEARS and m[3] == "weight"]
+    return bool(types) and all(t in gguf_blocks.BLOCKS for t in types)
+
+
+def _blocks(tensor, arch: _Arch, config: dict):
+    """A decoder linear of a type kernels/gguf_blocks.py reads, as its BlockForm (q/k rows back in HF order);
+    None for anything else (dequantized as usual)."""
+    from kubellm.kernels import gguf_blocks
+
+    m = _LAYER_NAME.fullmatch(tensor.name)
+    if m is None or m[2] not in _PACKED_LINEARS or m[3] != "weight" or tensor.tensor_type.name not in gguf_blocks.BLOCKS:
+        return None
+    in_features = int(tensor.shape[0])
+    form = gguf_blocks.unpack(tensor.tensor_type.name, torch.from_numpy(np.array(tensor.data)), in_features)
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(m[2])
+    if arch.rope_permuted and heads:
+        form = gguf_blocks.BlockForm(*(None if t is None else _unpermute_rope_rows(t, heads)
+                                       for t in (form.values, form.scales, form.zeros)), form.group_size, form.kernel)
+    return form
 
 
 # --------------------------------------------------------------------------------------- metadata

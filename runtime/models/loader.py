@@ -37,14 +37,16 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len: int,
                 progress: bool = True, tp: Group | None = None,
-                kernels: KernelChoice | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+                kernels: KernelChoice | None = None, keep_packed: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model with its weights (this rank's shards with tensor parallelism) on ``device``; the linears of a
-    pre-quantized checkpoint stay quantized, computed by the GEMMs ``kernels`` chose."""
+    pre-quantized checkpoint stay quantized, computed by the GEMMs ``kernels`` chose, and so do a GGUF file's
+    blocks with ``keep_packed`` (without tensor parallelism; else they are dequantized)."""
     cfg = ModelConfig.from_hf(ckpt.config, ckpt.source)
     start = time.perf_counter()
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, dtype, max_positions=max_model_len, tp=tp)
-        quantized = quantized_loading.prepare(model, ckpt.config, kernels, ckpt.source)
+        gguf = keep_packed and ckpt.packed_tensors is not None and (tp is None or tp.size == 1)
+        quantized = quantized_loading.prepare(model, ckpt.config, kernels, ckpt.source, gguf=gguf)
     # Materialise directly in the target dtype/device; weights are copied in by load_weights.
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty() materialises shared parameters separately
@@ -57,7 +59,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len
     with tqdm(total=total, desc=f"loading {Path(ckpt.source).name}", unit="tensor", disable=not progress,
               leave=False) as bar:
         def stream():
-            for name, t in ckpt.tensors():
+            for name, t in (ckpt.packed_tensors() if gguf else ckpt.tensors()):
                 bar.update(1)
                 if quantized is None or not quantized.take(name, t):  # quantized tensors keep their dtype
                     yield name, t.to(device=device, dtype=dtype)

@@ -12,6 +12,10 @@ as soon as its last part arrives: q/k/v (gate/up) parts are read into :class:`Qu
 concatenated along the outputs, which is exact since groups run along the inputs. :meth:`finish` names any
 layer the checkpoint left incomplete.
 
+GGUF files come the same way (``prepare(..., gguf=True)``, the checkpoint's ``packed_tensors()``): each
+linear's ``weight`` is a ``kernels/gguf_blocks.BlockForm``, 4-bit or 8-bit per its type; fused parts of
+different types join in the 8-bit form at the smaller group.
+
 Served: dense decoder layers (every family of the registry). Refused by name: quantized experts of mixtures
 of experts, tensor parallelism > 1, a quantized LM head, q/k/v parts with different act-order maps.
 """
@@ -68,6 +72,8 @@ def _required(spec: QuantSpec) -> set[str]:
         return {"qweight", "qzeros", "scales"}
     if spec.method == "gptq":
         return {"qweight", "qzeros", "scales"} | ({"g_idx"} if spec.act_order else set())
+    if spec.method == "gguf":
+        return {"weight"}  # a kernels/gguf_blocks.BlockForm
     if spec.method == "compressed-tensors":
         return ({"weight_packed", "weight_scale", "weight_shape"} | (set() if spec.symmetric else
                 {"weight_zero_point"}) | ({"weight_g_idx"} if spec.act_order else set()))
@@ -89,12 +95,16 @@ def _is_ignored(prefix: str, patterns: list[str]) -> bool:
     return False
 
 
-def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None,
-            source: str = "") -> QuantizedLoading | None:
-    """For a checkpoint whose config.json declares a quantization: swap the decoder linears of ``model`` (on
-    the meta device) for placeholders and return what loads them; None for a checkpoint that is not quantized."""
+GGUF = QuantSpec("gguf", 4, 32, symmetric=False)  # per tensor in fact: each BlockForm says its kernel and group
+
+
+def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None, source: str = "",
+            gguf: bool = False) -> QuantizedLoading | None:
+    """For a checkpoint whose config.json declares a quantization (or a GGUF file's blocks, ``gguf``): swap
+    the decoder linears of ``model`` (on the meta device) for placeholders and return what loads them; None
+    for a checkpoint that is not quantized."""
     where = f" in {source}" if source else ""
-    spec = prequantized.detect(config, where)
+    spec = GGUF if gguf else prequantized.detect(config, where)
     if spec is None:
         return None
     tp = getattr(model, "tp", None)
@@ -154,11 +164,13 @@ class QuantizedLoading:
             return False
         if suffix == "weight_scale_inv":
             suffix = "weight_scale"
-        if suffix == "weight" and not self.spec.float_weights:
+        if suffix == "weight" and not self.spec.float_weights and self.spec.method != "gguf":
             raise CheckpointError(f"{name}{self._where()} is not quantized, but the checkpoint's "
                                   f"quantization_config ({self.spec.method}) says its layer is")
         if suffix in _DROPPED or suffix in ("g_idx", "weight_g_idx") and not self.spec.act_order:
             return True
+        if self.spec.method == "gguf" and suffix == "weight" and isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"{name}{self._where()} is stored in a GGUF type without a packed form here")
         if suffix not in self.required and suffix != "bias":
             raise CheckpointError(f"unexpected tensor {name!r} for a {self.spec.method} layer{self._where()}")
         target.got.setdefault(prefix, {})[suffix] = tensor
@@ -188,7 +200,8 @@ class QuantizedLoading:
         assert self.model is not None, "attach() the model before streaming tensors"
         device = self.device
         parts = [self._read(target.got[p], p) for p in alt]
-        weight = _concatenate(parts, target.module, self._where())
+        bits = max(b for _, b in parts)
+        weight = _concatenate([w for w, _ in parts], target.module, self._where())
         if weight.values.shape[0] != target.out_features:
             raise CheckpointError(f"{target.module}{self._where()}: the quantized parts have "
                                   f"{weight.values.shape[0]} outputs, the config implies {target.out_features}")
@@ -196,7 +209,7 @@ class QuantizedLoading:
         weight = QuantizedWeight(*(None if t is None else t.to(device) for t in
                                    (weight.values, weight.scales, weight.zeros)), weight.group_size,
                                  None if weight.g_idx is None else weight.g_idx.to(device))
-        layer = QuantizedLinear(weight, self.spec.bits, self._path(weight, device),
+        layer = QuantizedLinear(weight, bits, self._path(weight, bits, device),
                                 None if bias is None else bias.to(device))
         parent, _, leaf = target.module.rpartition(".")
         setattr(self.model.get_submodule(parent), leaf, layer)
@@ -204,26 +217,33 @@ class QuantizedLoading:
         target.got.clear()
         self.built += 1
 
-    def _path(self, weight: QuantizedWeight, device: torch.device) -> str:
+    def _path(self, weight: QuantizedWeight, bits: int, device: torch.device) -> str:
         out_features, in_features = weight.values.shape
-        kernels = self.kernels or kernel_choice.for_quantized_layer(device, self.dtype, self.spec.method)
+        if self.kernels is None:  # alone (tests, tools): auto for the device, probed once
+            self.kernels = kernel_choice.for_quantized_layer(device, self.dtype, self.spec.method)
+        kernels = self.kernels
         if self.spec.float_weights:
             return "dequantize"
-        return kernels.grouped_path(self.spec.bits, out_features, in_features, weight.group_size)
+        return kernels.grouped_path(bits, out_features, in_features, weight.group_size)
 
-    def _read(self, t: dict[str, torch.Tensor], prefix: str) -> QuantizedWeight:
+    def _read(self, t: dict[str, torch.Tensor], prefix: str) -> tuple[QuantizedWeight, int]:
+        """One part's stored tensors in the readers' form, and the bits of its values."""
         s = self.spec
         try:
+            if s.method == "gguf":
+                form = t["weight"]
+                return (QuantizedWeight(form.values, form.scales, form.zeros, form.group_size),
+                        4 if form.kernel == "int4" else 8)
             if s.method == "awq":
-                return prequantized.read_awq(t["qweight"], t["qzeros"], t["scales"], s.group_size)
+                return prequantized.read_awq(t["qweight"], t["qzeros"], t["scales"], s.group_size), s.bits
             if s.method == "gptq":
                 return prequantized.read_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), s.bits,
-                                              s.group_size)
+                                              s.group_size), s.bits
             if s.method == "compressed-tensors":
                 return prequantized.read_compressed(t["weight_packed"], t["weight_scale"], t["weight_shape"].tolist(),
                                                     s.bits, s.group_size, t.get("weight_zero_point"),
-                                                    t.get("weight_g_idx"))
-            return fp8_weight(t["weight"], t["weight_scale"], s.block)
+                                                    t.get("weight_g_idx")), s.bits
+            return fp8_weight(t["weight"], t["weight_scale"], s.block), s.bits
         except (RuntimeError, IndexError, ValueError) as e:
             raise CheckpointError(f"cannot read the {s.method} tensors of {prefix}{self._where()}: {e}") from e
 
@@ -245,9 +265,13 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 def _concatenate(parts: list[QuantizedWeight], module: str, where: str) -> QuantizedWeight:
     if len(parts) == 1:
         return parts[0]
+    groups = {p.values.shape[1] if p.group_size <= 0 else p.group_size for p in parts}
+    if len(groups) > 1:  # GGUF mixes types (Q4_K q, Q6_K v): repeat each scale down to the smallest group
+        smallest = min(groups)
+        if any(g % smallest for g in groups):
+            raise CheckpointError(f"{module}{where}: its parts' group sizes {sorted(groups)} do not nest")
+        parts = [_regroup(p, smallest) for p in parts]
     first = parts[0]
-    if any(p.group_size != first.group_size for p in parts):
-        raise CheckpointError(f"{module}{where}: its parts have different group sizes")
     maps = [p.g_idx for p in parts]
     if any(m is not None for m in maps) and not all(m is not None and torch.equal(m, maps[0]) for m in maps):
         raise CheckpointError(f"{module}{where}: its parts were quantized with different act-order group maps "
@@ -255,5 +279,16 @@ def _concatenate(parts: list[QuantizedWeight], module: str, where: str) -> Quant
     zeros = None
     if any(p.zeros is not None for p in parts):
         zeros = torch.cat([p.zeros if p.zeros is not None else torch.zeros_like(p.scales) for p in parts])
-    return QuantizedWeight(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]), zeros,
-                           first.group_size, maps[0])
+    values = [p.values for p in parts]
+    if len({v.dtype for v in values}) > 1:  # 4-bit (uint8 0..15) beside 8-bit (int8) values: all fit int8
+        values = [v.to(torch.int16) for v in values]
+    return QuantizedWeight(torch.cat(values), torch.cat([p.scales for p in parts]), zeros, first.group_size, maps[0])
+
+
+def _regroup(w: QuantizedWeight, group: int) -> QuantizedWeight:
+    size = w.values.shape[1] if w.group_size <= 0 else w.group_size
+    if size == group:
+        return w
+    r = size // group
+    return QuantizedWeight(w.values, w.scales.repeat_interleave(r, 1),
+                           None if w.zeros is None else w.zeros.repeat_interleave(r, 1), group, w.g_idx)

@@ -314,3 +314,21 @@ def test_load_logs_weight_bytes_by_dtype_in_one_structured_line(tiny_checkpoint_
                 if name.endswith(".weight"))  # embeddings, norms, the LM head: float32 as stored
     per_group = sum(m.scales.numel() * 4 * 2 for m in layers)
     assert sizes == {"float32": dense + per_group, "int4": sizes["int4"]}
+
+
+def test_fused_parts_of_different_gguf_types_join_at_the_smaller_group():
+    """Q4_K_M stores attn_v as Q6_K beside Q4_K q/k: 4-bit values (group 32, zeros) and signed 8-bit values
+    (group 16, no zeros) become one 8-bit weight whose dequantization is the parts' stacked."""
+    from kubellm.runtime.models.quantized_loading import _concatenate
+
+    gen = torch.Generator().manual_seed(3)
+    q4 = QuantizedWeight(torch.randint(0, 16, (16, 64), generator=gen, dtype=torch.uint8),
+                         torch.rand(16, 2, generator=gen), torch.rand(16, 2, generator=gen) * 15, 32)
+    q6 = QuantizedWeight(torch.randint(-32, 32, (32, 64), generator=gen, dtype=torch.int8),
+                         torch.rand(32, 4, generator=gen), None, 16)
+    joined = _concatenate([q4, q6], "model.layers.0.self_attn.qkv_proj", "")
+    assert joined.group_size == 16 and joined.values.dtype == torch.int16
+    torch.testing.assert_close(joined.dequantize(), torch.cat([q4.dequantize(), q6.dequantize()]))
+    layer = QuantizedLinear(joined, 8, "dequantize")
+    x = torch.randn(2, 64, generator=gen)
+    torch.testing.assert_close(layer(x), x @ joined.dequantize().T, atol=1e-5, rtol=1e-5)

@@ -17,8 +17,10 @@ quarter of fp32), which leaves more room for the KV cache. The GEMM, by what run
 ``int4``: signed 4-bit weights in ``[-8, 7]`` with one scale (``max|w| / 7``) per output channel and group of
 128 inputs (fewer where the layer's input size is not a multiple of 128), two weights per byte: about a
 quarter of bf16's weight memory. On CUDA a Triton kernel (``kernels/triton_int4_gemm.py``) unpacks the
-nibbles in registers, once its start-up check passed (not yet run on a GPU); elsewhere the layer
-dequantizes per call (correct, slow: the LLMDeployment API admits int4 only on GPUs).
+nibbles in registers, once its start-up check passed (not yet run on a GPU); bf16 on CPUs with AVX512-BF16
+runs the native int4 kernel (``kernels/cpu_int4_gemm.py``, the same weights as values + 8 with zero point 8 in
+a ``QuantizedLinear``; experts keep ``Int4Linear``); elsewhere the layer dequantizes per call (correct, slow;
+the LLMDeployment API admits int4 only on GPUs).
 
 Embeddings, norms and the LM head stay in the model dtype, as in most weight-only schemes: they are a small
 share of the weights of a large model and the LM head decides the tokens.
@@ -233,6 +235,24 @@ def log_weight_bytes(model: nn.Module) -> dict[str, int]:
     return sizes
 
 
+def _native_int4(linear: nn.Linear, kernels: KernelChoice | None):
+    """``--quantization int4`` where the native CPU int4 kernel takes the layer (bf16, AVX512-BF16): the same
+    signed 4-bit weights and group scales as :class:`Int4Linear`, as unsigned values q + 8 with zero point 8 in
+    a :class:`QuantizedLinear` that runs ``kernels/cpu_int4_gemm.py``; None where it does not."""
+    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+    from kubellm.runtime.prequantized import QuantizedWeight
+
+    if kernels is None or linear.weight.dtype != torch.bfloat16:
+        return None
+    group = int4_group(linear.in_features)
+    if kernels.grouped_path(4, linear.out_features, linear.in_features, group) != "native":
+        return None
+    packed, scales = quantize_int4(linear.weight, group)
+    values = (int4_weights.unpack_int4(packed).to(torch.int16) + 8).to(torch.uint8)
+    weight = QuantizedWeight(values, scales, torch.full_like(scales, 8.0), group)
+    return QuantizedLinear(weight, 4, "native", None if linear.bias is None else linear.bias.detach())
+
+
 def quantize_model(model: nn.Module, method: str, kernels: KernelChoice | None = None) -> int:
     """Replace the decoder layers' ``nn.Linear`` modules (experts' too, not routers) per ``method``, each with
     the GEMM ``kernels`` chose (``auto`` per layer without); returns how many were replaced."""
@@ -243,15 +263,20 @@ def quantize_model(model: nn.Module, method: str, kernels: KernelChoice | None =
     # Mixture-of-experts routers (mlp.gate) stay in the model dtype: a rounded router picks other experts.
     targets = [(name, m) for name, m in layers.named_modules() if isinstance(m, nn.Linear) and not name.endswith(".gate")]
     before = sum(m.weight.numel() * m.weight.element_size() for _, m in targets)
-    layer_type = Int8Linear if method == "int8" else Int4Linear
+    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+
     for name, linear in targets:
-        path = None
-        if kernels is not None:
-            path = kernels.int8_path(linear.weight) if method == "int8" else kernels.int4_gemm
+        if method == "int8":
+            layer = Int8Linear(linear, None if kernels is None else kernels.int8_path(linear.weight))
+        elif ".experts." not in name and (native := _native_int4(linear, kernels)) is not None:
+            layer = native
+        else:
+            layer = Int4Linear(linear, None if kernels is None else kernels.int4_gemm)
         parent_name, _, attr = name.rpartition(".")
-        setattr(layers.get_submodule(parent_name) if parent_name else layers, attr, layer_type(linear, path))
-    after = sum(b.numel() * b.element_size() for m in layers.modules() if isinstance(m, layer_type)
-                for b in (m.qweight, m.scales))
+        setattr(layers.get_submodule(parent_name) if parent_name else layers, attr, layer)
+    after = sum(b.numel() * b.element_size() for m in layers.modules()
+                if isinstance(m, (Int8Linear, Int4Linear, QuantizedLinear))
+                for b in (m.qweight, m.scales, getattr(m, "zeros", None)) if b is not None)
     log.info("quantized %d linear layers to %s: %.1f MiB -> %.1f MiB of weights", len(targets), method,
              before / 2**20, after / 2**20)
     return len(targets)

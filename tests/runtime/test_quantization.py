@@ -259,3 +259,28 @@ def test_int4_engine_equals_transformers_on_the_dequantized_weights(fixture, req
     assert len(layers) == 4 * len(llm.engine.runner.model.model.layers)
     _run_and_compare(llm, twin, _prompts())
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_int4_on_bf16_cpu_runs_the_native_int4_kernel_on_the_same_weights(native_int4):
+    """Where cpu_int4_gemm loads, --quantization int4 keeps Int4Linear's weights (signed 4-bit, group 128)
+    as values + 8 with zero point 8 and computes with the native kernel."""
+    from kubellm.runtime.kernel_choice import KernelChoice
+    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+    from kubellm.runtime.quantization import quantize_model
+
+    gen = torch.Generator().manual_seed(5)
+    linear = nn.Linear(256, 48, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 256, generator=gen) * 0.05)
+        linear.bias.copy_(torch.randn(48, generator=gen) * 0.1)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.ModuleDict({"proj": linear})])
+    reference = Int4Linear(linear, "dequantize")
+    assert quantize_model(model, "int4", KernelChoice(grouped_int4_gemm="native")) == 1
+    layer = model.model.layers[0]["proj"]
+    assert isinstance(layer, QuantizedLinear) and layer.path == "native" and layer.group_size == 128
+    torch.testing.assert_close(layer.dequantized(), reference.dequantized(torch.float32))
+    x = torch.randn(3, 256, generator=gen).to(torch.bfloat16)
+    expected = x.float() @ reference.dequantized(torch.float32).T + linear.bias.float()
+    torch.testing.assert_close(layer(x).float(), expected, atol=0.02, rtol=0.02)

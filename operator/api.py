@@ -1022,6 +1022,19 @@ def all_rules() -> dict[str, tuple[Rule, ...]]:
 # --------------------------------------------------------------------------------------------------
 
 
+def parse_time(value: Any) -> datetime | None:
+    """A Kubernetes timestamp (``2024-05-01T12:00:00Z``) as an aware datetime; None if absent or unparsable."""
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
 def utc_now() -> datetime:
     """Now, in UTC, to the second (condition times; status.py uses it too)."""
     return datetime.now(UTC).replace(microsecond=0)

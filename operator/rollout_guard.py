@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from kubellm.operator import api
@@ -59,16 +59,6 @@ def _get(obj: Any, *path: str) -> Any:
             return None
         obj = obj.get(key)
     return obj
-
-
-def _time(value: Any) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def _without_hash(template: Any) -> Any:
@@ -132,7 +122,8 @@ def waiting_for_gpu(pod: Mapping[str, Any], resource: str) -> tuple[datetime | N
         if isinstance(c, Mapping) and c.get("type") == "PodScheduled":
             message = c.get("message") or ""
             if c.get("status") == "False" and c.get("reason") == "Unschedulable" and f"Insufficient {resource}" in message:
-                since = _time(c.get("lastTransitionTime")) or _time(_get(pod, "metadata", "creationTimestamp"))
+                since = api.parse_time(c.get("lastTransitionTime")) or api.parse_time(
+                    _get(pod, "metadata", "creationTimestamp"))
                 return since, message
     return None
 

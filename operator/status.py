@@ -75,6 +75,7 @@ from kubellm.operator.api import (
     LLMDeployment,
     LLMDeploymentStatus,
     parse_quantity,
+    parse_time,
     ready_text,
     utc_now,
 )
@@ -185,19 +186,6 @@ def _int(value: Any) -> int:
         return int(value or 0)
     except (TypeError, ValueError):
         return 0
-
-
-def parse_time(value: Any) -> datetime | None:
-    """A Kubernetes timestamp (``2024-05-01T12:00:00Z``) as an aware datetime; None if absent or unparsable."""
-    if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=UTC)
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def quantity_to_float(value: Any) -> float | None:

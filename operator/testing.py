@@ -11,16 +11,18 @@ object, and ``generateName`` gets a name (kopf's Events use it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import kmock
 import kopf
+import kubernetes.config.kube_config
 import yaml
 
-from kubellm.operator import api
+from kubellm.operator import api, handlers
 
 NS = "ml"
 NAME = "llama"
@@ -136,6 +138,26 @@ async def start_operator(
     await asyncio.wait_for(ready.wait(), timeout=15)
     await until(lambda: getattr(memo, "kubellm", None), "the startup handler to run")
     return memo, stop, runner, ignored
+
+
+@contextlib.asynccontextmanager
+async def operator_running(server, tmp_path: Path, monkeypatch, *, observe_interval: float = 2.0,
+                           **start: Any) -> AsyncIterator[kopf.Memo]:
+    """kopf running the handlers in this event loop, logged in to ``server`` through a kubeconfig (pytest's
+    ``monkeypatch`` points the official client at it and shortens the observer's timers); yields the whole
+    memo and stops the operator on exit. ``start``: :func:`start_operator`'s keywords."""
+    kubeconfig = write_kubeconfig(server, tmp_path / "kubeconfig")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.setattr(handlers, "OBSERVE_INTERVAL", observe_interval)
+    monkeypatch.setattr(handlers, "OBSERVE_DEBOUNCE", 0.05)
+    memo, stop, runner, ignored = await start_operator(**start)
+    try:
+        yield memo
+    finally:
+        ignored.add(asyncio.current_task())
+        stop.set()
+        await asyncio.wait_for(runner, timeout=15)
 
 
 async def until(predicate: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:

@@ -44,6 +44,7 @@ from kubellm.operator.testing import (  # noqa: F401  (re-exported: test_operato
     create,
     declare_leader_worker_sets,
     declare_resources,
+    operator_running,
     start_operator,
     until,
     write_kubeconfig,
@@ -73,16 +74,8 @@ async def lws_installed(server) -> kmock.KubernetesEmulator:
 @pytest_asyncio.fixture
 async def operator(server, tmp_path, monkeypatch):
     """kopf running the handlers in this event loop, logged in to kmock through a kubeconfig."""
-    kubeconfig = write_kubeconfig(server, tmp_path / "kubeconfig")
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-    monkeypatch.setattr(handlers, "OBSERVE_INTERVAL", 2.0)
-    monkeypatch.setattr(handlers, "OBSERVE_DEBOUNCE", 0.05)
-    memo, stop, runner, ignored = await start_operator()
-    yield memo.kubellm
-    ignored.add(asyncio.current_task())
-    stop.set()
-    await asyncio.wait_for(runner, timeout=15)
+    async with operator_running(server, tmp_path, monkeypatch) as memo:
+        yield memo.kubellm
 
 
 def live(server, resource) -> dict[str, dict]:

@@ -150,21 +150,10 @@ async def server(kmock: kmock.KubernetesEmulator, monkeypatch) -> kmock.Kubernet
 
 
 async def run_operator(server, tmp_path, monkeypatch, scenario, *, clusterwide: bool) -> None:
-    kubeconfig = t.write_kubeconfig(server, tmp_path / "kubeconfig")
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-    monkeypatch.setattr(handlers, "OBSERVE_INTERVAL", 1.0)
-    monkeypatch.setattr(handlers, "OBSERVE_DEBOUNCE", 0.05)
     # CRD and namespace scanning on, as `kubellm operator` runs it
-    _, stop, runner, ignored = await t.start_operator(
-        clusterwide=clusterwide, namespaces=[] if clusterwide else [t.NS], scanning=True
-    )
-    try:
+    async with t.operator_running(server, tmp_path, monkeypatch, observe_interval=1.0, clusterwide=clusterwide,
+                                  namespaces=[] if clusterwide else [t.NS], scanning=True):
         await scenario(server)
-    finally:
-        ignored.add(asyncio.current_task())
-        stop.set()
-        await asyncio.wait_for(runner, timeout=15)
 
 
 def stale_child(api_version: str, kind: str) -> dict[str, Any]:

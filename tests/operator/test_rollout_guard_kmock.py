@@ -8,18 +8,16 @@ therefore check what the operator *sends* (its server-side applies) as well as w
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from typing import Any
 
 import kmock
-import kubernetes.config.kube_config
 import pytest
 import pytest_asyncio
 import test_operator_kmock as t
 
-from kubellm.operator import handlers, metrics, rollout_guard
-from kubellm.operator.testing import REPLICASETS
+from kubellm.operator import metrics, rollout_guard
+from kubellm.operator.testing import REPLICASETS, operator_running
 
 pytestmark = pytest.mark.kmock(cls=t.ApiServer)
 
@@ -35,16 +33,8 @@ async def server(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
 
 @pytest_asyncio.fixture
 async def operator(server, tmp_path, monkeypatch):
-    kubeconfig = t.write_kubeconfig(server, tmp_path / "kubeconfig")
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-    monkeypatch.setattr(handlers, "OBSERVE_INTERVAL", 0.5)
-    monkeypatch.setattr(handlers, "OBSERVE_DEBOUNCE", 0.05)
-    memo, stop, runner, ignored = await t.start_operator()
-    yield memo.kubellm
-    ignored.add(asyncio.current_task())
-    stop.set()
-    await asyncio.wait_for(runner, timeout=15)
+    async with operator_running(server, tmp_path, monkeypatch, observe_interval=0.5) as memo:
+        yield memo.kubellm
 
 
 async def post(server, path: str, body: dict[str, Any]) -> None:

@@ -34,16 +34,16 @@ from test_operator_kmock import (
     owned_by_ld,
     patch,
     simulate_deployment_status,
-    start_operator,
     the_deployment,
     until,
     write_kubeconfig,
 )
 from test_operator_rbac import checks as rbac_checks
 
-from kubellm.operator import activation, handlers, rbac
+from kubellm.operator import activation, rbac
 from kubellm.operator.activator import ScaleWaker, Target
 from kubellm.operator.kube import Kube
+from kubellm.operator.testing import operator_running
 
 pytestmark = pytest.mark.kmock(cls=ApiServer)
 
@@ -65,17 +65,9 @@ async def cluster(kmock, tmp_path, monkeypatch):
         kind="Deployment", namespaced=True, verbs=VERBS, subresources={"status", "scale"})
     # Discovery is read once at start-up: declare the kinds first, then start the operator (as the operator
     # fixture of test_operator_kmock.py does).
-    kubeconfig = write_kubeconfig(server, tmp_path / "kubeconfig")
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-    monkeypatch.setattr(handlers, "OBSERVE_INTERVAL", 2.0)
-    monkeypatch.setattr(handlers, "OBSERVE_DEBOUNCE", 0.05)
-    memo, stop, runner, ignored = await start_operator()
-    await configure(server, memo.kubellm)
-    yield server, memo.kubellm, str(write_kubeconfig(server, tmp_path / "activator", user="activator"))
-    ignored.add(asyncio.current_task())
-    stop.set()
-    await asyncio.wait_for(runner, timeout=15)
+    async with operator_running(server, tmp_path, monkeypatch) as memo:
+        await configure(server, memo.kubellm)
+        yield server, memo.kubellm, str(write_kubeconfig(server, tmp_path / "activator", user="activator"))
 
 
 async def configure(server, operator) -> None:

@@ -4,57 +4,10 @@ interpreter (lupa) against statuses the operator's own status code writes for ea
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
-from typing import Any
 
 from gitops_health import ARGOCD_LUA as LUA
-from gitops_health import ROOT, argo_health
+from gitops_health import NOW, ROOT, argo_health, deployment, ld, observed, pod, resource, settled
 from kubellm.operator import status as status_mod
-from kubellm.operator.api import LLMDeployment
-
-NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-
-
-def ld(generation: int = 1, **spec: Any) -> LLMDeployment:
-    return LLMDeployment.model_validate({
-        "metadata": {"name": "llm", "namespace": "ml", "uid": "u", "generation": generation},
-        "spec": {"model": {"uri": "hf://org/llm"}, **spec},
-    })  # fmt: skip
-
-
-def deployment(desired: int, ready: int, updated: int | None = None) -> dict[str, Any]:
-    updated = desired if updated is None else updated
-    return {"metadata": {"name": "llm", "namespace": "ml", "generation": 1},
-            "spec": {"replicas": desired},
-            "status": {"observedGeneration": 1, "replicas": max(desired, updated), "readyReplicas": ready,
-                       "updatedReplicas": updated, "availableReplicas": ready}}  # fmt: skip
-
-
-def pod(name: str, *, ready: bool = True, waiting: str | None = None) -> dict[str, Any]:
-    container: dict[str, Any] = {"name": "runtime", "ready": ready, "started": ready and not waiting,
-                                 "restartCount": 0, "state": {"running": {}}}  # fmt: skip
-    if waiting:
-        container["state"] = {"waiting": {"reason": waiting, "message": "back-off restarting"}}
-    return {"metadata": {"name": name, "namespace": "ml", "labels": {"kubellm.io/llmdeployment": "llm"}},
-            "status": {"conditions": [], "containerStatuses": [container]}}  # fmt: skip
-
-
-def resource(target: LLMDeployment, status: Any) -> dict[str, Any]:
-    obj = {"apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
-           "metadata": target.metadata.model_dump() if hasattr(target.metadata, "model_dump") else dict(target.metadata),
-           "spec": {}}  # fmt: skip
-    if status is not None:
-        obj["status"] = status.model_dump(mode="json", by_alias=True, exclude_none=True)
-    return obj
-
-
-def observed(target: LLMDeployment, dep, pods, previous=None, **kw):
-    return status_mod.observe(target, dep, None, pods, previous, now=NOW, **kw)[0]
-
-
-def settled(target: LLMDeployment, dep, pods):
-    """The status once the operator has seen this generation's rollout through (a second observation)."""
-    return observed(target, dep, pods, observed(target, dep, pods))
 
 
 def test_serving_is_healthy():

@@ -8,66 +8,26 @@ Each fixture is a status produced by :mod:`kubellm.operator.status` for one situ
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 
-from gitops_health import ARGO_FOR_KSTATUS, CURRENT, FAILED, IN_PROGRESS, TERMINATING, argo_health, kstatus
+from gitops_health import (
+    ARGO_FOR_KSTATUS,
+    CURRENT,
+    FAILED,
+    IN_PROGRESS,
+    NOW,
+    TERMINATING,
+    argo_health,
+    deployment,
+    kstatus,
+    ld,
+    observed,
+    pod,
+    resource,
+    settled,
+)
 from kubellm.operator import status as status_mod
-from kubellm.operator.api import LLMDeployment, LLMDeploymentStatus
-
-NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-
-
-def ld(generation: int = 1, **spec: Any) -> LLMDeployment:
-    return LLMDeployment.model_validate({
-        "metadata": {"name": "llm", "namespace": "ml", "uid": "u", "generation": generation},
-        "spec": {"model": {"uri": "hf://org/llm"}, **spec},
-    })  # fmt: skip
-
-
-def deployment(desired: int, ready: int, *, updated: int | None = None, replicas: int | None = None,
-               conditions: list[dict] | None = None) -> dict[str, Any]:  # fmt: skip
-    updated = desired if updated is None else updated
-    status = {"observedGeneration": 1, "replicas": max(desired, updated) if replicas is None else replicas,
-              "readyReplicas": ready, "updatedReplicas": updated, "availableReplicas": ready}  # fmt: skip
-    if conditions:
-        status["conditions"] = conditions
-    return {"metadata": {"name": "llm", "namespace": "ml", "generation": 1}, "spec": {"replicas": desired},
-            "status": status}  # fmt: skip
-
-
-def pod(name: str, *, ready: bool = True, started: bool | None = None, waiting: str | None = None,
-        unschedulable: str | None = None) -> dict[str, Any]:  # fmt: skip
-    container: dict[str, Any] = {"name": "runtime", "ready": ready, "restartCount": 0, "state": {"running": {}},
-                                 "started": ready if started is None else started}  # fmt: skip
-    if waiting:
-        container.update(ready=False, started=False, state={"waiting": {"reason": waiting, "message": "back-off"}})
-    status: dict[str, Any] = {"conditions": [], "containerStatuses": [container]}
-    if unschedulable:
-        status = {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                  "message": unschedulable}]}  # fmt: skip
-    return {"metadata": {"name": name, "namespace": "ml", "labels": {"kubellm.io/llmdeployment": "llm"}},
-            "status": status}  # fmt: skip
-
-
-def observed(target: LLMDeployment, dep, pods, previous=None, *, after: float = 0, **kw) -> LLMDeploymentStatus:
-    return status_mod.observe(target, dep, None, pods, previous, now=NOW + timedelta(seconds=after), **kw)[0]
-
-
-def settled(target: LLMDeployment, dep, pods) -> LLMDeploymentStatus:
-    """The status once the operator has seen this generation's rollout through (a second observation)."""
-    return observed(target, dep, pods, observed(target, dep, pods), after=15)
-
-
-def resource(target: LLMDeployment, status: LLMDeploymentStatus | None) -> dict[str, Any]:
-    obj: dict[str, Any] = {"apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
-                           "metadata": dict(target.metadata), "spec": {}}  # fmt: skip
-    if status is not None:
-        obj["status"] = status.to_k8s()
-    return obj
-
 
 SERVING = [pod("llm-a"), pod("llm-b")]
 DEADLINE = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",

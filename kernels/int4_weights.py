@@ -13,7 +13,8 @@ __all__ = ["dequantize_int4", "pack_int4", "reference_int4_gemm", "unpack_int4"]
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` integers in ``[-8, 7]`` (K even) → ``[N, K/2]`` uint8."""
+    """``[N, K]`` integers in ``[-8, 7]`` or ``0..15`` (K even; their low four bits) → ``[N, K/2]`` uint8, even
+    inputs in the low nibbles."""
     q = q.to(torch.int16)
     return ((q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)).to(torch.uint8)
 

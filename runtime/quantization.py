@@ -70,7 +70,7 @@ def check_checkpoint(method: str, config: dict, source: str = "") -> None:
     """``--quantization`` against the checkpoint: none lets the checkpoint decide; a format's name must be the
     checkpoint's; int8/int4 quantize full-precision weights only."""
     found = checkpoint_method(config, source)
-    if method == "none" or method == found or (method == "fp8" and found == "fp8"):
+    if method in ("none", found):
         return
     if method in PREQUANTIZED:
         raise ValueError(f"quantization {method!r} was asked for, but {source or 'the checkpoint'} is "

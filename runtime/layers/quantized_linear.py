@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm
+from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm, int4_weights
 from kubellm.runtime.prequantized import QuantizedWeight
 
 PATHS = ("native", "triton", "dequantize")
@@ -83,7 +83,7 @@ class QuantizedLinear(nn.Module):
         else:
             packed = bits == 4 and not self.float_values and self.in_features % 2 == 0
             self.nibbles = packed
-            self.register_buffer("qweight", _pack_nibbles(values) if packed else values.contiguous())
+            self.register_buffer("qweight", int4_weights.pack_int4(values) if packed else values.contiguous())
             self.register_buffer("scales", scales.contiguous())  # [out, groups]
             self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
 
@@ -205,11 +205,6 @@ def _kernel_range(values: torch.Tensor, zeros: torch.Tensor | None, scales: torc
     return values.to(target), zeros
 
 
-def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` 0..15 → ``[N, K/2]`` uint8, even inputs in the low nibbles."""
-    v = values.to(torch.uint8)
-    return v[:, 0::2] | (v[:, 1::2] << 4)
-
-
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``int4_weights.pack_int4``'s bytes back to unsigned 0..15 (its ``unpack_int4`` sign-extends)."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)

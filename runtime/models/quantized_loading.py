@@ -43,7 +43,7 @@ _PARTS = {
     "gate_up_proj": (("gate_proj", "up_proj"), ("gate_up_proj",)),
 }
 # Tensors of a quantized linear that serve nothing here: static activation scales (activations stay in the
-# model dtype) and trivial group maps.
+# model dtype). Group maps without act-order are dropped in take().
 _DROPPED = ("input_scale", "output_scale")
 
 
@@ -159,7 +159,7 @@ class QuantizedLoading:
         prefix, _, suffix = name.rpartition(".")
         target = self.by_prefix.get(prefix)
         if target is None:
-            if name == "lm_head.qweight" or name.startswith("lm_head.") and suffix in ("weight_packed", "qweight"):
+            if name.startswith("lm_head.") and suffix in ("weight_packed", "qweight"):
                 raise CheckpointError(f"a quantized LM head ({name}) is not supported{self._where()}")
             return False
         if suffix == "weight_scale_inv":

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -21,6 +23,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_ready(url: str, processes: list[subprocess.Popen], logs: Callable[[], str], timeout: float) -> None:
+    """Until ``url``'s /health/ready answers 200 (a ``kubellm serve`` started as a process); fails with
+    ``logs()`` when one of ``processes`` exits or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert all(p.poll() is None for p in processes), logs()
+        try:
+            if httpx.get(url + "/health/ready", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, logs()
+        time.sleep(0.2)
 
 
 class ServerThread:

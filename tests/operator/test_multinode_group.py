@@ -10,16 +10,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 
 from kubellm.operator import api, multinode, render
 from kubellm.runtime.engine import LLM
 from kubellm.runtime.sampling_params import SamplingParams
-from server_harness import free_port
+from server_harness import free_port, wait_ready
 
 IMAGE_MODEL = "/opt/models/tiny"  # where an image would hold it (render refuses /tmp, which the pod's emptyDir hides)
 PROMPTS = [[5, 17, 230, 41, 99, 7], [300, 12, 12, 64, 3, 88, 140, 211, 9]]  # token ids of the tiny vocabulary
@@ -62,16 +60,7 @@ def test_the_rendered_leader_and_worker_serve_what_one_rank_generates(tiny_llama
     logs = lambda: f"leader:\n{leader_log.read_text()}\nworker:\n{worker_log.read_text()}"  # noqa: E731
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert leader.poll() is None and worker.poll() is None, logs()
-            try:
-                if httpx.get(url + "/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, logs()
-            time.sleep(0.2)
+        wait_ready(url, [leader, worker], logs, 240)
         one_rank = LLM(str(tiny_llama), progress=False, dtype="float32", max_model_len=256)
         single = one_rank.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                                    use_tqdm=False)  # fmt: skip

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from test_engine_parity import _engine, _prompts, _run_and_compare, tiny_phi3, tiny_qwen3_moe  # noqa: F401 (fixtures)
@@ -25,7 +24,7 @@ from kubellm.runtime.layers.parallel_linear import (
 from kubellm.runtime.models.loader import build_model, read_checkpoint
 from kubellm.runtime.parallel import Group
 from kubellm.runtime.sampling_params import SamplingParams
-from server_harness import free_port
+from server_harness import free_port, wait_ready
 
 
 def _tp_children() -> list[multiprocessing.Process]:
@@ -170,16 +169,7 @@ def test_serve_with_two_ranks_answers_and_drains_cleanly(tiny_llama, tmp_path):
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(url + "/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
+        wait_ready(url, [proc], log_path.read_text, 180)
         workers = _children_of(proc.pid)
         assert any(_running(w) for w in workers), "no worker rank process"
         prompt = _prompts()[4]
@@ -237,16 +227,7 @@ def test_two_nodes_on_loopback_generate_what_one_rank_generates(tiny_llama, tmp_
     logs = lambda: f"leader:\n{leader_log.read_text()}\nworker node:\n{worker_log.read_text()}"  # noqa: E731
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert leader.poll() is None and worker.poll() is None, logs()
-            try:
-                if httpx.get(url + "/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, logs()
-            time.sleep(0.2)
+        wait_ready(url, [leader, worker], logs, 180)
         assert not [w for w in _children_of(leader.pid) if _running(w)], "node 0 must hold rank 0 only"
         prompts = _prompts()[3:6]
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
@@ -280,15 +261,7 @@ def test_a_worker_node_whose_leader_is_gone_exits_non_zero(tiny_llama, tmp_path)
         worker = subprocess.Popen(_serve_cmd(tiny_llama, *nodes, "--node-rank", "1"), stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and leader.poll() is None, log_path.read_text()
-            time.sleep(0.2)
+        wait_ready(f"http://127.0.0.1:{port}", [leader], log_path.read_text, 180)
         os.killpg(leader.pid, signal.SIGKILL)
         assert worker.wait(timeout=60) == 1, log_path.read_text()
         assert "node 1 left the tensor-parallel group" in log_path.read_text()

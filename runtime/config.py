@@ -67,6 +67,7 @@ class EngineConfig:
     dist_init_addr: str | None = default("dist_init_addr")  # HOST:PORT of node 0's rendezvous (nnodes > 1)
     num_threads: int | None = default("num_threads")  # CPU intra-op threads; default: all cores torch sees
     speculative_ngram: int = default("speculative_ngram")  # prompt-lookup speculation: longest n-gram matched (0 = off; runtime/speculative.py)
+    speculative_model: str | None = default("speculative_model")  # draft-model speculation: the draft's path (runtime/draft_model.py)
     num_speculative_tokens: int = default("num_speculative_tokens")  # draft tokens verified per step, with speculation on
     seed: int = default("seed")
 
@@ -84,6 +85,9 @@ class EngineConfig:
         if self.speculative_ngram < 0 or self.num_speculative_tokens < 1:
             raise ValueError(f"speculative_ngram must be >= 0 and num_speculative_tokens >= 1, got "
                              f"{self.speculative_ngram} and {self.num_speculative_tokens}")
+        if self.speculative_ngram and self.speculative_model:
+            raise ValueError("speculative decoding takes one proposer: --speculative-ngram or --speculative-model, "
+                             "not both")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         for name, choices in (("attention_backend", ATTENTION_BACKENDS), ("layer_ops", LAYER_OPS),

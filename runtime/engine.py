@@ -19,6 +19,7 @@ from kubellm.runtime import host_malloc, kernel_choice, parallel
 from kubellm.runtime.block_manager import BlockManager
 from kubellm.runtime.config import EngineConfig, available_memory_bytes
 from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from kubellm.runtime.draft_model import DraftModelProposer, load_draft_model
 from kubellm.runtime.model_runner import ModelRunner, kv_block_bytes
 from kubellm.runtime.models.config import ModelConfig, text_tower_config
 from kubellm.runtime.models.loader import build_model, read_checkpoint
@@ -120,6 +121,13 @@ class LLMEngine:
         check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, config.tensor_parallel_size)
         self.kernels = kernel_choice.for_engine(config, cfg, config.tensor_parallel_size)  # every rank's
         self.tp = Group(device=config.device)
+        draft = None
+        if config.speculative_model:
+            if config.tensor_parallel_size > 1:
+                raise ValueError("--speculative-model with --tensor-parallel-size > 1 is not supported; use "
+                                 "--speculative-ngram, or serve without tensor parallelism")
+            draft = load_draft_model(config.speculative_model, self.tokenizer, config, self.max_model_len,
+                                     config.device, progress)
         if config.tensor_parallel_size > 1:
             self.tp = parallel.start(config, self.max_model_len, self.kernels)
         try:
@@ -128,7 +136,8 @@ class LLMEngine:
                                                    keep_packed=config.quantization in ("none", "gguf"))
             quantize_model(model, config.quantization, self.kernels)  # before the KV cache is sized from what is left
             self.weight_bytes = log_weight_bytes(model)
-            num_blocks = self._num_kv_blocks()
+            # The draft's pool has as many blocks as the main one: each block's cost is both.
+            num_blocks = self._num_kv_blocks(draft.kv_block_bytes(config.block_size, config.dtype) if draft else 0)
             if self.tp.size > 1:  # every rank's pool has rank 0's block count: one scheduler serves them all
                 self.tp.broadcast(num_blocks)
             self.runner = ModelRunner(model, self.model_config, num_blocks, config.block_size, config.dtype,
@@ -143,6 +152,11 @@ class LLMEngine:
         if config.speculative_ngram:
             proposer = NgramProposer(config.speculative_ngram, config.num_speculative_tokens,
                                      min_ngram=min(2, config.speculative_ngram))
+            self.speculator = Speculator(proposer, self.block_manager, self.max_model_len)
+        elif draft is not None:
+            proposer = DraftModelProposer(draft, num_blocks, config.block_size, config.dtype, self.tp.device,
+                                          config.num_speculative_tokens, self.model_config.vocab_size,
+                                          config.max_num_batched_tokens, config.enable_prefix_caching)
             self.speculator = Speculator(proposer, self.block_manager, self.max_model_len)
         self.requests: dict[str, _Request] = {}
         tp_note = f", tensor parallel x{self.tp.size} (per rank)" if self.tp.size > 1 else ""
@@ -159,9 +173,9 @@ class LLMEngine:
         """Whether every tensor-parallel rank process is still running (always, without tensor parallelism)."""
         return self.tp.workers_alive()
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, draft_block_bytes: int = 0) -> int:
         c = self.config
-        per_block = kv_block_bytes(self.model_config, c.block_size, c.dtype, self.tp.size)
+        per_block = kv_block_bytes(self.model_config, c.block_size, c.dtype, self.tp.size) + draft_block_bytes
         if c.num_kv_blocks:
             return c.num_kv_blocks
         if c.kv_cache_memory:

@@ -174,9 +174,17 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "pass. 0 turns it off; 3-4 suits answers that quote their input (editing, extraction, RAG, code). "
         "Output is unchanged.",
     ),
+    # The API's engine.speculative.model is a model URI the operator fetches like spec.model (render.py), then
+    # passes the local path here: no crd_field.
+    EngineSetting(
+        "speculative_model", str, None, flag="--speculative-model", metavar="PATH",
+        help="draft-model speculative decoding: a smaller checkpoint (HF folder, .gguf or known name) with the "
+        "served model's tokenizer drafts --num-speculative-tokens tokens per step, all verified in one forward "
+        "pass; output (greedy) or its distribution (sampling) is unchanged. Not with --speculative-ngram",
+    ),
     EngineSetting(
         "num_speculative_tokens", int, 4, flag="--num-speculative-tokens", metavar="K",
-        help="draft tokens verified per step with --speculative-ngram (default %(default)s)",
+        help="draft tokens verified per step with --speculative-ngram or --speculative-model (default %(default)s)",
         crd_field="engine.speculative.num_tokens", ge=1,
         doc="Draft tokens verified per step when speculative decoding is on.",
     ),

@@ -19,6 +19,7 @@ from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM, use_native_ops
 from kubellm.runtime.sampler import token_logprobs
 from kubellm.runtime.scheduler import ScheduledSeq
+from kubellm.runtime.speculative import verify_sampled_drafts
 
 if TYPE_CHECKING:
     from kubellm.runtime.sampler import Sampler, TokenLogprobs
@@ -155,6 +156,8 @@ class ModelRunner:
             return [], [], self._prompt_logprobs(batch, hidden, sample_at)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_at, device=self.device)])
         tokens, logprobs = self.sampler.sample(logits, seqs, masks.result().to(logits.device) if masks else None)
+        if any(s.draft_probs is not None for s in seqs):  # a draft model's sampled drafts: the rejection rule
+            tokens = verify_sampled_drafts(logits, seqs, tokens)
         return tokens.tolist(), logprobs, self._prompt_logprobs(batch, hidden, sample_at)
 
     def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor, sample_at: list[int]) -> list[tuple]:
@@ -176,7 +179,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Same forward pass, returning the float32 logits that would be sampled (for tests/tools)."""
+        """Same forward pass, returning the float32 logits that would be sampled (tests, tools, a draft model)."""
         input_ids, positions, meta, sample_at = self.prepare(batch)
         hidden = self._forward(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[torch.tensor(sample_at, device=self.device)])
+        return self.model.compute_logits(hidden[torch.tensor(sample_at, dtype=torch.long, device=self.device)])

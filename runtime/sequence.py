@@ -48,6 +48,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_preemptions = 0
         self.num_draft_tokens = 0  # speculative tokens at the end of token_ids, unverified (within one step)
+        self.draft_probs: torch.Tensor | None = None  # [num_draft_tokens, V]: the draft model's q, when sampled
         self.grammar = None  # an llguidance LLMatcher when sampling_params.guided is set (the engine makes it)
         self.generator: torch.Generator | None = None
         if params.seed is not None:

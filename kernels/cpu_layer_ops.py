@@ -10,6 +10,9 @@ Contract, all tensors in the model dtype (float32, bfloat16 or float16), rows = 
 * ``silu_and_mul(gate_up [T, 2I])`` → ``silu(gate) * up`` ``[T, I]``.
 * ``rotary_embedding_(positions [T] int64, q [T, H, D], k [T, KVH, D], cos, sin [P, D])``: rotate-half
   rotary embedding, in place (q/k may be strided views into the fused qkv projection).
+* ``qk_norm_rotary_(positions, q, k, q_weight [D], k_weight [D], eps, cos, sin)``: Qwen3's RMSNorm over each
+  head of q and of k, then the rotary embedding, in place: one call where the model made five (two norms, each
+  copying its strided view, and the rotary kernel).
 
 The kernels round every intermediate the references round to the model dtype, at the same point, so outputs
 agree bit for bit but for the last float32 ulp of the references' reductions and exp (see the tests for the
@@ -23,8 +26,9 @@ import torch
 from kubellm.kernels.cpu_extension import available
 
 __all__ = [
-    "available", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_",
+    "available", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_", "qk_norm_rotary_",
     "reference_rms_norm", "reference_add_rms_norm_", "reference_silu_and_mul", "reference_rotary_embedding_",
+    "reference_qk_norm_rotary_",
 ]
 
 
@@ -43,6 +47,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> None:
     torch.ops.kubellm_cpu.rotary_embedding_(positions, q, k, cos, sin)
+
+
+def qk_norm_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                    k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    torch.ops.kubellm_cpu.qk_norm_rotary_(positions, q, k, q_weight, k_weight, eps, cos, sin)
 
 
 # ---- references (plain PyTorch, any device) -----------------------------------------------------------------
@@ -73,3 +82,10 @@ def reference_rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: tor
     s = sin[positions].unsqueeze(1)
     q.copy_(q * c + _rotate_half(q) * s)
     k.copy_(k * c + _rotate_half(k) * s)
+
+
+def reference_qk_norm_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                              k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    q.copy_(reference_rms_norm(q, q_weight, eps))  # the norm is over the last dim: each head of each token
+    k.copy_(reference_rms_norm(k, k_weight, eps))
+    reference_rotary_embedding_(positions, q, k, cos, sin)

@@ -1,5 +1,6 @@
 // Fused elementwise ops of a Llama layer on CPU: RMSNorm (with the residual add folded in), SiLU-and-mul,
-// rotary embedding. See kubellm/kernels/cpu_layer_ops.py for the Python contract and the PyTorch references.
+// rotary embedding, and Qwen3's per-head q/k RMSNorm fused with rotary. See kubellm/kernels/cpu_layer_ops.py
+// for the Python contract and the PyTorch references.
 //
 // Why: at decode batch sizes each of these is a handful of tiny PyTorch ops (RMSNorm alone is eight), so a
 // step spends more time dispatching them than computing; in prefill the float32 temporaries cost memory
@@ -194,6 +195,76 @@ void rotary_embedding_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k
   });
 }
 
+// ---- Per-head RMSNorm of q and k, then rotary (Qwen3) -----------------------------------------------------------
+// One pass instead of two norms (each a copy of the strided view, then a new tensor) and the rotary kernel:
+// every head row is normalised as rms_norm does it (float32, rounded to T, times the weight in T), then rotated
+// as rotate_heads does it, in place on the strided q/k views into the fused qkv output.
+template <typename T>
+void norm_rotate_head(T* x, const T* w, float eps, const T* c, const T* s, int64_t dim) {
+  const int64_t half = dim / 2;
+  float n[512];  // the normed head, already rounded to T (dim <= 512 is checked)
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < dim; ++i) {
+    const float v = to_f(x[i]);
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) n[i] = round_as<T>(to_f(w[i]) * round_as<T>(to_f(x[i]) * inv));
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = n[i], b = n[i + half];
+    x[i] = from_f<T>(round_as<T>(a * to_f(c[i])) + round_as<T>(-b * to_f(s[i])));
+    x[i + half] = from_f<T>(round_as<T>(b * to_f(c[i + half])) + round_as<T>(a * to_f(s[i + half])));
+  }
+}
+
+void qk_norm_rotary_(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
+                     const at::Tensor& k_weight, double eps, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "q and k must be [tokens, heads, head_dim]");
+  const int64_t rows = q.size(0), dim = q.size(2);
+  TORCH_CHECK(k.size(0) == rows && k.size(2) == dim && dim % 2 == 0 && dim <= 512,
+              "q/k token count or head_dim mismatch (head_dim even, at most 512)");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q and k need contiguous head_dim");
+  TORCH_CHECK(q_weight.dim() == 1 && q_weight.size(0) == dim && q_weight.is_contiguous() && k_weight.dim() == 1 &&
+                  k_weight.size(0) == dim && k_weight.is_contiguous(),
+              "q_weight and k_weight must be contiguous [head_dim]");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous(),
+              "positions must be a contiguous int64 [tokens] tensor");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == dim && cos.stride(1) == 1 && sin.sizes() == cos.sizes() &&
+                  sin.strides() == cos.strides(),
+              "cos/sin must be [max_positions, head_dim] with contiguous columns");
+  const at::ScalarType dt = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dt && cos.scalar_type() == dt && sin.scalar_type() == dt &&
+                  q_weight.scalar_type() == dt && k_weight.scalar_type() == dt,
+              "q, k, the norm weights, cos and sin must share one dtype");
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < max_pos, "position ", pos[r], " outside the rotary table [0, ", max_pos, ")");
+  const int64_t qh = q.size(1), kh = k.size(1);
+  dispatch(dt, "qk_norm_rotary_", [&](auto tag) {
+    using T = decltype(tag);
+    T* qp = q.mutable_data_ptr<T>();
+    T* kp = k.mutable_data_ptr<T>();
+    const T* qw = q_weight.const_data_ptr<T>();
+    const T* kw = k_weight.const_data_ptr<T>();
+    const T* cp = cos.const_data_ptr<T>();
+    const T* sp = sin.const_data_ptr<T>();
+    const float e = static_cast<float>(eps);
+    at::parallel_for(0, rows, grain_rows((qh + kh) * dim), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* c = cp + pos[r] * cos.stride(0);
+        const T* s = sp + pos[r] * cos.stride(0);
+        for (int64_t h = 0; h < qh; ++h) norm_rotate_head<T>(qp + r * q.stride(0) + h * q.stride(1), qw, e, c, s, dim);
+        for (int64_t h = 0; h < kh; ++h) norm_rotate_head<T>(kp + r * k.stride(0) + h * k.stride(1), kw, e, c, s, dim);
+      }
+    });
+  });
+}
+
 }  // namespace
 }  // namespace kubellm_cpu
 
@@ -202,6 +273,9 @@ TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_embedding_(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def(
+      "qk_norm_rotary_(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, float eps, "
+      "Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) {
@@ -209,4 +283,5 @@ TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) {
   m.impl("add_rms_norm_", &kubellm_cpu::add_rms_norm_);
   m.impl("silu_and_mul", &kubellm_cpu::silu_and_mul);
   m.impl("rotary_embedding_", &kubellm_cpu::rotary_embedding_);
+  m.impl("qk_norm_rotary_", &kubellm_cpu::qk_norm_rotary_);
 }

@@ -81,13 +81,17 @@ class LlamaAttention(nn.Module):
         return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
                 v.view(t, self.num_kv_heads, self.head_dim))
 
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding of q [T, H, D] and k [T, KVH, D] (in place with the native kernel)."""
+        if self.native:
+            ops.rotary_embedding_(positions, q, k, self.rotary.cos, self.rotary.sin)
+            return q, k
+        return self.rotary(positions, q, k)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x)
-        if self.native:
-            ops.rotary_embedding_(positions, q, k, self.rotary.cos, self.rotary.sin)
-        else:
-            q, k = self.rotary(positions, q, k)
+        q, k = self.rotate(positions, q, k)
         o = self.attn(q, k, v, meta)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 

@@ -1,13 +1,14 @@
 """Qwen3 (dense): the Llama block with an RMSNorm over each head of q and of k, before rotary; no q/k/v bias.
 
 The norms hold ``head_dim`` weights shared by every head, so tensor parallelism replicates them and each rank
-normalises its own heads.
+normalises its own heads. With the native layer ops, norms and rotary are one in-place kernel call.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kubellm.kernels import cpu_layer_ops as ops
 from kubellm.runtime.models.llama import LlamaAttention, LlamaForCausalLM, RMSNorm
 
 
@@ -17,12 +18,16 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().qkv(x)
-        t = x.shape[0]
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q/k norms, then rotary (the Llama block calls this right after the qkv projection)."""
+        if self.native:
+            ops.qk_norm_rotary_(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                self.rotary.cos, self.rotary.sin)
+            return q, k
+        t = q.shape[0]
         q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
         k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
-        return q, k, v
+        return super().rotate(positions, q, k)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

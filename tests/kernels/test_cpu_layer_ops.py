@@ -1,4 +1,5 @@
-"""The fused CPU layer ops (RMSNorm, add + RMSNorm, SiLU-and-mul, rotary) against their PyTorch references."""
+"""The fused CPU layer ops (RMSNorm, add + RMSNorm, SiLU-and-mul, rotary, q/k norm + rotary) against their PyTorch
+references."""
 
 from __future__ import annotations
 
@@ -79,6 +80,32 @@ def test_rotary_in_place_on_fused_qkv_views(dtype, heads, kv_heads, head_dim):
     ops.rotary_embedding_(positions, q, k, rope.cos, rope.sin)
     close(q, q_ref, dtype)
     close(k, k_ref, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v is not touched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 1, 32), (2, 2, 6)])
+def test_qk_norm_rotary_in_place_on_fused_qkv_views(dtype, heads, kv_heads, head_dim):
+    tokens, max_pos, eps = 19, 4096, 1e-6
+    rope = RotaryEmbedding(head_dim, max_pos, 1e6, None, dtype)
+    g = torch.Generator().manual_seed(head_dim)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 4).to(dtype)
+    qw = (torch.rand(head_dim, generator=g) + 0.5).to(dtype)
+    kw = (torch.rand(head_dim, generator=g) + 0.5).to(dtype)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    positions = torch.randint(0, max_pos, (tokens,), generator=g)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    # What Qwen3's torch path computes: the norm over each head's row, then rotary.
+    q_ref = ops.reference_rms_norm(q.reshape(-1, head_dim), qw, eps).view(tokens, heads, head_dim)
+    k_ref = ops.reference_rms_norm(k.reshape(-1, head_dim), kw, eps).view(tokens, kv_heads, head_dim)
+    q_ref, k_ref = rope(positions, q_ref, k_ref)
+    q_ref2, k_ref2 = q.clone(), k.clone()
+    ops.reference_qk_norm_rotary_(positions, q_ref2, k_ref2, qw, kw, eps, rope.cos, rope.sin)
+    assert torch.equal(q_ref2, q_ref) and torch.equal(k_ref2, k_ref)
+    ops.qk_norm_rotary_(positions, q, k, qw, kw, eps, rope.cos, rope.sin)
+    close(q, q_ref, dtype, scale=4)
+    close(k, k_ref, dtype, scale=4)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v is not touched
 
 

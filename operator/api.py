@@ -403,11 +403,61 @@ class ParallelismSpec(KubeModel):
         return self.tensor // self.nodes
 
 
+class DraftModelSpec(KubeModel):
+    """A draft model for speculative decoding: a smaller model with the served model's tokenizer (the runtime
+    refuses another tokenizer at start-up), e.g. Qwen2.5-0.5B-Instruct drafting for Qwen2.5-7B-Instruct."""
+
+    uri: str = Field(min_length=1, max_length=2048)
+    """Where the draft's weights come from, in the forms of model.uri: hf://<org>/<name> (downloaded at pod
+    start), pvc://<claim>/<path> (mounted read-only), file:///<absolute path> or a known model name."""
+
+    revision: str | None = Field(default=None, min_length=1, max_length=256)
+    """Hugging Face revision (branch, tag or commit) for an hf:// draft. Default: the repository's default branch."""
+
+    k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            rule=f"self.uri.matches('{MODEL_URI_PATTERN}')",
+            message="engine.speculative." + MODEL_URI_MESSAGE,
+            check=lambda s: re.fullmatch(MODEL_URI_PATTERN, s.uri) is not None,
+            field_path=".uri",
+        ),
+        Rule(
+            rule="!has(self.revision) || self.uri.startsWith('hf://')",
+            message="engine.speculative.model.revision applies to hf:// models only",
+            check=lambda s: s.revision is None or s.uri.startswith("hf://"),
+            field_path=".revision",
+        ),
+    )
+
+
+class _SpeculativeBase(KubeModel):
+    k8s_rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            rule="self.ngram == 0 || !has(self.model)",
+            message="engine.speculative takes one proposer: set ngram (prompt lookup) or model (a draft model), "
+            "not both",
+            check=lambda s: s.ngram == 0 or s.model is None,
+            field_path=".model",
+        ),
+    )
+
+
 # Objects inside spec.engine that group engine settings (crd_field engine.<group>.<name>).
 _SETTING_GROUPS = {
     "engine": "Runtime engine settings (the flags of `kubellm serve`).",
-    "engine.speculative": "Speculative decoding: tokens drafted cheaply and verified together (off by default).",
+    "engine.speculative": "Speculative decoding: tokens drafted cheaply and verified together (off by default). "
+    "Drafts come from prompt lookup (ngram) or from a draft model (model), not both; EAGLE heads are not supported.",
 }
+# Group fields that are no engine setting, appended after the settings', and the group's own base (its rules).
+_GROUP_FIELDS: dict[str, dict[str, Any]] = {
+    "engine.speculative": {
+        "model": (DraftModelSpec | None, Field(default=None, description=(
+            "A draft model that proposes numTokens tokens per step, verified in one forward pass of the served "
+            "model: greedy output is unchanged, sampled output keeps its distribution. Fetched like spec.model "
+            "(an init container for hf:// and known names). Not with ngram, nor with parallelism.tensor > 1."))),
+    },
+}
+_GROUP_BASES: dict[str, type[KubeModel]] = {"engine.speculative": _SpeculativeBase}
 
 
 def _settings_model(path: str) -> type[KubeModel]:
@@ -424,12 +474,15 @@ def _settings_model(path: str) -> type[KubeModel]:
             sub = _settings_model(f"{path}.{head}")
             fields[head] = (sub, Field(default_factory=sub, json_schema_extra={"default": {}},
                                        description=_SETTING_GROUPS[f"{path}.{head}"]))
+    fields.update(_GROUP_FIELDS.get(path, {}))
     name = "".join(part.capitalize() for part in path.split(".")[1:]) + "Spec" if "." in path else "EngineSpec"
-    return create_model(name, __base__=KubeModel, __doc__=_SETTING_GROUPS[path], __module__=__name__, **fields)
+    return create_model(name, __base__=_GROUP_BASES.get(path, KubeModel), __doc__=_SETTING_GROUPS[path],
+                        __module__=__name__, **fields)
 
 
 # spec.engine: one field per engine setting whose crd_field is engine.<name>, in the table's order.
 EngineSpec = _settings_model("engine")
+SpeculativeSpec = EngineSpec.model_fields["speculative"].annotation  # spec.engine.speculative, generated
 
 
 class GPUSpec(KubeModel):
@@ -916,6 +969,13 @@ class LLMDeploymentSpec(KubeModel):
             ),
             field_path=".env",
         ),
+        Rule(
+            rule="!has(self.engine.speculative.model) || self.parallelism.tensor == 1",
+            message="engine.speculative.model runs the draft beside an unsharded model; it needs "
+            "parallelism.tensor 1 (use engine.speculative.ngram with tensor parallelism)",
+            check=lambda s: s.engine.speculative.model is None or s.parallelism.tensor == 1,
+            field_path=".engine.speculative.model",
+        ),
         # Transition rule (updates only): the autoscaler's own writes always land in range and an unchanged
         # replicas is always accepted, so editing min/maxReplicas never gets a GitOps sync stuck; a manual
         # `kubectl scale` or a manifest that sets replicas outside the range is refused.
@@ -1005,6 +1065,8 @@ def all_rules() -> dict[str, tuple[Rule, ...]]:
     """Every rule by the model it is attached to (for docs and tests)."""
     models = (
         ModelSpec,
+        DraftModelSpec,
+        SpeculativeSpec,
         ParallelismSpec,
         GPUSpec,
         AutoscalingSpec,

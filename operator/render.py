@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import hashlib
 import json
@@ -105,6 +106,7 @@ RUN_AS_USER = 10001  # the image's kubellm user (Dockerfile: useradd --uid 10001
 CACHE_DIR = "/cache"  # KUBELLM_CACHE: known models are pulled here
 API_KEY_ENV = "KUBELLM_API_KEY"  # read by the runtime (kubellm.runtime.server.auth), from spec.auth
 MODELS_DIR = "/models"  # hf:// downloads and pvc:// mounts
+DRAFT_MODELS_DIR = "/draft-models"  # the same for engine.speculative.model
 TMP_DIR = "/tmp"  # also HOME: pip, Hugging Face and Triton caches write under $HOME
 SHM_DIR = "/dev/shm"
 SHM_SIZE_PER_GPU_GI = 1  # memory-backed /dev/shm (NCCL, torch IPC); counts against the memory limit when used
@@ -339,21 +341,29 @@ def validate(ld: api.LLMDeployment) -> None:
             problems.append(
                 f"spec.env: KUBELLM_CACHE is set by the operator (the {CACHE_DIR} volume); remove it"
             )
-    uri = spec.model.uri
+    problems += _check_model_uri("spec.model.uri", spec.model.uri)
+    if (draft := spec.engine.speculative.model) is not None:
+        problems += _check_model_uri("spec.engine.speculative.model.uri", draft.uri)
+    if problems:
+        raise InvalidSpec(problems[0] if len(problems) == 1 else "\n".join(f"- {p}" for p in problems))
+
+
+def _check_model_uri(field: str, uri: str) -> list[str]:
+    """Model paths the pod's own volumes would hide, or that leave their claim."""
+    problems = []
     if uri.startswith("pvc://"):
         _, _, sub = uri.removeprefix("pvc://").partition("/")
         if ".." in sub.split("/"):
-            problems.append(f"spec.model.uri: {uri} has a '..' path element; give a path inside the claim")
+            problems.append(f"{field}: {uri} has a '..' path element; give a path inside the claim")
     elif uri.startswith("file://"):
         path = uri.removeprefix("file://")
         for hidden in (CACHE_DIR, TMP_DIR, SHM_DIR):
             if path == hidden or path.startswith(f"{hidden}/"):
                 problems.append(
-                    f"spec.model.uri: {uri} lies under {hidden}, which the pod mounts an empty volume over; "
+                    f"{field}: {uri} lies under {hidden}, which the pod mounts an empty volume over; "
                     "put the model elsewhere in the image"
                 )
-    if problems:
-        raise InvalidSpec(problems[0] if len(problems) == 1 else "\n".join(f"- {p}" for p in problems))
+    return problems
 
 
 # --------------------------------------------------------------------------------------------------
@@ -361,25 +371,51 @@ def validate(ld: api.LLMDeployment) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _model_plan(spec: api.LLMDeploymentSpec) -> tuple[str, dict | None, list[str] | None, bool]:
-    """``(--model argument, models volume or None, init container command or None, models volume read-only)``."""
-    uri = spec.model.uri
+@dataclasses.dataclass(frozen=True)
+class ModelFetch:
+    """How the pod gets one model (the served one, or the draft of engine.speculative.model)."""
+
+    path: str  # what the runtime is given (--model / --speculative-model)
+    volume: dict | None  # the volume holding it (named ``volume_name``), None: none needed
+    command: list[str] | None  # the init container's command, None: nothing to fetch before start
+    read_only: bool  # whether the volume is only read (a PVC) or written by the init container
+    mount_dir: str
+    init_name: str  # the init container's name
+
+
+def _fetch_plan(uri: str, revision: str | None, volume_name: str, mount_dir: str, what: str) -> ModelFetch:
+    """``what``: ``model`` or ``draft-model``, for the init container's name (download-<what>, pull-<what>)."""
     if uri.startswith("hf://"):
         repo = uri.removeprefix("hf://")
-        dest = f"{MODELS_DIR}/{repo}"
+        dest = f"{mount_dir}/{repo}"
         command = ["kubellm", "--log-format", "json", "models", "download", uri]
-        if spec.model.revision:
-            command += ["--revision", spec.model.revision]
+        if revision:
+            command += ["--revision", revision]
         command += ["--dest", dest]
-        return dest, {"name": "models", "emptyDir": {}}, command, False
+        return ModelFetch(dest, {"name": volume_name, "emptyDir": {}}, command, False, mount_dir, f"download-{what}")
     if uri.startswith("pvc://"):
         claim, _, sub = uri.removeprefix("pvc://").partition("/")
         sub = "/".join(p for p in sub.split("/") if p and p != ".")
-        volume = {"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-        return (f"{MODELS_DIR}/{sub}" if sub else MODELS_DIR), volume, None, True
+        volume = {"name": volume_name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        return ModelFetch(f"{mount_dir}/{sub}" if sub else mount_dir, volume, None, True, mount_dir, "")
     if uri.startswith("file://"):
-        return uri.removeprefix("file://"), None, None, True
-    return uri, None, ["kubellm", "--log-format", "json", "models", "pull", uri], False
+        return ModelFetch(uri.removeprefix("file://"), None, None, True, mount_dir, "")
+    return ModelFetch(uri, None, ["kubellm", "--log-format", "json", "models", "pull", uri], False, mount_dir,
+                      f"pull-{what}")
+
+
+def _model_fetches(spec: api.LLMDeploymentSpec) -> list[ModelFetch]:
+    """The served model's fetch, then the draft model's when engine.speculative.model is set."""
+    fetches = [_fetch_plan(spec.model.uri, spec.model.revision, "models", MODELS_DIR, "model")]
+    if (draft := spec.engine.speculative.model) is not None:
+        fetches.append(_fetch_plan(draft.uri, draft.revision, "draft-models", DRAFT_MODELS_DIR, "draft-model"))
+    return fetches
+
+
+def _model_plan(spec: api.LLMDeploymentSpec) -> tuple[str, dict | None, list[str] | None, bool]:
+    """``(--model argument, models volume or None, init container command or None, models volume read-only)``."""
+    f = _model_fetches(spec)[0]
+    return f.path, f.volume, f.command, f.read_only
 
 
 def _cpu_threads(spec: api.LLMDeploymentSpec) -> int | None:
@@ -423,6 +459,8 @@ def runtime_args(spec: api.LLMDeploymentSpec) -> list[str]:
         "--device", "cuda" if spec.gpu_count > 0 else "cpu",
         *_setting_args(spec),
     ]  # fmt: skip
+    if spec.engine.speculative.model is not None:
+        args += ["--speculative-model", _model_fetches(spec)[1].path]
     if (threads := _cpu_threads(spec)) is not None:
         args += ["--num-threads", str(threads)]
     args += [
@@ -467,7 +505,7 @@ def _http_probe(path: str, **fields: int) -> dict[str, Any]:
 
 def _volumes(spec: api.LLMDeploymentSpec, models_volume: dict[str, Any] | None) -> tuple[list, list]:
     """The pod's volumes and the runtime container's mounts: shared memory, the cache, /tmp (the root
-    filesystem is read-only) and the models volume when the model URI needs one."""
+    filesystem is read-only) and the models volumes when the model URIs need them (the draft's too)."""
     shm_size = f"{SHM_SIZE_PER_GPU_GI * spec.gpu_count}Gi" if spec.gpu_count > 0 else SHM_SIZE_CPU
     mounts = [
         {"name": "dshm", "mountPath": SHM_DIR},
@@ -482,6 +520,10 @@ def _volumes(spec: api.LLMDeploymentSpec, models_volume: dict[str, Any] | None) 
     if models_volume is not None:
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append(models_volume)
+    for draft in _model_fetches(spec)[1:]:
+        if draft.volume is not None:
+            mounts.append({"name": draft.volume["name"], "mountPath": draft.mount_dir, "readOnly": True})
+            volumes.append(draft.volume)
     return volumes, mounts
 
 
@@ -530,31 +572,25 @@ def _runtime_container(
     }
 
 
-def _init_container(
-    spec: api.LLMDeploymentSpec,
-    init_command: list[str],
-    resources: dict[str, Any],
-    models_volume: dict[str, Any] | None,
-    models_read_only: bool,
-) -> dict[str, Any]:
-    """The container that fetches the model before the runtime starts."""
-    # hf:// writes the models volume, a known name the cache; both need /tmp (pip, Hugging Face).
+def _init_container(spec: api.LLMDeploymentSpec, fetch: ModelFetch, resources: dict[str, Any]) -> dict[str, Any]:
+    """A container that fetches a model (the served one or the draft) before the runtime starts."""
+    # hf:// writes its models volume, a known name the cache; both need /tmp (pip, Hugging Face).
     mounts = [
         {"name": "cache", "mountPath": CACHE_DIR},
         {"name": "tmp", "mountPath": TMP_DIR},
     ]
-    if models_volume is not None and not models_read_only:
-        mounts.append({"name": "models", "mountPath": MODELS_DIR})
+    if fetch.volume is not None and not fetch.read_only:
+        mounts.append({"name": fetch.volume["name"], "mountPath": fetch.mount_dir})
     # Same CPU and memory as the runtime (no GPUs): keeps Guaranteed QoS without raising the pod's request.
     init_resources = {
         kind: {k: v for k, v in values.items() if k in ("cpu", "memory")}
         for kind, values in resources.items()
     }
     return {
-        "name": "download-model" if spec.model.uri.startswith("hf://") else "pull-model",
+        "name": fetch.init_name,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": init_command,
+        "command": fetch.command,
         "env": _env(spec),
         "resources": {k: v for k, v in init_resources.items() if v},
         "volumeMounts": mounts,
@@ -594,7 +630,7 @@ def _scheduling(ld: api.LLMDeployment) -> dict[str, Any]:
 def pod_template(ld: api.LLMDeployment) -> dict[str, Any]:
     """The runtime's pod template (a Deployment's; multinode.py derives the leader and worker templates)."""
     spec = ld.spec
-    _, models_volume, init_command, models_read_only = _model_plan(spec)
+    _, models_volume, _, _ = _model_plan(spec)
     resources = spec.resource_requirements()
     volumes, mounts = _volumes(spec, models_volume)
     pod_spec: dict[str, Any] = {
@@ -610,10 +646,8 @@ def pod_template(ld: api.LLMDeployment) -> dict[str, Any]:
         },
         "terminationGracePeriodSeconds": termination_grace_period_seconds(spec),
     }
-    if init_command is not None:
-        pod_spec["initContainers"] = [
-            _init_container(spec, init_command, resources, models_volume, models_read_only)
-        ]
+    if init := [_init_container(spec, f, resources) for f in _model_fetches(spec) if f.command is not None]:
+        pod_spec["initContainers"] = init
     pod_spec["containers"] = [_runtime_container(spec, resources, mounts)]
     pod_spec["volumes"] = volumes
     pod_spec.update(_scheduling(ld))

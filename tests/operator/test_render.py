@@ -436,7 +436,7 @@ def test_names_fit_everywhere(name, namespace):
 
 def test_matrix_covers_what_it_claims():
     ids = [c[0] for c in CASES]
-    assert len([i for i in ids if i.startswith("example-")]) == 2 * len(EXAMPLES) == 18
+    assert len([i for i in ids if i.startswith("example-")]) == 2 * len(EXAMPLES) == 20
     kinds = set()
     for _, spec, available in CASES:
         kinds |= {m["kind"] for m in render.render(make(spec), service_monitor_available=available)}
@@ -883,6 +883,57 @@ def test_model_sources(uri, revision, model_arg, init, volume):
         assert init_mounts["cache"] == {"name": "cache", "mountPath": "/cache"}
         if uri.startswith("hf://"):
             assert init_mounts["models"] == {"name": "models", "mountPath": "/models"}  # writable
+
+
+@pytest.mark.parametrize(
+    ("uri", "draft_arg", "init", "volume"),
+    [
+        ("hf://Qwen/Qwen2.5-0.5B-Instruct", "/draft-models/Qwen/Qwen2.5-0.5B-Instruct",
+         ["kubellm", "--log-format", "json", "models", "download", "hf://Qwen/Qwen2.5-0.5B-Instruct",
+          "--dest", "/draft-models/Qwen/Qwen2.5-0.5B-Instruct"],
+         {"name": "draft-models", "emptyDir": {}}),
+        ("pvc://store/qwen-0.5b", "/draft-models/qwen-0.5b", None,
+         {"name": "draft-models", "persistentVolumeClaim": {"claimName": "store", "readOnly": True}}),
+        ("file:///opt/draft", "/opt/draft", None, None),
+        ("smollm2", "smollm2", ["kubellm", "--log-format", "json", "models", "pull", "smollm2"], None),
+    ],
+)  # fmt: skip
+def test_a_draft_model_is_fetched_like_the_model_and_passed_to_the_runtime(uri, draft_arg, init, volume):
+    """engine.speculative.model gets its own volume (/draft-models) and init container beside the model's."""
+    ps = pod_spec(make({"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"},
+                        "engine": {"speculative": {"numTokens": 5, "model": {"uri": uri}}}}))
+    c = ps["containers"][0]
+    assert arg(c, "--speculative-model") == draft_arg
+    assert arg(c, "--num-speculative-tokens") == "5"
+    assert arg(c, "--speculative-ngram") is None
+    assert arg(c, "--model") == "/models/Qwen/Qwen2.5-7B-Instruct"
+    volumes = {v["name"]: v for v in ps["volumes"]}
+    assert volumes.get("draft-models") == volume
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    if volume is not None:
+        assert mounts["draft-models"] == {"name": "draft-models", "mountPath": "/draft-models", "readOnly": True}
+    else:
+        assert "draft-models" not in mounts
+    inits = {i["name"]: i for i in ps["initContainers"]}
+    assert inits["download-model"]["command"][5] == "hf://Qwen/Qwen2.5-7B-Instruct"
+    drafts = [i for name, i in inits.items() if name.endswith("draft-model")]
+    assert [i["command"] for i in drafts] == ([init] if init else [])
+    if uri.startswith("hf://"):
+        assert {"name": "draft-models", "mountPath": "/draft-models"} in drafts[0]["volumeMounts"]  # writable
+
+
+def test_without_a_draft_model_nothing_of_it_is_rendered():
+    ps = pod_spec(make({"model": {"uri": "hf://a/b"}, "engine": {"speculative": {"ngram": 3}}}))
+    assert arg(ps["containers"][0], "--speculative-model") is None
+    assert arg(ps["containers"][0], "--speculative-ngram") == "3"
+    assert [i["name"] for i in ps["initContainers"]] == ["download-model"]
+    assert "draft-models" not in {v["name"] for v in ps["volumes"]}
+
+
+def test_a_draft_pvc_path_leaving_its_claim_is_refused():
+    ld = make({"model": {"uri": "smollm2"}, "engine": {"speculative": {"model": {"uri": "pvc://store/../etc"}}}})
+    with pytest.raises(render.InvalidSpec, match=r"spec.engine.speculative.model.uri: pvc://store/../etc has a '..'"):
+        render.render_deployment(ld)
 
 
 def test_init_container_shares_cpu_and_memory_for_guaranteed_qos():

@@ -17,6 +17,13 @@ ids (``packed_modules_mapping`` on the model class); parameters of modules witho
 
 Every loader checks shapes and raises :class:`CheckpointError` with the checkpoint's and the implied shape;
 the model's loader adds the tensor's name.
+
+Checkpoints quantized elsewhere shard by the same rules through ``quantized_loader(weight, bias, shard_id)``:
+runtime/models/quantized_loading.py reads each stored part (AWQ, GPTQ, compressed-tensors, FP8) into a
+:class:`QuantizedWeight` (values ``[out, in]`` unpacked, scales per group) and the layer that the quantized
+layer replaces returns this rank's part of it. Slicing the unpacked form makes every packing (AWQ's eight
+nibbles per word along the outputs, GPTQ's and compressed-tensors' along the inputs) shard alike; the
+row-parallel split must keep groups whole (an act-order map is sliced with the inputs instead).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 from torch import nn
 
 from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.prequantized import QuantizedWeight
 from kubellm.runtime.tp_group import Group
 
 ShardId = int | str | None
@@ -51,6 +59,13 @@ def replicated_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: Shard
     param.data.copy_(loaded)
 
 
+def _rank_rows(total: int, per_rank: int, tp: Group, what: str) -> int:
+    """The first of this rank's ``per_rank`` outputs among ``total`` (a checkpoint part's); checks the size."""
+    if total != per_rank * tp.size:
+        raise CheckpointError(f"has {total} {what}, the config implies {per_rank * tp.size}")
+    return tp.rank * per_rank
+
+
 def _divide(n: int, tp: Group, what: str) -> int:
     if n % tp.size:
         raise ValueError(f"tensor_parallel_size {tp.size} does not divide the layer's {n} {what}")
@@ -68,6 +83,19 @@ class ColumnParallelLinear(nn.Linear):
         if shard_id is not None:
             raise CheckpointError(f"is mapped to part {shard_id!r} of a layer that has no parts")
         take_slice(loaded, param.data, 0, self.tp)
+
+    def quantized_loader(self, weight: QuantizedWeight, bias: torch.Tensor | None, shard_id: ShardId = None
+                         ) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        """This rank's outputs of a quantized checkpoint part (and of its bias)."""
+        if shard_id is not None:
+            raise CheckpointError(f"is mapped to part {shard_id!r} of a layer that has no parts")
+        return _output_slice(weight, bias, self.out_features, self.tp)
+
+
+def _output_slice(weight: QuantizedWeight, bias: torch.Tensor | None, rows: int, tp: Group
+                  ) -> tuple[QuantizedWeight, torch.Tensor | None]:
+    start = _rank_rows(weight.values.shape[0], rows, tp, "quantized outputs")
+    return weight.output_slice(start, rows), None if bias is None else bias.narrow(0, start, rows)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -105,6 +133,30 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         for sid, chunk in zip(self.part_rows, loaded.split(full), strict=True):
             take_slice(chunk, self.part(param, sid), 0, self.tp)
 
+    def quantized_loader(self, weight: QuantizedWeight, bias: torch.Tensor | None, shard_id: ShardId = None
+                         ) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        """This rank's outputs of one quantized part, or of every part of a fused one (``shard_id`` None), cut
+        per part first as for dense weights; the parts' slices are concatenated by the caller / here."""
+        if shard_id is not None:
+            if shard_id not in self.part_rows:
+                raise CheckpointError(f"names part {shard_id!r}; the layer has parts "
+                                      f"{', '.join(map(repr, self.part_rows))}")
+            return _output_slice(weight, bias, self.part_rows[shard_id], self.tp)
+        if self.tp.size == 1:
+            return weight, bias
+        full = [rows * self.tp.size for rows in self.part_rows.values()]
+        _rank_rows(weight.values.shape[0], sum(self.part_rows.values()), self.tp, "quantized outputs")
+        slices, start = [], 0
+        for rows, n in zip(self.part_rows.values(), full, strict=True):
+            slices.append(_output_slice(weight.output_slice(start, n), None if bias is None else bias[start:start + n],
+                                        rows, self.tp))
+            start += n
+        parts = [w for w, _ in slices]
+        return (QuantizedWeight(torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]),
+                                None if weight.zeros is None else torch.cat([p.zeros for p in parts]),
+                                weight.group_size, weight.g_idx),
+                None if bias is None else torch.cat([b for _, b in slices]))
+
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v (shard ids ``"q"``, ``"k"``, ``"v"``) in one matmul, split by whole heads. Every rank needs at
@@ -136,3 +188,22 @@ class RowParallelLinear(nn.Linear):
                 param.data.zero_()
             return
         take_slice(loaded, param.data, 1, self.tp)
+
+    def quantized_loader(self, weight: QuantizedWeight, bias: torch.Tensor | None, shard_id: ShardId = None
+                         ) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        """This rank's inputs of a quantized checkpoint tensor, in whole groups; the bias on rank 0 only."""
+        if shard_id is not None:
+            raise CheckpointError(f"is mapped to part {shard_id!r} of a layer that has no parts")
+        n = self.in_features
+        if weight.values.shape[1] != n * self.tp.size:
+            raise CheckpointError(f"has {weight.values.shape[1]} quantized inputs, the config implies "
+                                  f"{n * self.tp.size}")
+        try:
+            weight = weight.input_slice(self.tp.rank * n, n) if self.tp.size > 1 else weight
+        except ValueError as e:
+            raise CheckpointError(f"cannot be split over tensor_parallel_size {self.tp.size}: {e}; each rank's "
+                                  f"{n} inputs must be whole groups (use a tensor_parallel_size that divides the "
+                                  "groups, or tensor_parallel_size 1)") from None
+        if bias is not None and self.tp.rank != 0:
+            bias = torch.zeros_like(bias)
+        return weight, bias

@@ -16,8 +16,14 @@ GGUF files come the same way (``prepare(..., gguf=True)``, the checkpoint's ``pa
 linear's ``weight`` is a ``kernels/gguf_blocks.BlockForm``, 4-bit or 8-bit per its type; fused parts of
 different types join in the 8-bit form at the smaller group.
 
+Tensor parallelism: each part, once read, goes through the ``quantized_loader`` of the parallel linear the
+placeholder stands for (runtime/layers/parallel_linear.py), which keeps this rank's outputs (q/k/v, gate/up)
+or inputs in whole groups (o, down); then the parts are concatenated as without it. GGUF blocks are not kept
+packed under tensor parallelism (runtime/models/loader.py dequantizes them and the dense layers shard them).
+
 Served: dense decoder layers (every family of the registry). Refused by name: quantized experts of mixtures
-of experts, tensor parallelism > 1, a quantized LM head, q/k/v parts with different act-order maps.
+of experts, a quantized LM head, q/k/v parts with different act-order maps, a row-parallel split that would
+cut a group (``in_features / tensor_parallel_size`` not a multiple of the group size).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class _Target:
     out_features: int
     alternatives: tuple[tuple[str, ...], ...]  # the checkpoint prefixes of the parts, per alternative
     bias: bool
+    layout: nn.Module  # the parallel linear it replaces: its quantized_loader takes this rank's shard
     got: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # prefix -> suffix -> tensor
 
 
@@ -107,10 +114,6 @@ def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None,
     spec = GGUF if gguf else prequantized.detect(config, where)
     if spec is None:
         return None
-    tp = getattr(model, "tp", None)
-    if tp is not None and tp.size > 1:
-        raise CheckpointError(f"pre-quantized checkpoints ({spec.method}){where} are served with tensor "
-                              "parallelism 1 only; set tensor_parallel_size 1")
     patterns = _ignored_patterns(config)
     targets: list[_Target] = []
     layers = model.get_submodule("model.layers")
@@ -131,7 +134,7 @@ def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None,
         if any(ignored):
             raise CheckpointError(f"{path}{where}: the quantization config leaves some of its parts unquantized; "
                                   "fused layers must be quantized alike")
-        targets.append(_Target(path, m.out_features, alternatives, m.bias is not None))
+        targets.append(_Target(path, m.out_features, alternatives, m.bias is not None, m))
         setattr(model.get_submodule(parent), leaf, _Pending(m.in_features, m.out_features, m.bias is not None))
     return QuantizedLoading(spec, targets, kernels, source)
 
@@ -199,13 +202,18 @@ class QuantizedLoading:
             return
         assert self.model is not None, "attach() the model before streaming tensors"
         device = self.device
-        parts = [self._read(target.got[p], p) for p in alt]
-        bits = max(b for _, b in parts)
-        weight = _concatenate([w for w, _ in parts], target.module, self._where())
+        parts, biases, bits = [], [], 0
+        for p in alt:
+            w, b = self._read(target.got[p], p)
+            w, bias = self._shard(target, p, w, target.got[p]["bias"].float() if target.bias else None)
+            parts.append(w)
+            biases.append(bias)
+            bits = max(bits, b)
+        weight = _concatenate(parts, target.module, self._where())
         if weight.values.shape[0] != target.out_features:
             raise CheckpointError(f"{target.module}{self._where()}: the quantized parts have "
                                   f"{weight.values.shape[0]} outputs, the config implies {target.out_features}")
-        bias = torch.cat([target.got[p]["bias"].float() for p in alt]) if target.bias else None
+        bias = torch.cat(biases) if target.bias else None
         weight = QuantizedWeight(*(None if t is None else t.to(device) for t in
                                    (weight.values, weight.scales, weight.zeros)), weight.group_size,
                                  None if weight.g_idx is None else weight.g_idx.to(device))
@@ -216,6 +224,23 @@ class QuantizedLoading:
         del self.pending[target.module]
         target.got.clear()
         self.built += 1
+
+    def _shard(self, target: _Target, prefix: str, weight: QuantizedWeight, bias: torch.Tensor | None
+               ) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        """This rank's part of one stored part, cut by the layer type it replaces (the model's name mapping
+        says which part of a fused layer ``prefix`` fills; a checkpoint's fused tensor fills them all)."""
+        loader = getattr(target.layout, "quantized_loader", None)
+        tp = getattr(target.layout, "tp", None)
+        if loader is None:
+            if tp is not None and tp.size > 1:
+                raise CheckpointError(f"{prefix}{self._where()} cannot be sharded: its layer "
+                                      f"{type(target.layout).__name__} has no quantized loader")
+            return weight, bias
+        shard_id = self.model.parameter_of(f"{prefix}.weight")[1] if hasattr(self.model, "parameter_of") else None
+        try:
+            return loader(weight, bias, shard_id)
+        except CheckpointError as e:
+            raise CheckpointError(f"{prefix}{self._where()} {e}") from None
 
     def _path(self, weight: QuantizedWeight, bits: int, device: torch.device) -> str:
         out_features, in_features = weight.values.shape

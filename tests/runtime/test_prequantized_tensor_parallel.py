@@ -1,0 +1,83 @@
+"""Tensor parallelism over checkpoints quantized elsewhere: each quantized layer shards by the parallel layer
+type it replaces (runtime/layers/parallel_linear.py's ``quantized_loader``), so the ranks' layers together
+compute the unsharded layer, two ranks generate what transformers generates on the dequantized twin (and so
+what one rank generates: test_prequantized_loading.py), and a split that would cut a group is refused by name.
+
+The checkpoints are test_prequantized_loading.py's, in each format's published layout, at a shape where every
+row-parallel split keeps groups of 128 whole (8 heads of 32: o_proj has 256 inputs, 128 per rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_parity import _engine, _prompts, _run_and_compare
+from test_prequantized_loading import write_quantized
+
+from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.models.loader import build_model, read_checkpoint
+from kubellm.runtime.tp_group import Group
+
+TP_SHAPE = dict(hidden_size=128, intermediate_size=512, head_dim=32, num_attention_heads=8)
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def dense(request, tiny_checkpoint_factory):
+    return tiny_checkpoint_factory(request.param, **TP_SHAPE)
+
+
+def _quantized_layers(model) -> dict[str, QuantizedLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+@pytest.mark.parametrize("fmt", ["awq-4bit-g128", "gptq-4bit-asym-g128", "gptq-4bit-sym-desc_act-g32",
+                                 "gptq-8bit-sym-g128", "w4a16-group128", "w8a16-channel", "fp8-channel",
+                                 "fp8-block128"])
+@torch.inference_mode()
+def test_the_ranks_quantized_shards_compute_the_unsharded_layer(fmt, dense, tmp_path):
+    """Column-parallel layers (q/k/v, gate/up): the ranks' outputs, part by part, are the whole layer's;
+    row-parallel (o, down): the ranks' partial sums over their inputs add up to it. Every format's packing,
+    act-order map and scale layout goes through the same split of the read weights."""
+    quant_dir, _ = write_quantized(dense, tmp_path, fmt)
+    ckpt = read_checkpoint(quant_dir)
+    full = _quantized_layers(build_model(ckpt, torch.float32, "cpu", 256, False)[0])
+    ranks = [_quantized_layers(build_model(ckpt, torch.float32, "cpu", 256, False, tp=Group(rank=r, size=2))[0])
+             for r in (0, 1)]
+    assert full and all(set(r) == set(full) for r in ranks)
+    x = torch.randn(5, max(m.in_features for m in full.values()), generator=torch.Generator().manual_seed(0))
+    for name, layer in full.items():
+        shards = [r[name] for r in ranks]
+        want = layer(x[:, : layer.in_features])
+        if name.endswith(ROW_PARALLEL):
+            n = layer.in_features // 2
+            assert all(s.in_features == n and s.out_features == layer.out_features for s in shards)
+            got = sum(s(x[:, r * n : (r + 1) * n]) for r, s in enumerate(shards))
+        else:
+            parts = ([256, 64, 64] if name.endswith("qkv_proj") else [512, 512])  # q, k, v / gate, up outputs
+            outs = [s(x[:, : layer.in_features]).split([p // 2 for p in parts], dim=-1) for s in shards]
+            got = torch.cat([torch.cat([o[j] for o in outs], dim=-1) for j in range(len(parts))], dim=-1)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"{fmt}: {name}")
+
+
+@pytest.mark.parametrize("fmt", ["awq-4bit-g128", "gptq-4bit-sym-desc_act-g32", "w4a16-group128", "fp8-block128"])
+def test_tp2_on_a_quantized_checkpoint_generates_what_transformers_generates_on_its_twin(fmt, dense, tmp_path):
+    """Two ranks on gloo through chunked prefill, preemption and prefix hits: greedy tokens equal and logits
+    within the fp32 parity tolerance of transformers on the dequantized twin, which one rank meets too."""
+    quant_dir, twin_dir = write_quantized(dense, tmp_path, fmt)
+    llm = _engine(quant_dir, tensor_parallel_size=2)
+    try:
+        o_proj = llm.engine.runner.model.model.layers[0].self_attn.o_proj
+        assert isinstance(o_proj, QuantizedLinear) and o_proj.in_features == 128  # rank 0's half of 256
+        _run_and_compare(llm, twin_dir, _prompts())
+    finally:
+        llm.close()
+
+
+def test_a_row_parallel_split_that_cuts_groups_is_refused_naming_the_layer(tiny_checkpoint_factory, tmp_path):
+    """4 heads of 32: o_proj has 128 inputs, 64 per rank, which cannot hold AWQ's groups of 128."""
+    dense_dir = tiny_checkpoint_factory("llama", hidden_size=128, intermediate_size=256, head_dim=32)
+    quant_dir, _ = write_quantized(dense_dir, tmp_path, "awq-4bit-g128")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.o_proj .*cannot be split over "
+                                              r"tensor_parallel_size 2: .*groups of 128"):
+        build_model(read_checkpoint(quant_dir), torch.float32, "cpu", 256, False, tp=Group(rank=1, size=2))

@@ -52,8 +52,10 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_siz
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     """``torch.zeros(shape)``, but on CPU without writing it: calloc hands large blocks out as fresh mmap pages,
     which the kernel zero-fills on first touch, so a GiB-sized KV pool costs nothing at start-up (``torch.zeros``
-    memsets it: 3.7 s for 4 GiB on a loaded 2-core host) and pages in as blocks are used. 64-byte aligned, as
-    torch's own CPU allocator aligns (the kernels' vector loads then never straddle a cache line)."""
+    memsets it: 3.7 s for 4 GiB on a loaded 2-core host) and pages in as blocks are used. The first write into
+    each page then pays its zeroing once, inside a step (a KV write into fresh pages: ~10-15 us instead of 9 us
+    per layer, measured on a loaded host): no more in total than the memset, and only for the pages ever used.
+    64-byte aligned, as torch's own CPU allocator aligns (the kernels' vector loads never straddle a line)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize

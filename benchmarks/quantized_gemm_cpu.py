@@ -6,12 +6,15 @@ For each weight shape ``N x K`` (output x input) and row count M, the minimum ov
 * ``bf16``: ``F.linear`` on the bf16 weight; ``bf16 packed``: the oneDNN-prepacked linear the engine runs;
 * ``int4 g32``: ``kernels/cpu_int4_gemm.py`` (4-bit, group 32 with zero points: GGUF Q4_1 / Q4_K, AWQ, GPTQ);
 * ``int8 g32 zp``: ``kernels/cpu_grouped_int8_gemm.py`` with group 32 and zero points (GGUF Q5_K, GPTQ 8-bit);
-  ``int8 g16``: group 16, symmetric (GGUF Q6_K); ``int8 ch``: one scale per channel (W8A16 channel);
+  ``int8 g32``: group 32, symmetric (GGUF Q8_0: the demo's token embedding, also its tied LM head, the
+  49152 x 576 row); ``int8 g16``: group 16, symmetric (GGUF Q6_K); ``int8 ch``: one scale per channel (W8A16);
 * ``fp8 ch``: ``kernels/cpu_fp8_gemm.py`` (e4m3, per-channel scales), where it exists.
 
-Ratios are ``best bf16 µs / kernel µs`` (above 1: the kernel is faster than both bf16 paths).
+Scales and zero points are float16, as the loader keeps them where exact (``--scales float32``: the form the
+kernels took before they read float16, for before/after runs). Ratios are ``best bf16 µs / kernel µs``
+(above 1: the kernel is faster than both bf16 paths).
 
-    python benchmarks/quantized_gemm_cpu.py [--threads 2] [--calls 200] [--rows 1 8 32]
+    python benchmarks/quantized_gemm_cpu.py [--threads 2] [--calls 200] [--rows 1 8 32] [--scales float16]
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from kubellm.kernels import cpu_int4_gemm as k4
 from kubellm.runtime import host_malloc
 from kubellm.runtime.layers.linear import PackedLinear, can_pack
 
-SHAPES = ((576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536))  # q/o, k/v, qkv, up, gate_up, down
+# q/o, k/v, qkv, up, gate_up, down, the tied LM head
+SHAPES = ((576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576))
 
 
 def best_of(fns: dict, calls: int, rounds: int = 10) -> dict:
@@ -49,19 +53,20 @@ def best_of(fns: dict, calls: int, rounds: int = 10) -> dict:
     return best
 
 
-def kernels_for(n: int, k: int):
+def kernels_for(n: int, k: int, scale_dtype: torch.dtype = torch.float16):
     """(name, callable of x) for each quantized kernel available here, on random weights of ``[n, k]``."""
     out = []
     if k4.available():
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-        s, z = torch.rand(k // 32, n) * 0.01, torch.randint(0, 16, (k // 32, n)).float()
+        s, z = (torch.rand(k // 32, n) * 0.01).to(scale_dtype), torch.randint(0, 16, (k // 32, n)).to(scale_dtype)
         out.append(("int4 g32", lambda x, p=k4.pack(q), s=s, z=z: k4.int4_gemm(x, p, s, z, 32)))
     if g8.available():
         q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
         p = g8.pack(q)
-        for name, group, zp in (("int8 g32 zp", 32, True), ("int8 g16", 16, False), ("int8 ch", k, False)):
-            s = torch.rand(k // group, n) * 0.001
-            z = torch.randint(-128, 128, (k // group, n)).float() if zp else None
+        for name, group, zp in (("int8 g32 zp", 32, True), ("int8 g32", 32, False), ("int8 g16", 16, False),
+                                ("int8 ch", k, False)):
+            s = (torch.rand(k // group, n) * 0.001).to(scale_dtype)
+            z = torch.randint(-128, 128, (k // group, n)).to(scale_dtype) if zp else None
             out.append((name, lambda x, p=p, s=s, z=z, g=group: g8.grouped_int8_gemm(x, p, s, z, g)))
     try:
         fp8 = importlib.import_module("kubellm.kernels.cpu_fp8_gemm")
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--calls", type=int, default=200, help="timed calls per cell (the minimum is reported)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--scales", choices=["float16", "float32"], default="float16",
+                    help="dtype of the scales and zero points")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         for n, k in SHAPES:
             linear = nn.Linear(k, n, bias=False).to(dtype)
             packed = PackedLinear(linear) if can_pack("cpu", dtype) else linear
-            kernels = kernels_for(n, k)
+            kernels = kernels_for(n, k, getattr(torch, args.scales))
             for m in args.rows:
                 x = torch.randn(m, k).to(dtype)
                 fns = {"bf16": lambda x=x, w=linear.weight: F.linear(x, w), "bf16 packed": lambda x=x, p=packed: p(x)}
@@ -100,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 cells = [(name, best[name]) for name, _ in kernels]
                 rows.append((f"{n}x{k}", m, best["bf16"], best["bf16 packed"], cells))
     names = [name for name, _ in rows[0][4]] if rows else []
-    print(f"\nbfloat16 activations, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+    print(f"\nbfloat16 activations, {args.scales} scales, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, "
           f"min of {args.calls} calls; ratio = best bf16 / kernel\n")
     print("| N x K | M | bf16 µs | bf16 packed µs | " + " | ".join(f"{n} µs | ratio" for n in names) + " |")
     print("|---|---:|---:|---:|" + "---:|---:|" * len(names))

@@ -143,6 +143,14 @@ class KernelChoice:
             return self.grouped_int8_gemm if packable else "dequantize"
         raise ValueError(f"no grouped GEMM for {bits}-bit values (4..8)")
 
+    def fp8_path(self, in_features: int, group_size: int) -> str:
+        """The GEMM of one FP8 (e4m3) layer with a scale per (output, ``group_size`` inputs; -1: per channel):
+        ``triton`` where its check passed and it takes the scale layout, else ``dequantize`` (also on CPU, which
+        has no native FP8 GEMM)."""
+        from kubellm.runtime.layers.quantized_linear import fp8_triton_packable
+
+        return "triton" if self.fp8_gemm == "triton" and fp8_triton_packable(in_features, group_size) else "dequantize"
+
     def describe(self, quantization: str = "none") -> str:
         gemm = {"int8": f", int8 GEMM {self.int8_gemm}", "int4": f", int4 GEMM {self.int4_gemm}", "none": ""}
         grouped = (f", grouped 4-bit GEMM {self.grouped_int4_gemm}, 8-bit GEMM {self.grouped_int8_gemm}, "

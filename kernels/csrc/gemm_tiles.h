@@ -1,8 +1,10 @@
 // Helpers shared by the weight-only GEMMs with zero points (int4_gemm_cpu.cpp, grouped_int8_gemm_cpu.cpp):
-// the per-group sums of x the zero points multiply, and how many 16-channel blocks one work item takes.
+// the per-group sums of x the zero points multiply, how many 16-channel blocks one work item takes, and the
+// per-group scales and zero points in float32 or float16.
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -40,6 +42,33 @@ inline void bf16_group_sums(const c10::BFloat16* x, int64_t ldx, int64_t M, int6
 #endif
     }
   }
+}
+
+// Per-group scales or zero points, [K/group][N] float32 or float16. float16 holds GGUF's d and AWQ/GPTQ's
+// scales and integer zero points exactly at half the bytes (the loader narrows only what stays exact); they are
+// widened 16 channels at a time, once per group and block, outside the inner loop.
+struct GroupParams {
+  const void* data = nullptr;
+  bool half = false;
+
+  GroupParams offset(int64_t i) const {
+    return {data ? static_cast<const char*>(data) + i * (half ? 2 : 4) : nullptr, half};
+  }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  __m512 load16(int64_t i, __mmask16 mask = __mmask16(0xFFFF)) const {
+    if (half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(data) + i));
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(data) + i);
+  }
+#endif
+};
+
+// `t` as GroupParams after checking it is a contiguous [groups, N] float32 or float16 tensor.
+inline GroupParams group_params(const at::Tensor& t, const char* what, int64_t groups, int64_t N) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == groups && t.size(1) == N && t.is_contiguous() &&
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf),
+              what, " must be contiguous [K/group, N] = [", groups, ", ", N, "] float32 or float16, got ", t.sizes(),
+              " ", t.scalar_type());
+  return {t.const_data_ptr(), t.scalar_type() == at::kHalf};
 }
 
 // Blocks of 16 channels per work item, from 1..max_nb: the fewest blocks on the busiest thread (work items are

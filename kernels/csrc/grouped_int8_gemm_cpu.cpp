@@ -1,7 +1,7 @@
 // Weight-only 8-bit GEMM for CPUs with AVX512-BF16, with per-group scales and optional zero points (GPTQ 8-bit,
 // compressed-tensors W8A16, GGUF Q8_0 / Q6_K / Q5_K after kernels/gguf_blocks.py):
 //   y[m, n] = sum_g s[g, n] * (sum_{k in g} q[n, k] * x[m, k] - z[g, n] * sum_{k in g} x[m, k])  (+ bias[n])
-// with q int8 (-128..127), x and y bfloat16, s and z float32 (no z: symmetric, z = 0). One group (group = K)
+// with q int8 (-128..127), x and y bfloat16, s and z float32 or float16 (tiles::GroupParams; no z: symmetric). One group (group = K)
 // is the per-channel case.
 //
 // Why: the 8-bit formats keep a scale per 16..128 inputs, which the per-channel int8 kernel cannot take. The
@@ -52,8 +52,8 @@ inline __m512i widen_int8_pairs(const int8_t* src) {
 // MR rows x NB blocks of 16 outputs; `tail` masks the channels of the last block that exist (0xFFFF: all).
 template <int MR, int NB, bool ZP>
 void micro_kernel_g8(const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
-                     const int8_t* w, int64_t w_block_stride, int64_t K2, int64_t group_pairs, const float* scales,
-                     const float* zeros, int64_t N, const float* bias, __mmask16 tail, c10::BFloat16* y,
+                     const int8_t* w, int64_t w_block_stride, int64_t K2, int64_t group_pairs, tiles::GroupParams scales,
+                     tiles::GroupParams zeros, int64_t N, const float* bias, __mmask16 tail, c10::BFloat16* y,
                      int64_t ldy) {
   __m512 out[MR][NB];
   for (int r = 0; r < MR; ++r)
@@ -73,9 +73,9 @@ void micro_kernel_g8(const int32_t* x_pairs, int64_t x_pair_stride, const float*
     }
     for (int b = 0; b < NB; ++b) {
       const __mmask16 mask = b == NB - 1 ? tail : __mmask16(0xFFFF);
-      const __m512 s = _mm512_maskz_loadu_ps(mask, scales + g * N + b * 16);
+      const __m512 s = scales.load16(g * N + b * 16, mask);
       if constexpr (ZP) {  // out += s * (acc - z * sum(x over the group))
-        const __m512 z = _mm512_maskz_loadu_ps(mask, zeros + g * N + b * 16);
+        const __m512 z = zeros.load16(g * N + b * 16, mask);
         for (int r = 0; r < MR; ++r)
           out[r][b] = _mm512_fmadd_ps(_mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[r][b]), s,
                                       out[r][b]);
@@ -94,8 +94,8 @@ void micro_kernel_g8(const int32_t* x_pairs, int64_t x_pair_stride, const float*
 
 template <int NB, bool ZP>
 void rows_kernel_g8(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
-                    const int8_t* w, int64_t w_block_stride, int64_t K2, int64_t group_pairs, const float* scales,
-                    const float* zeros, int64_t N, const float* bias, __mmask16 tail, c10::BFloat16* y, int64_t ldy) {
+                    const int8_t* w, int64_t w_block_stride, int64_t K2, int64_t group_pairs, tiles::GroupParams scales,
+                    tiles::GroupParams zeros, int64_t N, const float* bias, __mmask16 tail, c10::BFloat16* y, int64_t ldy) {
   switch (mr) {
 #define KUBELLM_ROWS_G8(R)                                                                                       \
   case R:                                                                                                        \
@@ -112,8 +112,8 @@ void rows_kernel_g8(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const
 
 template <bool ZP>
 void run_g8(int nb, int mr, const int32_t* xr, int64_t x_pair_stride, const float* xs, int64_t groups,
-            const int8_t* w, int64_t w_block_stride, int64_t K2, int64_t group_pairs, const float* sp,
-            const float* zp, int64_t N, const float* bp, __mmask16 tail, c10::BFloat16* yr) {
+            const int8_t* w, int64_t w_block_stride, int64_t K2, int64_t group_pairs, tiles::GroupParams sp,
+            tiles::GroupParams zp, int64_t N, const float* bp, __mmask16 tail, c10::BFloat16* yr) {
 #define KUBELLM_NB_G8(B)                                                                                      \
   rows_kernel_g8<B, ZP>(mr, xr, x_pair_stride, xs, groups, w, w_block_stride, K2, group_pairs, sp, zp, N, bp, \
                         tail, yr, N)
@@ -144,16 +144,12 @@ at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
               ") must be even and divide K (", K, ")");
   TORCH_CHECK(x.stride(0) % 2 == 0, "x's row stride must be even (bf16 pairs)");
   const int64_t groups = K / group_size;
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == groups && scales.scalar_type() == at::kFloat &&
-                  scales.is_contiguous(),
-              "scales must be contiguous [K/group, N] float32");
+  TORCH_CHECK(scales.dim() == 2, "scales must be [K/group, N]");
   const int64_t N = scales.size(1);
+  const tiles::GroupParams sp = tiles::group_params(scales, "scales", groups, N);
   TORCH_CHECK((N + 15) / 16 == NBLK, "scales have ", N, " channels, the packed weight ", NBLK, " blocks of 16");
   const bool zp = zeros.has_value() && zeros->defined();
-  if (zp)
-    TORCH_CHECK(zeros->dim() == 2 && zeros->size(0) == groups && zeros->size(1) == N &&
-                    zeros->scalar_type() == at::kFloat && zeros->is_contiguous(),
-                "zeros must be contiguous [K/group, N] float32, like scales");
+  const tiles::GroupParams zpp = zp ? tiles::group_params(*zeros, "zeros", groups, N) : tiles::GroupParams{};
   const float* bias_p = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
@@ -175,8 +171,6 @@ at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   const auto* xp = reinterpret_cast<const int32_t*>(xv);
   const int64_t x_pair_stride = x.stride(0) / 2;
   const int8_t* wp = packed.const_data_ptr<int8_t>();
-  const float* sp = scales.const_data_ptr<float>();
-  const float* zpp = zp ? zeros->const_data_ptr<float>() : nullptr;
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
   const int64_t w_block_stride = K2 * 32, group_pairs = group_size / 2;
   const __mmask16 last_tail = N % 16 ? __mmask16((1u << (N % 16)) - 1) : __mmask16(0xFFFF);
@@ -195,14 +189,14 @@ at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
         const float* xs = zp ? xsum + m0 * groups : nullptr;
         const int8_t* w = wp + blk * w_block_stride;
         const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
-        const float* zb = zp ? zpp + blk * 16 : nullptr;
+        const tiles::GroupParams sb = sp.offset(blk * 16), zb = zpp.offset(blk * 16);
         c10::BFloat16* yr = yp + m0 * N + blk * 16;
         if (zp)
-          run_g8<true>(n, mr, xr, x_pair_stride, xs, groups, w, w_block_stride, K2, group_pairs, sp + blk * 16, zb, N,
-                       bp, tail, yr);
+          run_g8<true>(n, mr, xr, x_pair_stride, xs, groups, w, w_block_stride, K2, group_pairs, sb, zb, N, bp, tail,
+                       yr);
         else
-          run_g8<false>(n, mr, xr, x_pair_stride, xs, groups, w, w_block_stride, K2, group_pairs, sp + blk * 16, zb,
-                        N, bp, tail, yr);
+          run_g8<false>(n, mr, xr, x_pair_stride, xs, groups, w, w_block_stride, K2, group_pairs, sb, zb, N, bp,
+                        tail, yr);
       }
     }
   });

@@ -1,7 +1,8 @@
 // Weight-only int4 GEMM for CPUs with AVX512-BF16, with per-group scales and zero points (AWQ, GPTQ,
 // compressed-tensors W4A16, kubellm's own int4):
 //   y[m, n] = sum_g s[g, n] * (sum_{k in g} q[n, k] * x[m, k] - z[g, n] * sum_{k in g} x[m, k])  (+ bias[n])
-// with q in 0..15 (unsigned nibbles; a symmetric format passes z = 8), x and y bfloat16, s and z float32.
+// with q in 0..15 (unsigned nibbles; a symmetric format passes z = 8), x and y bfloat16, s and z float32 or
+// float16 (each its own; tiles::GroupParams).
 //
 // Why: a decode step is bound by weight bytes; int4 reads a quarter of bf16's. The nibbles are widened to bf16
 // in registers and multiplied with vdpbf16ps like the int8 kernel, and the widening is the costly part, so it
@@ -13,7 +14,7 @@
 // Layout (kernels/cpu_int4_gemm.py packs it once): [N/16][K/4][16][2] bytes; for inputs k..k+3 (k % 4 == 0),
 // byte 2i + j (j = 0, 1) of the 32 holds q[n0 + i, k + j] in its low nibble and q[n0 + i, k + 2 + j] in its
 // high one. Zero-extended to 16-bit lanes, the low nibbles are then the 16 channels' (q[k], q[k+1]) bf16 pairs
-// and the high nibbles their (q[k+2], q[k+3]) pairs. Scales and zero points [K/group][N] float32.
+// and the high nibbles their (q[k+2], q[k+3]) pairs. Scales and zero points [K/group][N].
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -26,7 +27,7 @@
 
 #include "gemm_tiles.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define KUBELLM_INT4_GEMM 1
 #endif
@@ -47,8 +48,8 @@ constexpr int kMaxRows4 = 12;  // MR group sums + MR outputs + two weights, two 
 
 template <int MR, int NB>
 void micro_kernel4(const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
-                   const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads, const float* scales,
-                   const float* zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy) {
+                   const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads,
+                   tiles::GroupParams scales, tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy) {
   const __m512i nibble = _mm512_set1_epi32(0x000F000F);
   const __m512i magic = _mm512_set1_epi32(0x43004300);  // bf16 128.0 in both halves
   __m512 out[MR][NB];
@@ -78,8 +79,8 @@ void micro_kernel4(const int32_t* x_pairs, int64_t x_pair_stride, const float* x
     }
     // out += s * (acc - (z + 128) * sum(x over the group))
     for (int b = 0; b < NB; ++b) {
-      const __m512 s = _mm512_loadu_ps(scales + g * N + b * 16);
-      const __m512 z = _mm512_add_ps(_mm512_loadu_ps(zeros + g * N + b * 16), _mm512_set1_ps(128.f));
+      const __m512 s = scales.load16(g * N + b * 16);
+      const __m512 z = _mm512_add_ps(zeros.load16(g * N + b * 16), _mm512_set1_ps(128.f));
       for (int r = 0; r < MR; ++r) {
         const __m512 centred = _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[r][b]);
         out[r][b] = _mm512_fmadd_ps(centred, s, out[r][b]);
@@ -96,8 +97,8 @@ void micro_kernel4(const int32_t* x_pairs, int64_t x_pair_stride, const float* x
 
 template <int NB>
 void rows_kernel4(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
-                  const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads, const float* scales,
-                  const float* zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy) {
+                  const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads,
+                  tiles::GroupParams scales, tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy) {
   switch (mr) {
 #define KUBELLM_ROWS4(R)                                                                                         \
   case R:                                                                                                        \
@@ -128,10 +129,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
               ") must be a multiple of 4 and divide K (", K, ")");
   const int64_t groups = K / group_size;
   TORCH_CHECK(x.stride(0) % 2 == 0, "x's row stride must be even (bf16 pairs)");
-  for (const auto* t : {&scales, &zeros})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == groups && t->size(1) == N && t->scalar_type() == at::kFloat &&
-                    t->is_contiguous(),
-                "scales and zeros must be contiguous [K/group, N] float32");
+  const tiles::GroupParams sp = tiles::group_params(scales, "scales", groups, N);
+  const tiles::GroupParams zp = tiles::group_params(zeros, "zeros", groups, N);
   const float* bias_p = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
@@ -151,8 +150,6 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const auto* xp = reinterpret_cast<const int32_t*>(xv);
   const int64_t x_pair_stride = x.stride(0) / 2;
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
-  const float* sp = scales.const_data_ptr<float>();
-  const float* zp = zeros.const_data_ptr<float>();
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
   const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
   // Work items of NB 16-channel blocks over all rows, in tiles of MR rows. Few rows: several blocks per tile,
@@ -172,8 +169,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
         const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
         c10::BFloat16* yr = yp + m0 * N + blk * 16;
 #define KUBELLM_NB(B)                                                                                       \
-  rows_kernel4<B>(mr, xr, x_pair_stride, xs, groups, w, w_block_stride, K4, group_quads, sp + blk * 16, \
-                  zp + blk * 16, N, bp, yr, N)
+  rows_kernel4<B>(mr, xr, x_pair_stride, xs, groups, w, w_block_stride, K4, group_quads, sp.offset(blk * 16), \
+                  zp.offset(blk * 16), N, bp, yr, N)
         switch (n) {
           case 4: KUBELLM_NB(4); break;
           case 3: KUBELLM_NB(3); break;

@@ -10,13 +10,19 @@ and keeps it in what its GEMM reads, chosen per layer (``KernelChoice.grouped_pa
   shifted by -128, values and zeros alike).
 * ``dequantize``: values kept compact (two 4-bit values per byte, else one per byte; FP8 as e4m3), the
   ``[out, in]`` weight rebuilt in the activation dtype on every call. Correct on every device and dtype;
-  the memory saving holds, the speed-up does not. FP8 takes this path everywhere for now.
+  the memory saving holds, the speed-up does not. FP8 takes this path on CPU: there is no native FP8 CPU GEMM.
 
-* ``triton`` (CUDA, 4 and 8 bits, once its start-up check passed): ``kernels/triton_grouped_gemm.py``, in its
-  own packed layout (GPTQ-style int32 words, act-order sorted by its ``pack``).
+* ``triton`` (CUDA, once its start-up check passed): 4 and 8 bits through ``kernels/triton_grouped_gemm.py``, in
+  its own packed layout (GPTQ-style int32 words, act-order sorted by its ``pack``); FP8 through
+  ``kernels/triton_fp8_gemm.py`` on the e4m3 bytes and scales as stored (per channel, or per group of a power
+  of two from 16 inputs: :func:`fp8_triton_packable`; other FP8 layers dequantize).
 
-FP8 and any other kernel plug in as entries of :data:`GEMMS` (``path -> fn(layer, x_rows) -> y_rows``, named
-by the kernel choice); until then FP8 dequantizes on CUDA too.
+Scales and zero points are kept in float16 where that holds them exactly (GGUF's d, fp16 checkpoint scales,
+integer zero points), else float32; the kernels widen them per tile. Other kernels plug in as entries of
+:data:`GEMMS` (``path -> fn(layer, x_rows) -> y_rows``, named by the kernel choice).
+
+:meth:`QuantizedLinear.rows` dequantizes a few rows: a GGUF token embedding stays packed in one of these layers
+(runtime/layers/quantized_embedding.py), which then also serves as the tied LM head.
 
 Act-order (GPTQ ``desc_act``, compressed-tensors ``actorder: group``): the inputs of a group are scattered.
 When every group has ``group_size`` members, the layer sorts the weight's input columns by group once at
@@ -70,14 +76,16 @@ class QuantizedLinear(nn.Module):
             values, zeros = _kernel_range(values, zeros, scales, bits)
         if path == "native" and (self.float_values or self.in_features % self.group_size):
             path = "dequantize"
+        if path == "triton" and self.float_values and not fp8_triton_packable(self.in_features, weight.group_size):
+            path = "dequantize"
         self.path = path
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        if path == "native" and bits == 4 and zeros is None:
+            zeros = torch.zeros_like(scales)
+        scales, zeros = _narrow(scales), None if zeros is None else _narrow(zeros)
         if path == "native":
-            if bits == 4:
-                zeros = zeros if zeros is not None else torch.zeros_like(scales)
-                self.register_buffer("qweight", cpu_int4_gemm.pack(values))
-            else:
-                self.register_buffer("qweight", cpu_grouped_int8_gemm.pack(values))
+            pack = cpu_int4_gemm.pack if bits == 4 else cpu_grouped_int8_gemm.pack
+            self.register_buffer("qweight", pack(values))
             self.register_buffer("scales", scales.t().contiguous())  # [groups, out]: the kernels' order
             self.register_buffer("zeros", None if zeros is None else zeros.t().contiguous())
         else:
@@ -104,6 +112,13 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.path == "triton" and self.float_values:
+            from kubellm.kernels import triton_fp8_gemm
+
+            # Per-channel scales as they are; groups along the inputs as blocks of one row by group_size inputs.
+            block = None if self.scales.shape[1] == 1 else (1, self.group_size)
+            out = triton_fp8_gemm.fp8_gemm(rows, self.qweight, self.scales, self.bias, block)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.path == "triton":
             from kubellm.kernels import triton_grouped_gemm
 
@@ -136,11 +151,26 @@ class QuantizedLinear(nn.Module):
                                                                        device=values.device) // self.group_size
             w = values if zeros is None else values - zeros[:, g]
             return (w * scales[:, g]).to(dtype)
-        n, groups = self.out_features, self.in_features // self.group_size
-        w = values.view(n, groups, self.group_size)
-        if zeros is not None:
-            w = w - zeros.unsqueeze(-1)
-        return (w * scales.unsqueeze(-1)).view(n, self.in_features).to(dtype)
+        return _dequantize_groups(values, scales, zeros, self.group_size).to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of the dequantized weight, ``[*ids.shape, in]``: an embedding lookup from
+        the packed table, which dequantizes only the rows it reads."""
+        if self.path == "triton" or self.g_idx is not None or self.perm is not None or \
+                self.in_features % self.group_size:
+            raise ValueError("row lookup needs contiguous groups in input order (no act-order), off the Triton path")
+        flat = ids.reshape(-1)
+        q = self.qweight
+        if self.path == "native":
+            q = q[flat // 16, :, flat % 16, :]  # [T, K/4, 2] bytes (4-bit) or [T, K/2, 2] int8
+            if self.bits == 4:  # low nibbles are inputs k + j, high nibbles k + 2 + j (see values())
+                q = torch.stack([q & 0xF, q >> 4], dim=-2)
+            scales, zeros = self.scales[:, flat].t(), None if self.zeros is None else self.zeros[:, flat].t()
+        else:
+            q = _unpack_nibbles(q[flat]) if self.nibbles else q[flat]
+            scales, zeros = self.scales[flat], None if self.zeros is None else self.zeros[flat]
+        w = _dequantize_groups(q.reshape(flat.numel(), self.in_features).float(), scales, zeros, self.group_size)
+        return w.to(dtype).view(*ids.shape, self.in_features)
 
     def values(self) -> torch.Tensor:
         """``[out, in]`` values as the GEMM sees them (int4: 0..15; 8-bit: int8; FP8: e4m3)."""
@@ -175,6 +205,12 @@ class QuantizedLinear(nn.Module):
 GEMMS: dict[str, Callable[[QuantizedLinear, torch.Tensor], torch.Tensor]] = {}
 
 
+def fp8_triton_packable(in_features: int, group_size: int) -> bool:
+    """Whether ``kernels/triton_fp8_gemm.py`` takes FP8 scales per (output, ``group_size`` inputs): per channel
+    (``group_size`` -1 or ``in_features``), or groups that are powers of two from 16 (its K tiles)."""
+    return group_size <= 0 or group_size >= in_features or group_size >= 16 and group_size & (group_size - 1) == 0
+
+
 def contiguous_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
     """The input order that makes act-order groups contiguous (a stable sort by group), or None when the
     groups do not each hold ``group_size`` inputs (the last one may hold fewer), which a sort cannot fix."""
@@ -203,6 +239,24 @@ def _kernel_range(values: torch.Tensor, zeros: torch.Tensor | None, scales: torc
         values = values.to(torch.int16) + shift
         zeros = (zeros if zeros is not None else torch.zeros_like(scales)) + shift
     return values.to(target), zeros
+
+
+def _dequantize_groups(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
+                       ) -> torch.Tensor:
+    """``(values - zeros) * scales`` in float32 for float ``values`` ``[n, in]`` with contiguous groups of
+    ``group_size`` inputs (``scales``, ``zeros`` ``[n, in / group_size]``)."""
+    n, k = values.shape
+    w = values.view(n, k // group_size, group_size)
+    if zeros is not None:
+        w = w - zeros.float().unsqueeze(-1)
+    return (w * scales.float().unsqueeze(-1)).view(n, k)
+
+
+def _narrow(t: torch.Tensor) -> torch.Tensor:
+    """float16 when that holds every value exactly (GGUF's d, AWQ/GPTQ fp16 scales, integer zero points): half
+    the bytes of float32 at no cost in accuracy; the kernels widen per tile. Else float32, as given."""
+    half = t.to(torch.float16)
+    return half if torch.equal(half.float(), t) else t
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -34,3 +34,5 @@ class Checkpoint:
     # GGUF: tensors() with the decoder linears' quantized blocks as kernels/gguf_blocks.BlockForm instead of
     # dequantized (None: the format has no such form); the loader keeps them packed.
     packed_tensors: Callable[[], Iterator[tuple[str, object]]] | None = None
+    # packed_tensors() yields the token embedding packed too (kept so by runtime/layers/quantized_embedding.py).
+    packed_embedding: bool = False

@@ -12,7 +12,8 @@ the runtime never needs to know which format a model came in:
 
 ``packed_tensors()`` yields the same names with the decoder linears kept in their blocks
 (``kernels/gguf_blocks.BlockForm``, q/k rows unpermuted) when every one of them is Q8_0, Q4_0, Q4_1, Q4_K, Q5_K
-or Q6_K in a dense model; the loader (runtime/models/quantized_loading.py) keeps them packed.
+or Q6_K in a dense model, and the token embedding too when it is of one of those types
+(``Checkpoint.packed_embedding``); the loader (runtime/models/quantized_loading.py) keeps them packed.
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
             else:
                 yield name, value
 
+    packable = _all_linears_packable(reader, config)
     return Checkpoint(
         config=config,
         tensors=tensors,
@@ -152,12 +154,20 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
         tokenizer_config=tokenizer_config,
         generation_config=_generation_config(meta),
         source=str(path),
-        packed_tensors=(lambda: tensors(packed=True)) if _all_linears_packable(reader, config) else None,
+        packed_tensors=(lambda: tensors(packed=True)) if packable else None,
+        packed_embedding=packable and _packable_type(gguf_tensors["token_embd.weight"]),
     )
 
 
 # Decoder linears kept packed (GGUF names); experts are not (their blocks are stacked per layer).
 _PACKED_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "ffn_gate", "ffn_up", "ffn_down"}
+_EMBEDDING = "token_embd.weight"  # kept packed too, where its type has a packed form
+
+
+def _packable_type(tensor) -> bool:
+    from kubellm.kernels import gguf_blocks
+
+    return tensor.tensor_type.name in gguf_blocks.BLOCKS
 
 
 def _all_linears_packable(reader, config: dict) -> bool:
@@ -173,16 +183,17 @@ def _all_linears_packable(reader, config: dict) -> bool:
 
 
 def _blocks(tensor, arch: _Arch, config: dict):
-    """A decoder linear of a type kernels/gguf_blocks.py reads, as its BlockForm (q/k rows back in HF order);
-    None for anything else (dequantized as usual)."""
+    """A decoder linear or the token embedding in a type kernels/gguf_blocks.py reads, as its BlockForm (q/k rows
+    back in HF order); None for anything else (dequantized as usual)."""
     from kubellm.kernels import gguf_blocks
 
     m = _LAYER_NAME.fullmatch(tensor.name)
-    if m is None or m[2] not in _PACKED_LINEARS or m[3] != "weight" or tensor.tensor_type.name not in gguf_blocks.BLOCKS:
+    linear = m is not None and m[2] in _PACKED_LINEARS and m[3] == "weight"
+    if not (linear or tensor.name == _EMBEDDING) or not _packable_type(tensor):
         return None
     in_features = int(tensor.shape[0])
     form = gguf_blocks.unpack(tensor.tensor_type.name, torch.from_numpy(np.array(tensor.data)), in_features)
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(m[2])
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(m[2] if m else "")
     if arch.rope_permuted and heads:
         form = gguf_blocks.BlockForm(*(None if t is None else _unpermute_rope_rows(t, heads)
                                        for t in (form.values, form.scales, form.zeros)), form.group_size, form.kernel)

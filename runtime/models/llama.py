@@ -180,8 +180,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the embedding with lm_head when the config says so; redo after to_empty()/to()."""
-        if self.config.tie_word_embeddings:
+        """Share the embedding with lm_head when the config says so; redo after to_empty()/to(). A quantized
+        embedding (GGUF) is tied by the loader, which makes its table the LM head."""
+        if self.config.tie_word_embeddings and isinstance(self.model.embed_tokens, nn.Embedding):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

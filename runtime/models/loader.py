@@ -46,7 +46,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, dtype, max_positions=max_model_len, tp=tp)
         gguf = keep_packed and ckpt.packed_tensors is not None and (tp is None or tp.size == 1)
-        quantized = quantized_loading.prepare(model, ckpt.config, kernels, ckpt.source, gguf=gguf)
+        quantized = quantized_loading.prepare(model, ckpt.config, kernels, ckpt.source, gguf=gguf,
+                                              packed_embedding=gguf and ckpt.packed_embedding)
     # Materialise directly in the target dtype/device; weights are copied in by load_weights.
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty() materialises shared parameters separately

@@ -14,7 +14,9 @@ layer the checkpoint left incomplete.
 
 GGUF files come the same way (``prepare(..., gguf=True)``, the checkpoint's ``packed_tensors()``): each
 linear's ``weight`` is a ``kernels/gguf_blocks.BlockForm``, 4-bit or 8-bit per its type; fused parts of
-different types join in the 8-bit form at the smaller group.
+different types join in the 8-bit form at the smaller group. With ``packed_embedding`` the token embedding
+arrives as one too: it becomes a :class:`QuantizedLinear` ``[vocab, hidden]`` behind a
+:class:`QuantizedEmbedding`, and with tied embeddings that same layer is the LM head.
 
 Tensor parallelism: each part, once read, goes through the ``quantized_loader`` of the parallel linear the
 placeholder stands for (runtime/layers/parallel_linear.py), which keeps this rank's outputs (q/k/v, gate/up)
@@ -37,6 +39,7 @@ from torch import nn
 
 from kubellm.runtime import kernel_choice, prequantized
 from kubellm.runtime.kernel_choice import KernelChoice
+from kubellm.runtime.layers.quantized_embedding import QuantizedEmbedding
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.prequantized import QuantizedWeight, QuantSpec
@@ -72,6 +75,8 @@ class _Target:
     bias: bool
     layout: nn.Module  # the parallel linear it replaces: its quantized_loader takes this rank's shard
     got: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # prefix -> suffix -> tensor
+    embedding: bool = False  # the token embedding (GGUF): installed behind a QuantizedEmbedding
+    tied_head: bool = False  # ... and as the LM head too
 
 
 def _required(spec: QuantSpec) -> set[str]:
@@ -106,10 +111,11 @@ GGUF = QuantSpec("gguf", 4, 32, symmetric=False)  # per tensor in fact: each Blo
 
 
 def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None, source: str = "",
-            gguf: bool = False) -> QuantizedLoading | None:
+            gguf: bool = False, packed_embedding: bool = False) -> QuantizedLoading | None:
     """For a checkpoint whose config.json declares a quantization (or a GGUF file's blocks, ``gguf``): swap
     the decoder linears of ``model`` (on the meta device) for placeholders and return what loads them; None
-    for a checkpoint that is not quantized."""
+    for a checkpoint that is not quantized. ``packed_embedding`` (GGUF): the token embedding too, and the LM
+    head where it is tied to it."""
     where = f" in {source}" if source else ""
     spec = GGUF if gguf else prequantized.detect(config, where)
     if spec is None:
@@ -136,7 +142,20 @@ def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None,
                                   "fused layers must be quantized alike")
         targets.append(_Target(path, m.out_features, alternatives, m.bias is not None, m))
         setattr(model.get_submodule(parent), leaf, _Pending(m.in_features, m.out_features, m.bias is not None))
+    if gguf and packed_embedding:
+        targets.append(_packed_embedding(model, bool(config.get("tie_word_embeddings"))))
     return QuantizedLoading(spec, targets, kernels, source)
+
+
+def _packed_embedding(model: nn.Module, tied: bool) -> _Target:
+    """Placeholders for the token embedding (and the tied LM head, which would else materialise a dense copy)."""
+    embed = model.get_submodule("model.embed_tokens")
+    vocab, hidden = embed.num_embeddings, embed.embedding_dim
+    model.get_submodule("model").embed_tokens = _Pending(hidden, vocab, False)
+    if tied:
+        model.lm_head = _Pending(hidden, vocab, False)
+    return _Target("model.embed_tokens", vocab, (("model.embed_tokens",),), False, embed, embedding=True,
+                   tied_head=tied)
 
 
 class QuantizedLoading:
@@ -186,7 +205,7 @@ class QuantizedLoading:
             names = sorted(self.pending)
             raise CheckpointError(f"{self.source or 'checkpoint'} is missing quantized tensors of {len(names)} "
                                   f"layers, e.g. {', '.join(names[:3])} (expected {', '.join(sorted(self.required))})")
-        log.info("%d linear layers loaded pre-quantized (%s, %d-bit%s)", self.built, self.spec.method,
+        log.info("%d layers loaded pre-quantized (%s, %d-bit%s)", self.built, self.spec.method,
                  self.spec.bits, ", act-order" if self.spec.act_order else "")
 
     # ---------------------------------------------------------------------------------------------------
@@ -220,7 +239,10 @@ class QuantizedLoading:
         layer = QuantizedLinear(weight, bits, self._path(weight, bits, device),
                                 None if bias is None else bias.to(device))
         parent, _, leaf = target.module.rpartition(".")
-        setattr(self.model.get_submodule(parent), leaf, layer)
+        setattr(self.model.get_submodule(parent), leaf, QuantizedEmbedding(layer, self.dtype) if target.embedding
+                else layer)
+        if target.tied_head:
+            self.model.lm_head = layer
         del self.pending[target.module]
         target.got.clear()
         self.built += 1
@@ -248,7 +270,7 @@ class QuantizedLoading:
             self.kernels = kernel_choice.for_quantized_layer(device, self.dtype, self.spec.method)
         kernels = self.kernels
         if self.spec.float_weights:
-            return "dequantize"
+            return kernels.fp8_path(in_features, weight.group_size)
         return kernels.grouped_path(bits, out_features, in_features, weight.group_size)
 
     def _read(self, t: dict[str, torch.Tensor], prefix: str) -> tuple[QuantizedWeight, int]:

@@ -70,11 +70,26 @@ def test_pack_layout():
     assert not p[1, :, 4:].any()  # channels 20..31 do not exist
 
 
+@pytest.mark.parametrize("zeros", [True, False], ids=["zeros", "symmetric"])
+@pytest.mark.parametrize("m", [1, 7])
+def test_float16_scales_and_zeros_give_the_float32_result_bit_for_bit(m, zeros):
+    """float16 scales and zero points (GGUF's d, fp16 checkpoint scales) widened in the kernel give exactly what
+    the same values in float32 give, 40 channels included (a masked partial last block)."""
+    x, q, scales, z, b = _case(m, 40, 256, 32, seed=m, zeros=zeros, bias=True)
+    scales = scales.half().float()
+    packed = g8.pack(q)
+    expected = g8.grouped_int8_gemm(x, packed, scales, z, 32, b)
+    assert torch.equal(g8.grouped_int8_gemm(x, packed, scales.half(), None if z is None else z.half(), 32, b),
+                       expected)
+    _check(x, q, scales.half(), z, 32, b)
+
+
 @pytest.mark.parametrize(("bad", "match"), [
     (lambda x, p, s, z: (x.float(), p, s, z, 32), "bfloat16"),
     (lambda x, p, s, z: (x, p, s, z, 24), "group_size"),
     (lambda x, p, s, z: (x, p, s[:1], z, 32), "scales"),
     (lambda x, p, s, z: (x, p, s, z[:, :16], 32), "zeros"),
+    (lambda x, p, s, z: (x, p, s.bfloat16(), z, 32), r"scales .* float32 or float16"),
     (lambda x, p, s, z: (x, p, s[:, :8].contiguous(), None, 32), "blocks of 16"),
     (lambda x, p, s, z: (x[:, :128], p, s, z, 32), "columns"),
 ])  # fmt: skip

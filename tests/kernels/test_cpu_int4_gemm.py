@@ -60,11 +60,26 @@ def test_extreme_nibbles_and_zeros_are_exact():
     assert torch.equal(out.float(), (45 - 3 * zeros) * 0.5)
 
 
+@pytest.mark.parametrize("m", [1, 7])
+def test_float16_scales_and_zeros_give_the_float32_result_bit_for_bit(m):
+    """The loader keeps scales and zero points in float16 where exact (GGUF's d); widened in the kernel, they
+    must give exactly what the same values in float32 give, alone or mixed (float16 scales, float32 zeros)."""
+    x, q, scales, zeros, b = _case(m, 48, 256, 32, seed=m, bias=True)
+    scales = scales.half().float()  # values float16 holds exactly
+    packed = k4.pack(q)
+    expected = k4.int4_gemm(x, packed, scales, zeros, 32, b)
+    assert torch.equal(k4.int4_gemm(x, packed, scales.half(), zeros.half(), 32, b), expected)
+    assert torch.equal(k4.int4_gemm(x, packed, scales.half(), zeros, 32, b), expected)
+    torch.testing.assert_close(expected.float(), k4.reference_int4_gemm(x, q, scales, zeros, 32, b).float(),
+                               rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize(("bad", "match"), [
     (lambda x, p, s, z: (x.float(), p, s, z, 128), "bfloat16"),
     (lambda x, p, s, z: (x, p, s, z, 96), "group_size"),
     (lambda x, p, s, z: (x, p, s, z, 2), "multiple of 4"),
-    (lambda x, p, s, z: (x, p, s[:1], z, 128), "scales and zeros"),
+    (lambda x, p, s, z: (x, p, s[:1], z, 128), "scales must be contiguous"),
+    (lambda x, p, s, z: (x, p, s, z.bfloat16(), 128), r"zeros .* float32 or float16"),
     (lambda x, p, s, z: (x[:, :128], p, s, z, 128), "columns"),
 ])  # fmt: skip
 def test_bad_inputs_are_refused(bad, match):

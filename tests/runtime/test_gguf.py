@@ -543,6 +543,45 @@ def test_other_families_load_and_generate_what_transformers_generates(arch, tmp_
     llm.close()
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_packed_file_keeps_its_q8_0_embedding_packed_and_a_tied_head_computes_from_it(tied, tmp_path,
+                                                                                       byte_tokenizer):
+    """Linears in Q4_0/Q4_1 and the embedding in Q8_0: the loader keeps them all in their blocks (the embedding
+    behind a QuantizedEmbedding, whose table is the LM head when tied) and the engine's greedy output equals
+    transformers' on the same file's dequantized weights."""
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.layers.quantized_embedding import QuantizedEmbedding
+    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    meta = byte_level_metadata(byte_tokenizer)
+    model = tiny_model(tiny_config(len(meta["tokens"]), tie_word_embeddings=tied), seed=2)
+    quants = {n: Q.Q4_1 if "mlp" in n else Q.Q4_0 for n in model.state_dict() if n.endswith("proj.weight")}
+    path = tmp_path / "packed.gguf"
+    write_gguf(path, model, meta, quants=quants | {"model.embed_tokens.weight": Q.Q8_0, "lm_head.weight": Q.Q8_0})
+    checkpoint = read_gguf(path)
+    assert checkpoint.packed_tensors is not None and checkpoint.packed_embedding
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**checkpoint.config)).eval()
+    reference.load_state_dict(dict(checkpoint.tensors()), strict=not tied)
+
+    llm = LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=16, progress=False)
+    served = llm.engine.runner.model
+    embed = served.model.embed_tokens
+    assert isinstance(embed, QuantizedEmbedding) and embed.table.bits == 8
+    assert served.lm_head is embed.table if tied else not isinstance(served.lm_head, QuantizedLinear)
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    assert llm.engine.weight_bytes["int8"] == vocab * hidden  # the embedding's values, one byte each
+    assert sum(isinstance(m, QuantizedLinear) for m in served.modules()) == 4 * 2 + 1
+    prompts = [list(range(3, 20)), list(range(40, 45))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref
+    llm.close()
+
+
 def llama3_rope_divisors(theta, head_dim, factor, low, high, original_context):
     """llama.cpp's convert_hf_to_gguf.py rope_freqs for Llama 3 scaling (the reference formula)."""
     out = []

@@ -246,6 +246,77 @@ def test_quantized_linear_equals_a_matmul_on_the_dequantized_weight(bits, act_or
     assert torch.equal(layer.values().long() + shift, values[:, order])
 
 
+def test_scales_and_zeros_are_kept_in_float16_only_where_that_is_exact():
+    """fp16 checkpoint scales and integer zero points narrow to float16 (half the bytes, the same weight); a
+    scale float16 would round stays float32."""
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 16, (32, 64), generator=gen)
+    exact = (torch.rand(32, 2, generator=gen) / 8).half().float()
+    zeros = torch.randint(0, 16, (32, 2), generator=gen).float()
+    for path in ("dequantize", "native"):
+        layer = QuantizedLinear(QuantizedWeight(values, exact, zeros, 32), 4, path)
+        assert layer.scales.dtype == layer.zeros.dtype == torch.float16
+        torch.testing.assert_close(layer.dequantized(), QuantizedWeight(values, exact, zeros, 32).dequantize())
+    inexact = exact.clone()
+    inexact[3, 1] = 0.1  # not a float16 value
+    layer = QuantizedLinear(QuantizedWeight(values, inexact, zeros + 0.5, 32), 4, "dequantize")
+    assert layer.scales.dtype == torch.float32 and layer.zeros.dtype == torch.float16
+    assert torch.equal(layer.scales, inexact)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+def test_an_fp8_layer_on_the_triton_path_equals_the_dequantize_path(kind):
+    """kernels/triton_fp8_gemm.py behind QuantizedLinear (Triton's interpreter on CPU tensors here): per-tensor,
+    per-channel and 16x32 block scales (partial last blocks), with a bias."""
+    pytest.importorskip("triton")
+    n, k = 40, 96
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(n, k, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+    block = (16, 32) if kind == "block" else None
+    scale = {"tensor": torch.tensor(0.02), "channel": torch.rand(n, 1, generator=gen) / 10,
+             "block": torch.rand(3, 3, generator=gen) / 10}[kind]
+    stored, bias = fp8_weight(weight, scale, block), torch.randn(n, generator=gen)
+    triton_layer, reference = QuantizedLinear(stored, 8, "triton", bias), QuantizedLinear(stored, 8, "dequantize", bias)
+    assert triton_layer.path == "triton" and reference.path == "dequantize"
+    x = torch.randn(5, k, generator=gen)
+    torch.testing.assert_close(triton_layer(x), reference(x), atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(triton_layer(x), reference(x.flip(0)), atol=1e-2)  # the comparison can fail
+
+
+def test_fp8_layers_take_the_triton_gemm_the_kernel_choice_names():
+    """The choice (fp8_gemm=triton once its start-up check passed on CUDA) reaches every FP8 layer the kernel
+    takes (per channel, power-of-two groups from 16); other scale layouts and CPU choices dequantize."""
+    from kubellm.runtime.kernel_choice import KernelChoice
+
+    on = KernelChoice(fp8_gemm="triton")
+    assert on.fp8_path(256, -1) == on.fp8_path(256, 128) == on.fp8_path(96, 32) == "triton"
+    assert on.fp8_path(96, 24) == on.fp8_path(96, 8) == "dequantize"
+    assert KernelChoice().fp8_path(256, 128) == "dequantize"  # CPU: no native FP8 GEMM
+    weight = torch.randn(16, 96).to(torch.float8_e4m3fn)
+    odd = QuantizedLinear(QuantizedWeight(weight, torch.rand(16, 4), None, 24), 8, "triton")
+    assert odd.path == "dequantize"
+
+
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block128"])
+def test_an_fp8_checkpoint_loads_onto_the_triton_gemm_when_chosen(fmt, dense, tmp_path):
+    """Through the loader: with fp8_gemm=triton every decoder linear runs kernels/triton_fp8_gemm.py (the
+    interpreter here) and computes what its dequantized weight computes."""
+    pytest.importorskip("triton")
+    from kubellm.runtime.kernel_choice import KernelChoice
+    from kubellm.runtime.models.loader import build_model, read_checkpoint
+
+    quant_dir, _ = write_quantized(dense, tmp_path, fmt)
+    model, _ = build_model(read_checkpoint(quant_dir), torch.float32, "cpu", 64, progress=False,
+                           kernels=KernelChoice(fp8_gemm="triton"))
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.path == "triton" and m.float_values for m in layers)
+    gen = torch.Generator().manual_seed(1)
+    for layer in layers[:4]:  # q/k/v, o, gate/up, down of the first decoder layer
+        x = torch.randn(3, layer.in_features, generator=gen)
+        expected = x @ layer.dequantized().T + (0 if layer.bias is None else layer.bias)
+        torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+
+
 def test_act_order_groups_of_unequal_sizes_fall_back_to_the_gather():
     g_idx = torch.tensor([0, 1, 1, 1, 0, 2, 2, 2], dtype=torch.int32)  # group 0 holds 2 inputs, not 4
     assert contiguous_order(g_idx, 4) is None
@@ -308,12 +379,14 @@ def test_load_logs_weight_bytes_by_dtype_in_one_structured_line(tiny_checkpoint_
     sizes = json.loads(_JsonFormatter().format(lines[0]))["weight_bytes"]
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    # Two 4-bit values per byte; float32: the dense parameters plus the layers' scales, zeros and biases.
+    # Two 4-bit values per byte; float32: the dense parameters; float16: the layers' scales (fp16 in GPTQ) and
+    # integer zero points, narrowed where exact.
     assert sizes["int4"] == sum(m.out_features * m.in_features // 2 for m in layers)
     dense = sum(t.numel() * 4 for name, t in load_file(quant_dir / "model.safetensors").items()
                 if name.endswith(".weight"))  # embeddings, norms, the LM head: float32 as stored
-    per_group = sum(m.scales.numel() * 4 * 2 for m in layers)
-    assert sizes == {"float32": dense + per_group, "int4": sizes["int4"]}
+    assert all(m.scales.dtype == m.zeros.dtype == torch.float16 for m in layers)
+    per_group = sum(m.scales.numel() * 2 * 2 for m in layers)
+    assert sizes == {"float32": dense, "float16": per_group, "int4": sizes["int4"]}
 
 
 def test_fused_parts_of_different_gguf_types_join_at_the_smaller_group():

@@ -21,6 +21,7 @@ from kubellm.runtime.models.llama import LlamaForCausalLM, use_native_ops
 from kubellm.runtime.sampler import token_logprobs
 from kubellm.runtime.scheduler import ScheduledSeq
 from kubellm.runtime.speculative import verify_sampled_drafts
+from kubellm.runtime.tp_group import LOGITS
 
 if TYPE_CHECKING:
     from kubellm.runtime.sampler import Sampler, TokenLogprobs
@@ -154,10 +155,23 @@ class ModelRunner:
             self.tp.broadcast(("step", input_ids, positions, meta))
         return self.model(input_ids, positions, meta)
 
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """float32 logits of ``hidden``'s ``rows``. With tensor parallelism each rank holds a slice of the
+        vocabulary: the other ranks are told the rows (they hold the same hidden states) and join the gather."""
+        if self.tp.size > 1:
+            self.tp.broadcast((LOGITS, rows))
+        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+
     @torch.inference_mode()
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Ranks 1..N-1: rank 0's forward pass on this rank's shards (its all-reduces need every rank)."""
-        self.model(input_ids, positions, meta)
+        """Ranks 1..N-1: rank 0's forward pass on this rank's shards (its all-reduces need every rank); the
+        hidden states stay for the logits rank 0 asks for next (:meth:`replay_logits`)."""
+        self._replayed = self.model(input_ids, positions, meta)
+
+    @torch.inference_mode()
+    def replay_logits(self, rows: list[int]) -> None:
+        """Ranks 1..N-1: this rank's vocabulary slice of the logits of ``rows`` that rank 0 computes."""
+        self.model.compute_logits(self._replayed[torch.tensor(rows, dtype=torch.long, device=self.device)])
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[TokenLogprobs | None], list[tuple]]:
@@ -170,7 +184,7 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, meta)
         if not sample_at:
             return [], [], self._prompt_logprobs(batch, hidden, sample_at)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_at, device=self.device)])
+        logits = self._logits(hidden, sample_at)
         tokens, logprobs = self.sampler.sample(logits, seqs, masks.result().to(logits.device) if masks else None)
         if any(s.draft_probs is not None for s in seqs):  # a draft model's sampled drafts: the rejection rule
             tokens = verify_sampled_drafts(logits, seqs, tokens)
@@ -188,7 +202,7 @@ class ModelRunner:
             n = min(s.num_tokens, seq.num_prompt_tokens - 1 - c)  # the prompt's last position predicts output
             if k is None or n <= 0:
                 continue
-            logits = self.model.compute_logits(hidden[starts[i] : starts[i] + n])
+            logits = self._logits(hidden, list(range(starts[i], starts[i] + n)))
             targets = torch.tensor(seq.token_ids[c + 1 : c + 1 + n], device=logits.device)
             out.append((seq, c + 1, token_logprobs(logits, targets, [k] * n)))
         return out
@@ -198,4 +212,4 @@ class ModelRunner:
         """Same forward pass, returning the float32 logits that would be sampled (tests, tools, a draft model)."""
         input_ids, positions, meta, sample_at = self.prepare(batch)
         hidden = self._forward(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[torch.tensor(sample_at, dtype=torch.long, device=self.device)])
+        return self._logits(hidden, sample_at)

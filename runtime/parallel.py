@@ -2,9 +2,10 @@
 
 Megatron-style sharding by the layer types of runtime/layers/parallel_linear.py, which load their own slices:
 q/k/v and gate/up are split by output (whole heads, whole intermediate channels), o_proj and down_proj by
-input, and the two partial outputs per layer are summed with an all-reduce; embeddings, norms and the LM head
-are replicated, so every rank ends a step with the same
-hidden states and only rank 0 samples. Each rank's KV pool holds its own kv heads, in blocks numbered alike
+input, and the two partial outputs per layer are summed with an all-reduce; the embedding and the LM head are
+split by vocabulary rows (runtime/layers/vocab_parallel.py), norms replicated, so every rank ends a step with
+the same hidden states; rank 0 then broadcasts which rows it needs logits for, every rank computes its
+vocabulary slice, the slices are gathered and only rank 0 samples. Each rank's KV pool holds its own kv heads, in blocks numbered alike
 on every rank, so one scheduler (rank 0's) serves them all.
 
 Rank 0 is the engine's own process. It hosts the rendezvous (a TCP store) and spawns its node's other ranks
@@ -40,7 +41,7 @@ from kubellm.runtime.model_runner import ModelRunner
 from kubellm.runtime.models.loader import build_model, read_checkpoint
 from kubellm.runtime.quantization import quantize_model
 from kubellm.runtime.sampler import Sampler
-from kubellm.runtime.tp_group import EXIT, Group, check_divisible, join_group
+from kubellm.runtime.tp_group import EXIT, LOGITS, Group, check_divisible, join_group
 
 __all__ = ["Group", "check_divisible", "start", "run_node", "worker_main", "build_rank_runner"]
 
@@ -160,7 +161,10 @@ def worker_main(config, rank: int, host: str, port: int, threads: int) -> None:
         step = group.broadcast()
         if step[0] == EXIT:
             break
-        runner.replay(*step[1:])  # ("step", input_ids, positions, meta)
+        if step[0] == LOGITS:
+            runner.replay_logits(*step[1:])  # ("logits", rows of the last step's hidden states)
+        else:
+            runner.replay(*step[1:])  # ("step", input_ids, positions, meta)
 
 
 def build_rank_runner(config, tp: Group, max_model_len: int, kernels: KernelChoice) -> ModelRunner:

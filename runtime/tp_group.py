@@ -23,6 +23,7 @@ log = logging.getLogger("kubellm.parallel")
 # probe's to catch.
 _COLLECTIVE_TIMEOUT = timedelta(days=365)
 EXIT = "exit"  # the step broadcast that ends the ranks
+LOGITS = "logits"  # the broadcast that asks the ranks for their vocabulary slices of the last step's logits
 
 
 def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
@@ -57,6 +58,15 @@ class Group:
         else:
             self._reduce.allreduce([x]).wait()
         return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along the last dimension, in rank order, on every rank."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._reduce.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=-1)
 
     def broadcast(self, obj: object = None) -> object:
         """Rank 0 sends ``obj``; every rank returns it. Tensors travel on the CPU and land on this rank's device."""

@@ -13,7 +13,8 @@ tensor, the layer takes this rank's slice. Fused layers (q/k/v, gate/up) take ei
 shard id, or the whole fused tensor (``shard_id`` None, as Phi-3's checkpoints store them) and cut it per part
 before slicing, so each rank still gets whole heads. A model maps checkpoint names to its parameters and shard
 ids (``packed_modules_mapping`` on the model class); parameters of modules without a ``weight_loader``
-(embeddings, norms, the LM head, MoE routers) are replicated: :func:`replicated_loader` copies them whole.
+(norms, MoE routers) are replicated: :func:`replicated_loader` copies them whole. The embedding and the LM
+head split the vocabulary (runtime/layers/vocab_parallel.py).
 
 Every loader checks shapes and raises :class:`CheckpointError` with the checkpoint's and the implied shape;
 the model's loader adds the tensor's name.

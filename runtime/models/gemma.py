@@ -24,6 +24,7 @@ from torch import nn
 
 from kubellm.runtime.layers.attention import Attention, AttentionMetadata, LayerOptions
 from kubellm.runtime.layers.rotary import RotaryEmbedding
+from kubellm.runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -148,7 +149,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, tp: Group, settings: GemmaSettings):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.normalizer = cfg.hidden_size**0.5
         # One rotary table per layer type (equal for Gemma 2), shared by the layers of that type.
         tables = {kind: RotaryEmbedding(cfg.head_dim, max_positions, theta, scaling, dtype)
@@ -173,14 +174,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.config, self.tp = cfg, tp or Group()
         self.settings = GemmaSettings.from_config(cfg)
         self.model = GemmaModel(cfg, dtype, max_positions or cfg.max_position_embeddings, self.tp, self.settings)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, self.tp)
         self.tie_weights()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
         super().load_weights(text_tower(weights), source)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        logits = gather_logits(self.lm_head(hidden).float(), self.tp, self.config.vocab_size)
         if (cap := self.settings.final_softcap) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -4,6 +4,7 @@ Inputs are flat: all tokens of a step in one ``[num_tokens]`` tensor, no padding
 gate/up projections are fused into one matmul each. The projections are the tensor-parallel layer types of
 runtime/layers/parallel_linear.py, which load and slice their own weights; ``load_weights`` only maps Hugging
 Face names onto parameters and shard ids (``packed_modules_mapping``), so every family shares one loading path.
+The embedding and the LM head are vocabulary-parallel (runtime/layers/vocab_parallel.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kubellm.runtime.layers.parallel_linear import (
     replicated_loader,
 )
 from kubellm.runtime.layers.rotary import RotaryEmbedding
+from kubellm.runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.tp_group import Group
@@ -143,7 +145,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, tp: Group,
                  attention_cls=LlamaAttention, mlp_factory=dense_mlp):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         # One table shared by every layer (registered once here, referenced by each attention).
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, tp, attention_cls, mlp_factory(cfg, tp, i))
@@ -176,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or Group()
         self.model = LlamaModel(cfg, dtype, max_positions or cfg.max_position_embeddings, self.tp, self.attention_cls,
                                 self.mlp_factory)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, self.tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -190,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] → float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden] → float32 logits [N, vocab] (with tensor parallelism every rank must call it:
+        the ranks' vocabulary slices are gathered)."""
+        return gather_logits(self.lm_head(hidden).float(), self.tp, self.config.vocab_size)
 
     def parameter_of(self, name: str) -> tuple[str, ShardId]:
         """Checkpoint tensor name → (our parameter name, shard id), by ``packed_modules_mapping``."""

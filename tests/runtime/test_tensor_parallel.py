@@ -21,6 +21,7 @@ from kubellm.runtime.layers.parallel_linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
+from kubellm.runtime.layers.vocab_parallel import PAD, ParallelLMHead, VocabParallelEmbedding
 from kubellm.runtime.models.loader import build_model, read_checkpoint
 from kubellm.runtime.parallel import Group
 from kubellm.runtime.sampling_params import SamplingParams
@@ -55,13 +56,18 @@ def test_each_rank_holds_its_slice_of_every_split_layer(tiny_qwen2):
         torch.testing.assert_close(torch.cat([s.mlp.down_proj.weight for s in shards], dim=1),
                                    layer.mlp.down_proj.weight, atol=0, rtol=0)
         assert shards[0].self_attn.num_heads == cfg.num_heads // 2 and d == shards[1].self_attn.head_dim
-    for m in ranks:
-        assert torch.equal(m.model.embed_tokens.weight, full.model.embed_tokens.weight)
-        assert torch.equal(m.lm_head.weight, full.lm_head.weight)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rule, whole = _put_back(ranks[0].get_submodule(name.rpartition(".")[0]), name,
+                                [m.get_parameter(name) for m in ranks])
+        assert rule == "vocab rows" and torch.equal(whole, full.get_parameter(name))
 
 
 def _put_back(module, name: str, shards: list[torch.Tensor]) -> tuple[str, torch.Tensor]:
     """The unsharded tensor from the ranks' shards of one parameter, by the rule of the layer type holding it."""
+    if isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):  # rows by token id, the padding zero
+        whole = torch.cat(shards)
+        assert not whole[module.vocab_size :].any()
+        return "vocab rows", whole[: module.vocab_size]
     if isinstance(module, MergedColumnParallelLinear):  # each part sliced by rows, parts one after the other
         rows = [r // len(shards) for r in module.part_rows.values()]  # the unsharded module's part sizes
         parts = [s.split(rows) for s in shards]
@@ -90,7 +96,7 @@ def test_fused_checkpoints_and_experts_shard_by_their_layer_types(fixture, reque
         rule, put_back = _put_back(modules[name.rpartition(".")[0]], name, [m.get_parameter(name) for m in ranks])
         assert torch.equal(put_back, whole), f"{name} ({rule})"
         rules.add(rule)
-    assert rules == {"fused parts", "columns", "replicated"}
+    assert rules == {"fused parts", "columns", "replicated", "vocab rows"}
     if cfg.moe is not None:
         expert = ranks[1].model.layers[0].mlp.experts[3]
         assert expert.gate_up_proj.weight.shape == (cfg.moe.intermediate_size, cfg.hidden_size)
@@ -111,6 +117,59 @@ def test_tp2_generates_what_transformers_generates(fixture, request):
     finally:
         llm.close()
     assert _tp_children() == []
+
+
+ODD_VOCAB = 509  # divisible neither by 2 nor by the padding multiple: rank 1's slice ends in padding rows
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("qwen3", True), ("qwen3", False), ("qwen3_moe", False)])
+def test_each_rank_holds_a_padded_slice_of_the_vocabulary(arch, tied, tiny_checkpoint_factory):
+    """Embedding and LM head rows by token id, round_up(ceil(509 / 2), 64) = 256 per rank, the last 3 of rank 1
+    zero; a tied LM head is the embedding's own parameter on each rank."""
+    ckpt = read_checkpoint(tiny_checkpoint_factory(arch, vocab_size=ODD_VOCAB, tie_word_embeddings=tied))
+    full, cfg = build_model(ckpt, torch.float32, "cpu", 256, False)
+    assert cfg.vocab_size == ODD_VOCAB
+    ranks = [build_model(ckpt, torch.float32, "cpu", 256, False, tp=Group(rank=r, size=2))[0] for r in (0, 1)]
+    rows = 256
+    assert rows % PAD == 0 and rows * 2 >= ODD_VOCAB
+    for m in ranks:
+        assert m.model.embed_tokens.weight.shape == m.lm_head.weight.shape == (rows, cfg.hidden_size)
+        assert (m.lm_head.weight is m.model.embed_tokens.weight) == tied
+    assert not ranks[1].model.embed_tokens.weight[ODD_VOCAB - rows :].any()
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        _, whole = _put_back(ranks[0].get_submodule(name.rpartition(".")[0]), name,
+                             [m.get_parameter(name) for m in ranks])
+        assert torch.equal(whole, full.get_parameter(name))
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("qwen3", True), ("qwen3", False), ("qwen3_moe", False)])
+def test_tp2_with_an_odd_vocabulary_generates_what_transformers_generates(arch, tied, tiny_checkpoint_factory):
+    """Token ids on both ranks' slices (and next to the padding) in the prompts: the masked lookups summed by
+    the all-reduce are the embedding, the gathered logits (padding dropped) transformers' logits."""
+    model_dir = tiny_checkpoint_factory(arch, vocab_size=ODD_VOCAB, tie_word_embeddings=tied)
+    prompts = _prompts(vocab=ODD_VOCAB)[:5] + [[ODD_VOCAB - 1, 255, 256, 0, ODD_VOCAB - 2]]
+    llm = _engine(model_dir, tensor_parallel_size=2)
+    try:
+        _run_and_compare(llm, model_dir, prompts)
+    finally:
+        llm.close()
+
+
+def test_tp2_prompt_logprobs_over_an_odd_vocabulary_equal_one_rank(tiny_checkpoint_factory):
+    """Prompt logprobs take logits of rows other than the sampled ones: the ranks are asked for those too."""
+    model_dir = tiny_checkpoint_factory("qwen3", vocab_size=ODD_VOCAB, tie_word_embeddings=True)
+    prompts = _prompts(vocab=ODD_VOCAB)[5:7]  # 23 and 40 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    one = _engine(model_dir).generate(prompts, params, use_tqdm=False)
+    llm = _engine(model_dir, tensor_parallel_size=2)
+    try:
+        two = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.close()
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids and len(a.prompt_logprobs) == len(b.prompt_logprobs) > 20
+        for x, y in zip(a.prompt_logprobs[1:] + a.logprobs, b.prompt_logprobs[1:] + b.logprobs, strict=True):
+            assert [t for t, _ in x.top] == [t for t, _ in y.top] and abs(x.logprob - y.logprob) < 1e-4
 
 
 def test_sizes_that_do_not_divide_the_model_are_refused_before_spawning(tiny_mistral):

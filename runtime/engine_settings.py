@@ -133,7 +133,7 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "int4 = 4-bit weights in groups of 128 inputs (about a quarter; fast only on CUDA); fp8, awq, gptq and "
         "gguf name a checkpoint's own format: the checkpoint decides (none), naming it is a check",
         doc="Weight quantization. none: as the checkpoint is (a pre-quantized AWQ, GPTQ, compressed-tensors or FP8 "
-        "checkpoint is served quantized, detected from its config.json; GGUF files are dequantized); int8: "
+        "checkpoint is served quantized, detected from its config.json; a GGUF file's quantized blocks are kept packed); int8: "
         "weight-only int8; int4 needs a GPU; fp8, awq, gptq, gguf: the checkpoint must be quantized that way "
         "(a check, refused at start-up when it is not).",
     ),

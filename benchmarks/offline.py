@@ -43,7 +43,7 @@ from model_families import REAL_SHAPES, build_real_shape  # noqa: E402
 
 from workload_args import check_systems_and_workload  # noqa: E402
 
-SYSTEMS = ("kubellm", "kubellm-int8", "hf-generate", "hf-static-batch", "hf-generate-batch", "vllm")
+SYSTEMS = ("kubellm", "kubellm-int8", "kubellm-int4", "hf-generate", "hf-static-batch", "hf-generate-batch", "vllm")
 DEFAULT_BASELINE = "hf-generate-batch"
 WARMUP_REQUESTS, WARMUP_INPUT, WARMUP_OUTPUT = 2, 16, 4
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -531,6 +531,7 @@ def run_vllm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict
 RUNNERS = {
     "kubellm": run_kubellm,
     "kubellm-int8": functools.partial(run_kubellm, quantization="int8"),
+    "kubellm-int4": functools.partial(run_kubellm, quantization="int4"),
     "hf-generate": run_hf_generate,
     "hf-static-batch": run_hf_static_batch,
     "hf-generate-batch": run_hf_generate_batch,
@@ -660,6 +661,7 @@ protocol:
 systems:
   kubellm             kubellm.runtime LLM.generate (paged KV cache, continuous batching)
   kubellm-int8        the same with --quantization int8 (weight-only int8 decoder linears)
+  kubellm-int4        the same with --quantization int4 (4-bit decoder linears, groups of 128)
   hf-generate         transformers generate(), one request at a time (--hf-generate-limit K times only
                       the first K and extrapolates by output tokens; marked ~ in the table)
   hf-static-batch     generate() on left-padded batches of --hf-batch-size in request order, each batch

@@ -7,6 +7,10 @@ and ``zeros`` ``[K / group, N]`` float32, ``y`` ``[M, N]`` bfloat16. The form ev
 (runtime/prequantized.py: AWQ, GPTQ, compressed-tensors W4A16). The kernel wants the weight packed once by
 :func:`pack` (``[N/16, K/4, 16, 2]`` uint8; ``N % 16 == 0``, ``K`` divisible by the group size, a multiple of
 4). It exists only in builds for CPUs with AVX512-BF16; :func:`available` says whether this process has it.
+
+Few rows (decode) use the weights as stored, widened in registers; from :data:`DEQUANTIZE_ROWS` rows the kernel
+dequantizes each slice of the weight to bf16 once and runs all rows over it, so there the weights are rounded
+to bf16 before the products, as a bf16 model's are (the reference does the same with ``weights_dtype``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import torch
 
 from kubellm.kernels.cpu_extension import available as extension_available
 
-__all__ = ["available", "int4_gemm", "pack", "packable", "reference_int4_gemm"]
+__all__ = ["DEQUANTIZE_ROWS", "available", "int4_gemm", "pack", "packable", "reference_int4_gemm"]
+
+DEQUANTIZE_ROWS = 16  # kDequantMinRows in csrc/int4_gemm_cpu.cpp
 
 
 def available() -> bool:
@@ -41,8 +47,10 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def reference_int4_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
+                        bias: torch.Tensor | None = None, weights_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """In float32, on the unpacked ``[N, K]`` values; ``weights_dtype=torch.bfloat16`` rounds the dequantized
+    weights first, as the kernel does from :data:`DEQUANTIZE_ROWS` rows."""
     g = torch.arange(q.shape[1]) // group_size
-    w = (q.float() - zeros.t()[:, g]) * scales.t()[:, g]
+    w = ((q.float() - zeros.t()[:, g]) * scales.t()[:, g]).to(weights_dtype).float()
     y = x.float() @ w.T
     return (y if bias is None else y + bias).to(x.dtype)

@@ -9,7 +9,8 @@
 // is two bit operations per 16 lanes: a nibble v OR'd into the bits 0x4300 is the bf16 of 128 + v (exact: 7
 // mantissa bits), so the dot products sum x * (q + 128) and the epilogue subtracts (z + 128) * sum(x) per
 // group with the scale, using the row's sums of x over each group (computed once per call). (A vpermw table
-// lookup of each nibble pair, the first version, cost three times the instructions.)
+// lookup of each nibble pair, the first version, cost three times the instructions.) That is the path for few
+// rows; from kDequantMinRows rows the weights are dequantized to bf16 once per call instead (below).
 //
 // Layout (kernels/cpu_int4_gemm.py packs it once): [N/16][K/4][16][2] bytes; for inputs k..k+3 (k % 4 == 0),
 // byte 2i + j (j = 0, 1) of the 32 holds q[n0 + i, k + j] in its low nibble and q[n0 + i, k + 2 + j] in its
@@ -24,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "gemm_tiles.h"
 
@@ -95,6 +97,143 @@ void micro_kernel4(const int32_t* x_pairs, int64_t x_pair_stride, const float* x
   }
 }
 
+// Many rows: the kernel above pays its per-group epilogue (two FMAs per row, block and group) for every row,
+// which left it ~13% behind bf16's GEMM from 32 rows up. Instead each work item's NB blocks are dequantized
+// once into a bf16 scratch laid out for vdpbf16ps, [K/2][NB][16][2], and the rows run over it as a plain bf16
+// GEMM with nothing left per group or row. The dequantization is then the only extra work; done as a pass of
+// its own it cost ~15% of the GEMM at 32 rows, so the next item's is spread over the current item's GEMM (one
+// 64-weight quad every few steps, into a second scratch), which took ~3 points off that; only a thread's first
+// item is dequantized on its own. The weights are rounded to bf16 before the products, as a bf16 model's are.
+constexpr int64_t kDequantMinRows = 16;  // from here on the dequantizing path (benchmarks/README.md)
+constexpr int kTileRows = 6;             // bf16 tile: 6 x 4 accumulators + 4 weights + 1 broadcast
+
+// Per group and block, the scale and offset the dequantization multiplies and adds, in the lane order of
+// dequantize_quad (channel i / 2 in lane i, channels 0-7 then 8-15): sc[(g * nb + b) * 4 + {S0, C0, S1, C1}].
+void dequant_constants(tiles::GroupParams scales, tiles::GroupParams zeros, int64_t N, int64_t groups, int nb,
+                       __m512* sc) {
+  const __m512i lanes_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
+  for (int64_t g = 0; g < groups; ++g)
+    for (int b = 0; b < nb; ++b) {
+      const __m512 s = scales.load16(g * N + b * 16);
+      const __m512 s16 = _mm512_mul_ps(s, _mm512_set1_ps(16.f));
+      const __m512 c = _mm512_mul_ps(_mm512_sub_ps(_mm512_set1_ps(-16.f), zeros.load16(g * N + b * 16)), s);
+      __m512* out = sc + (g * nb + b) * 4;
+      out[0] = _mm512_permutexvar_ps(lanes_lo, s16);
+      out[1] = _mm512_permutexvar_ps(lanes_lo, c);
+      out[2] = _mm512_permutexvar_ps(lanes_hi, s16);
+      out[3] = _mm512_permutexvar_ps(lanes_hi, c);
+    }
+}
+
+// One block's quad of inputs k..k+3 (32 packed bytes) as bf16 of (q - z) * s: the (k, k+1) pairs of its 16
+// channels in p01, the (k+2, k+3) pairs in p23. Zero-extending 16 bytes to dwords puts channel i / 2's byte j in
+// lane i (i = 2c + j), the order vcvtne2ps2bf16 interleaves into pairs, so no shuffle is needed; a nibble v
+// shifted into the mantissa of 1.0 is the float 1 + v / 16 (exact), and (1 + v / 16) * 16 s - (16 + z) s is the
+// weight in one FMA.
+// (Inlined by force: called out of line from the GEMM loop, it would spill all the accumulators, 2x slower.)
+__attribute__((always_inline)) inline void dequantize_quad(const uint8_t* bytes, const __m512* sc, __m512i& p01,
+                                                           __m512i& p23) {
+  const __m512i mant = _mm512_set1_epi32(0x00780000);  // the 4 mantissa bits a nibble lands in
+  const __m512i one = _mm512_set1_epi32(0x3F800000);
+  const __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
+  auto weight = [&](__m512i d, int shift, int half) {  // low nibble: shift 19, high: 15
+    const __m512 v = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_slli_epi32(d, shift), mant, one, 0xEA));
+    return _mm512_fmadd_ps(v, sc[2 * half], sc[2 * half + 1]);
+  };
+  p01 = (__m512i)_mm512_cvtne2ps_pbh(weight(d1, 19, 1), weight(d0, 19, 0));
+  p23 = (__m512i)_mm512_cvtne2ps_pbh(weight(d1, 15, 1), weight(d0, 15, 0));
+}
+
+// The dequantization of one item into its scratch, a quad (64 weights) at a time, block by block within each
+// quad of inputs (counters rather than divisions: this runs inside the GEMM's inner loop).
+struct Dequantization {
+  const uint8_t* w;  // the item's first block
+  int64_t w_block_stride, group_quads;
+  const __m512* sc;  // dequant_constants of the item
+  __m512i* scratch;
+  int nb;
+  int64_t left;  // quads still to do
+  int64_t kq = 0, g = 0, in_group = 0;
+  int b = 0;
+
+  __attribute__((always_inline)) void step() {
+    __m512i p01, p23;
+    dequantize_quad(w + b * w_block_stride + kq * 32, sc + (g * nb + b) * 4, p01, p23);
+    _mm512_store_si512(scratch + (2 * kq) * nb + b, p01);
+    _mm512_store_si512(scratch + (2 * kq + 1) * nb + b, p23);
+    --left;
+    if (++b == nb) {
+      b = 0;
+      ++kq;
+      if (++in_group == group_quads) in_group = 0, ++g;
+    }
+  }
+  void finish() {
+    while (left > 0) step();
+  }
+};
+
+template <int MR, int NB>
+void store_tile(__m512 (&acc)[MR][NB], const float* bias, c10::BFloat16* y, int64_t ldy) {
+  for (int b = 0; b < NB; ++b) {
+    const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + b * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], bi)));
+  }
+}
+
+// MR rows over the dequantized scratch: per pair of inputs, NB weight loads and MR broadcasts feed MR x NB
+// vdpbf16ps; every `every` pairs, one quad of `side` (the next item) is dequantized beside them.
+template <int MR, int NB>
+void bf16_tile(const int32_t* x_pairs, int64_t x_pair_stride, const __m512i* scratch, int64_t K2, const float* bias,
+               c10::BFloat16* y, int64_t ldy, Dequantization& side, int64_t side_quads, int64_t every) {
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  const int64_t side_left = std::max<int64_t>(0, side.left - side_quads);  // what this tile leaves
+  int64_t countdown = every;
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = _mm512_load_si512(scratch + kp * NB + b);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xb = _mm512_set1_epi32(x_pairs[r * x_pair_stride + kp]);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xb, (__m512bh)wv[b]);
+    }
+    if (--countdown == 0) {
+      countdown = every;
+      if (side.left > side_left) side.step();
+    }
+  }
+  store_tile<MR, NB>(acc, bias, y, ldy);
+}
+
+// All M rows of one item of NB blocks, in tiles of equal size (32 rows: 6 + 6 + 5 + 5 + 5 + 5, not a last tile
+// of 2 that would keep few dot-product chains in flight), dequantizing `side` over them.
+template <int NB>
+void item_rows(int64_t M, const int32_t* x_pairs, int64_t x_pair_stride, const __m512i* scratch, int64_t K2,
+               const float* bias, c10::BFloat16* y, int64_t ldy, Dequantization& side) {
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t side_quads = (side.left + tiles - 1) / tiles;  // per tile
+  const int64_t every = std::max<int64_t>(1, side_quads ? K2 / side_quads : K2);
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int mr = static_cast<int>(M / tiles + (t < M % tiles));
+    const int32_t* xr = x_pairs + m * x_pair_stride;
+    c10::BFloat16* yr = y + m * ldy;
+    switch (mr) {
+#define KUBELLM_TILE(R) \
+  case R: bf16_tile<R, NB>(xr, x_pair_stride, scratch, K2, bias, yr, ldy, side, side_quads, every); break;
+      KUBELLM_TILE(1) KUBELLM_TILE(2) KUBELLM_TILE(3) KUBELLM_TILE(4) KUBELLM_TILE(5) KUBELLM_TILE(6)
+#undef KUBELLM_TILE
+      default: TORCH_CHECK(false, "int4_gemm: bad row tile ", mr);
+    }
+    m += mr;
+  }
+  side.finish();
+}
+
 template <int NB>
 void rows_kernel4(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
                   const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads,
@@ -139,19 +278,57 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  // Per row and group, the sum of x (float32 of the bf16 values the products use).
   const c10::BFloat16* xv = x.const_data_ptr<c10::BFloat16>();
+  const auto* xp = reinterpret_cast<const int32_t*>(xv);
+  const int64_t x_pair_stride = x.stride(0) / 2;
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
+  const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
+  if (M >= kDequantMinRows) {
+    // Items of nb blocks split evenly over the threads; each thread dequantizes item i + 1 into one of its two
+    // scratches while it multiplies item i from the other.
+    const int nb = tiles::blocks_per_item(NBLK, 4);
+    const int64_t K2 = 2 * K4;
+    at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
+      auto* buffers = static_cast<__m512i*>(std::aligned_alloc(64, 2 * K2 * nb * sizeof(__m512i)));
+      auto* sc = static_cast<__m512*>(std::aligned_alloc(64, groups * nb * 4 * sizeof(__m512)));
+      auto item = [&](int64_t it) {  // a Dequantization of item it with nothing done yet
+        const int64_t blk = it * nb;
+        const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
+        dequant_constants(sp.offset(blk * 16), zp.offset(blk * 16), N, groups, n, sc);
+        return Dequantization{wp + blk * w_block_stride, w_block_stride, group_quads, sc,
+                              buffers + (it - begin) % 2 * K2 * nb, n, K4 * n};
+      };
+      Dequantization current = item(begin);
+      current.finish();
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t blk = it * nb;
+        const __m512i* scratch = current.scratch;
+        const int n = current.nb;
+        Dequantization next = it + 1 < end ? item(it + 1) : Dequantization{nullptr, 0, 1, nullptr, nullptr, 1, 0};
+        const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
+#define KUBELLM_ITEM(B) item_rows<B>(M, xp, x_pair_stride, scratch, K2, bp, yp + blk * 16, N, next)
+        switch (n) {
+          case 4: KUBELLM_ITEM(4); break;
+          case 3: KUBELLM_ITEM(3); break;
+          case 2: KUBELLM_ITEM(2); break;
+          default: KUBELLM_ITEM(1); break;
+        }
+#undef KUBELLM_ITEM
+        current = next;
+      }
+      std::free(buffers);
+      std::free(sc);
+    });
+    return y;
+  }
+  // Per row and group, the sum of x (float32 of the bf16 values the products use).
   at::Tensor xsum_t = at::empty({M, groups}, x.options().dtype(at::kFloat));
   float* xsum_w = xsum_t.mutable_data_ptr<float>();
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
     tiles::bf16_group_sums(xv + m0 * x.stride(0), x.stride(0), m1 - m0, K, group_size, xsum_w + m0 * groups);
   });
   const float* xsum = xsum_w;
-  const auto* xp = reinterpret_cast<const int32_t*>(xv);
-  const int64_t x_pair_stride = x.stride(0) / 2;
-  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
-  c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
-  const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
   // Work items of NB 16-channel blocks over all rows, in tiles of MR rows. Few rows: several blocks per tile,
   // for independent dot-product chains, as many as split evenly over the threads; many rows: one block and up
   // to kMaxRows4 rows per tile, so each weight slice is widened once for as many rows as possible.

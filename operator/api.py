@@ -447,6 +447,7 @@ _SETTING_GROUPS = {
     "engine": "Runtime engine settings (the flags of `kubellm serve`).",
     "engine.speculative": "Speculative decoding: tokens drafted cheaply and verified together (off by default). "
     "Drafts come from prompt lookup (ngram) or from a draft model (model), not both; EAGLE heads are not supported.",
+    "engine.cuda_graphs": "CUDA graphs for decode steps (GPUs only; on by default).",
 }
 # Group fields that are no engine setting, appended after the settings', and the group's own base (its rules).
 _GROUP_FIELDS: dict[str, dict[str, Any]] = {

@@ -41,8 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     for s in engine_settings.ENGINE_SETTINGS:
         if s.flag is None:
             continue
-        if s.type is bool:  # the flag turns the setting off
-            g.add_argument(s.flag, dest=s.name, action="store_false", help=s.help)
+        if s.type is bool:  # --no-X turns the setting off; --X is a pair, --X/--no-X
+            pair = not s.flag.startswith("--no-")
+            g.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction if pair else "store_false",
+                           default=s.default, help=s.help)
             continue
         default = (os.environ.get(s.env) if s.env else None) or s.default
         g.add_argument(s.flag, dest=s.name, type=s.type, default=default, choices=s.choices, metavar=s.metavar,

@@ -69,6 +69,8 @@ class EngineConfig:
     speculative_ngram: int = default("speculative_ngram")  # prompt-lookup speculation: longest n-gram matched (0 = off; runtime/speculative.py)
     speculative_model: str | None = default("speculative_model")  # draft-model speculation: the draft's path (runtime/draft_model.py)
     num_speculative_tokens: int = default("num_speculative_tokens")  # draft tokens verified per step, with speculation on
+    cuda_graphs: bool = default("cuda_graphs")  # decode steps replayed from CUDA graphs (CUDA only; runtime/cuda_graphs.py)
+    cuda_graph_max_batch_size: int = default("cuda_graph_max_batch_size")  # largest captured decode batch (rows)
     seed: int = default("seed")
 
     def __post_init__(self) -> None:
@@ -79,7 +81,7 @@ class EngineConfig:
         if self.dtype == "auto":
             self.dtype = torch.bfloat16 if (self.device == "cuda" or _cpu_has_fast_bf16()) else torch.float32
         self.dtype = parse_dtype(self.dtype)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "cuda_graph_max_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.speculative_ngram < 0 or self.num_speculative_tokens < 1:

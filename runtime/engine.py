@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from kubellm.runtime import host_malloc, kernel_choice, parallel
+from kubellm.runtime import cuda_graphs, host_malloc, kernel_choice, parallel
 from kubellm.runtime.block_manager import BlockManager
 from kubellm.runtime.config import EngineConfig, available_memory_bytes
 from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -140,8 +140,11 @@ class LLMEngine:
             num_blocks = self._num_kv_blocks(draft.kv_block_bytes(config.block_size, config.dtype) if draft else 0)
             if self.tp.size > 1:  # every rank's pool has rank 0's block count: one scheduler serves them all
                 self.tp.broadcast(num_blocks)
-            self.runner = ModelRunner(model, self.model_config, num_blocks, config.block_size, config.dtype,
-                                      self.tp.device, Sampler(self.tokenizer.eos_token_ids), self.kernels)
+            graph_plan = cuda_graphs.plan(config, model, self.max_model_len)  # + a scratch block for padding rows
+            self.runner = ModelRunner(model, self.model_config, num_blocks + graph_plan.scratch_blocks,
+                                      config.block_size, config.dtype, self.tp.device,
+                                      Sampler(self.tokenizer.eos_token_ids), self.kernels)
+            self.cuda_graphs = cuda_graphs.start(self.runner, graph_plan, num_blocks, self.max_model_len)
         except BaseException:
             self.tp.shutdown()
             raise

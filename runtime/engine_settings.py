@@ -21,7 +21,8 @@ class EngineSetting:
     """One engine setting.
 
     ``name`` is the :class:`EngineConfig` field and the CLI's ``dest``. ``flag`` is the ``kubellm serve``
-    option (None: not on the command line); a bool setting's flag turns it off (``--no-prefix-caching``).
+    option (None: not on the command line); a bool setting's flag turns it off (``--no-prefix-caching``), unless
+    it does not start with ``--no-``: then it is a pair (``--cuda-graphs``/``--no-cuda-graphs``).
     ``help`` is the CLI's (argparse ``%(default)s`` expands); ``doc`` is what ``kubectl explain`` prints.
     ``choices`` bind everywhere; ``crd_choices`` narrow what the LLMDeployment API offers where the runtime
     takes more (dtype aliases such as bf16, any KV block size). ``crd_field`` is the snake_case path of the
@@ -57,7 +58,9 @@ class EngineSetting:
         if self.flag is None:
             raise ValueError(f"{self.name} has no command-line flag")
         if self.type is bool:
-            return [] if value == self.default else [self.flag]
+            if value == self.default:
+                return []
+            return [self.flag] if self.flag.startswith("--no-") or value else ["--no-" + self.flag[2:]]
         return [self.flag, str(value)]
 
 
@@ -187,6 +190,24 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         help="draft tokens verified per step with --speculative-ngram or --speculative-model (default %(default)s)",
         crd_field="engine.speculative.num_tokens", ge=1,
         doc="Draft tokens verified per step when speculative decoding is on.",
+    ),
+    EngineSetting(
+        "cuda_graphs", bool, True, flag="--cuda-graphs",
+        help="replay decode steps from CUDA graphs captured at start-up, one per batch-size bucket (CUDA only, no "
+        "effect on CPU; a start-up check falls back to eager decoding when capture fails or a replay differs); "
+        "--no-cuda-graphs decodes eagerly (default: on)",
+        crd_field="engine.cuda_graphs.enabled",
+        doc="Capture decode steps as CUDA graphs at start-up (one per batch-size bucket) and replay them: one launch "
+        "per step instead of hundreds. GPU only (no effect on CPU). A start-up check compares a replay with the "
+        "eager pass; when capture fails or they differ the engine logs why and decodes eagerly.",
+    ),
+    EngineSetting(
+        "cuda_graph_max_batch_size", int, 256, flag="--cuda-graph-max-batch-size", metavar="N",
+        help="largest decode batch (rows) captured as a CUDA graph; buckets are 1, 2, 4, 8, then every 8 up to it "
+        "(capped by --max-num-seqs); larger steps run eagerly (default %(default)s)",
+        crd_field="engine.cuda_graphs.max_batch_size", ge=1,
+        doc="Largest decode batch (sequences; rows with speculative decoding) captured as a CUDA graph: buckets "
+        "1, 2, 4, 8, then every 8 up to it, capped by engine.maxNumSeqs. Larger decode steps run eagerly.",
     ),
     EngineSetting("seed", int, 0, flag="--seed", help="seed of the engine's random generator (default %(default)s)"),
 )  # fmt: skip

@@ -24,6 +24,7 @@ from kubellm.runtime.speculative import verify_sampled_drafts
 from kubellm.runtime.tp_group import LOGITS
 
 if TYPE_CHECKING:
+    from kubellm.runtime.cuda_graphs import DecodeGraphs
     from kubellm.runtime.sampler import Sampler, TokenLogprobs
     from kubellm.runtime.structured_output import StructuredOutputs
 
@@ -78,6 +79,7 @@ class ModelRunner:
         self.k_caches = [zeroed_pool(shape, dtype, device) for _ in range(cfg.num_layers)]
         self.v_caches = [zeroed_pool(shape, dtype, device) for _ in range(cfg.num_layers)]
         self.kernels = kernels
+        self.decode_graphs: DecodeGraphs | None = None  # set by cuda_graphs.start: decode steps replay a graph
         self.backend = attention_backend(kernels.attention, num_heads, num_kv_heads, cfg.head_dim)
         for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
             attn = layer.self_attn.attn
@@ -153,6 +155,8 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.tp.size > 1:
             self.tp.broadcast(("step", input_ids, positions, meta))
+        if self.decode_graphs is not None and (hidden := self.decode_graphs.forward(input_ids, positions, meta)) is not None:
+            return hidden
         return self.model(input_ids, positions, meta)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -13,8 +13,9 @@ all of them in one launch. A graph replays fixed addresses and shapes, hence:
 * each bucket's output (the final hidden states) is a fixed tensor of the graphs' shared memory pool, valid
   until the next replay (the runner samples from it before the next step).
 
-Only pure decode steps replay (speculative verification too: each drafted position is a decode row); steps with
-a prefill chunk, steps above the largest bucket, tensor-parallel and MoE models run eagerly. Capture happens at
+Only pure decode steps of the served model replay (speculative verification too: each drafted position is a
+decode row; a draft model's own forwards stay eager); steps with a prefill chunk, steps above the largest bucket,
+tensor-parallel and MoE models run eagerly. Capture happens at
 start-up behind a check (:meth:`DecodeGraphs.self_check`: one bucket captured, replayed on real rows and
 compared with the eager pass); any failure is logged with its reason and the engine decodes eagerly.
 
@@ -120,7 +121,8 @@ def plan(config: EngineConfig, model: torch.nn.Module, max_model_len: int) -> Gr
     if any(isinstance(m, FusedMoE) for m in model.modules()):
         return GraphPlan((), "not for mixture-of-experts models yet (the expert dispatch reads per-expert token "
                              "counts on the host every layer, which a graph cannot capture): decode runs eagerly")
-    rows = config.max_num_seqs * (1 + config.num_speculative_tokens if config.speculative_ngram else 1)
+    speculating = config.speculative_ngram or config.speculative_model
+    rows = config.max_num_seqs * (1 + config.num_speculative_tokens if speculating else 1)
     largest = min(config.cuda_graph_max_batch_size, rows, config.max_num_batched_tokens)
     return GraphPlan(tuple(bucket_sizes(largest)), "")
 

@@ -26,6 +26,7 @@ FULL_DEFAULTS = {
         "kvCacheMemoryFraction": 0.9,
         "prefixCaching": True,
         "speculative": {"ngram": 0, "numTokens": 4},
+        "cudaGraphs": {"enabled": True, "maxBatchSize": 256},
     },
     "resources": {"gpu": {"resourceName": "nvidia.com/gpu"}},
     "replicas": 1,
@@ -84,6 +85,7 @@ def test_round_trip_camel_case():
             "kvCacheBlockSize": 32,
             "prefixCaching": False,
             "speculative": {"ngram": 3, "numTokens": 6},
+            "cudaGraphs": {"enabled": False, "maxBatchSize": 64},
         },
         "resources": {
             "gpu": {"count": 4, "resourceName": "nvidia.com/gpu", "product": "NVIDIA-A100-SXM4-80GB"},

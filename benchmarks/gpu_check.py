@@ -6,7 +6,9 @@
    FlashAttention when installed), the GEMMs against cuBLAS bf16.
 3. Engine: greedy parity of the demo model (smollm2) and a random ~1B Llama on the device against the CPU
    float32 reference, then offline throughput at batch 1, 32 and 256 and served throughput at 32 concurrent
-   streams, against vLLM when it is importable (benchmarks/gpu_check_engine.py).
+   streams, against vLLM when it is importable (benchmarks/gpu_check_engine.py). CUDA graphs (3c): greedy with
+   graphs against the same engine without them (and that they were captured at all), decode tok/s with vs
+   without.
 4. Tensor parallelism (TP=2, NCCL) when two GPUs are visible; a skip line otherwise.
 5. A Markdown report in benchmarks/results/gpu-check-<date>-<device>.md. Exit status 1 when any correctness
    check failed (or a part of the kit crashed), else 0.
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_report import Check, Report, Section  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("kernels", "timing", "engine", "throughput", "serve", "tp")
+PARTS = ("kernels", "timing", "engine", "throughput", "serve", "graphs", "tp")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,6 +138,12 @@ def run(args: argparse.Namespace, work_dir: Path) -> Report:
     tolerances = {torch.float32: args.fp32_tol, torch.bfloat16: args.bf16_tol}
     kv = "256MiB" if args.tiny else "4GiB"
     llama = reference = None
+    if {"engine", "throughput", "graphs", "tp"} - args.skip:
+        try:
+            llama = engine.random_llama(work_dir / ("llama-tiny" if args.tiny else "llama-1b"), args.tiny)
+        except Exception as e:  # noqa: BLE001
+            s.checks.append(Check("random Llama checkpoint", "-", False, "-", "-", f"{type(e).__name__}: {e}"))
+    label = "random Llama (tiny)" if args.tiny else "random Llama ~1B"
     if "engine" in args.skip:
         s.skipped.append("--skip engine")
     else:
@@ -144,14 +152,10 @@ def run(args: argparse.Namespace, work_dir: Path) -> Report:
         else:
             _guarded(s, "smollm2 parity", engine.check_parity, s, "smollm2 (SmolLM2-135M Q4_1 GGUF)", "smollm2",
                      device, args.new_tokens, tolerances, kv)
-        try:
-            llama = engine.random_llama(work_dir / ("llama-tiny" if args.tiny else "llama-1b"), args.tiny)
-        except Exception as e:  # noqa: BLE001
-            s.checks.append(Check("random Llama checkpoint", "-", False, "-", "-", f"{type(e).__name__}: {e}"))
         if llama is not None:
-            label = "random Llama (tiny)" if args.tiny else "random Llama ~1B"
             reference = engine.check_parity(s, label, str(llama), device, args.new_tokens, tolerances, kv)
     _throughput(report, args, engine, llama)
+    _cuda_graphs(report, args, engine, llama, label, tolerances)
 
     s = report.section("4. Tensor parallelism (TP=2, NCCL)")
     gpus = torch.cuda.device_count() if device == "cuda" else 0
@@ -185,6 +189,26 @@ def _throughput(report: Report, args: argparse.Namespace, engine, llama: Path | 
 
         _guarded(s, "served throughput", lambda: engine.served_throughput(
             s, model_store.cached_hf_export("smollm2", torch.bfloat16), dtype))
+
+
+def _cuda_graphs(report: Report, args: argparse.Namespace, engine, llama: Path | None, label: str,
+                 tolerances: dict[torch.dtype, float]) -> None:
+    s = report.section("3c. CUDA graphs (decode)")
+    s.notes.append("the graphs were written and tested on CPU with a stand-in for the capture; on a GPU this section "
+                   "is their check")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    if "graphs" in args.skip:
+        s.skipped.append("--skip graphs")
+    elif llama is None:
+        s.skipped.append("CUDA graphs: no model (the random Llama was not built)")
+    else:
+        name = str(dtype).removeprefix("torch.")
+        kv = "256MiB" if args.tiny else "16GiB"
+        _guarded(s, "CUDA graphs parity", engine.check_cuda_graphs, s, label, str(llama), args.device, name,
+                 args.new_tokens, tolerances[dtype], kv)
+        batches, lengths = ([1, 4], (4, 6)) if args.tiny else ([1, 8, 32, 128], (16, 128))
+        _guarded(s, "CUDA graphs throughput", engine.decode_throughput, s, label, str(llama), args.device, name,
+                 batches, lengths, kv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,8 @@ class Generation:
     tokens: list[list[int]]
     logprobs: list[list[float]]
     top: list[list[dict[int, float]]]
+    graph_sizes: tuple[int, ...] = ()  # the decode batch sizes the engine replayed from CUDA graphs
+    graph_note: str = ""  # the engine's line on its CUDA graphs (what it captured, or why none)
 
 
 def greedy(model: str, new_tokens: int, **engine_args) -> Generation:
@@ -62,10 +64,11 @@ def greedy(model: str, new_tokens: int, **engine_args) -> Generation:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
     with LLM(model, progress=False, **engine_args) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        graphs = llm.engine.cuda_graphs
     del llm
     free_memory()
     return Generation([o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs],
-                      [[dict(lp.top) for lp in o.logprobs] for o in outs])
+                      [[dict(lp.top) for lp in o.logprobs] for o in outs], graphs.sizes, graphs.note)
 
 
 def free_memory() -> None:
@@ -239,6 +242,88 @@ def served_throughput(section: Section, folder: Path, dtype: str, concurrency: i
                            f"{r['ttft_ms'].get('p50', float('nan')):.1f}", f"{r['tpot_ms'].get('p50', float('nan')):.1f}"])
     if not doc["results"]:
         table.notes.append("serve.py wrote no results; its log is in this run's stderr")
+    section.tables.append(table)
+
+
+# ------------------------------------------------------------------------------------------------ CUDA graphs
+
+
+def _plain_cpu(device: str) -> dict[str, str]:
+    """On CPU (the kit's self-test) plain PyTorch kernels: the graphs' checks do not need the native CPU build."""
+    return dict(attention_backend="torch", layer_ops="torch", prepack_weights="off") if device == "cpu" else {}
+
+
+def check_cuda_graphs(section: Section, label: str, model: str, device: str, dtype: str, new_tokens: int,
+                      tol: float, kv_cache_memory: str) -> None:
+    """Greedy with CUDA graphs (``cuda_graphs=True``, the default) against the same engine without them, same
+    device, dtype and kernels. Where the device captures graphs, a run that decoded eagerly anyway (the start-up
+    check fell back) fails with the engine's reason; elsewhere (CPU) the setting is a no-op and this compares
+    eager with eager. Divergence only at a near tie, as :func:`compare_greedy` rules: padded batches change the
+    GEMMs' row count, which may round differently."""
+    from kubellm.runtime import cuda_graphs
+
+    common = dict(device=device, dtype=dtype, max_model_len=512, kv_cache_memory=kv_cache_memory, seed=0,
+                  **_plain_cpu(device))
+    case = f"{label}, {device} {dtype}, {len(PROMPTS)} prompts x {new_tokens} tokens"
+    try:
+        eager = greedy(model, new_tokens, cuda_graphs=False, **common)
+    except Exception as e:  # noqa: BLE001
+        section.checks.append(Check("greedy, CUDA graphs vs eager", case, False, "-", "-",
+                                    f"the eager run failed: {type(e).__name__}: {e}"))
+        return
+    graphed: Generation | None = None
+
+    def run() -> Generation:
+        nonlocal graphed
+        graphed = greedy(model, new_tokens, cuda_graphs=True, **common)
+        return graphed
+
+    section.checks.append(parity_check("greedy, CUDA graphs vs eager", case, eager, run, tol))
+    if torch.device(device).type not in cuda_graphs.CAPTURE_PRIMITIVES:
+        section.skipped.append(f"CUDA graphs on {device}: the setting is a no-op there, both runs above were eager")
+    elif graphed is not None:
+        section.checks.append(Check("CUDA graphs captured", case, bool(graphed.graph_sizes), graphed.graph_note,
+                                    "every planned decode batch size captured",
+                                    "" if graphed.graph_sizes else graphed.graph_note))
+
+
+def decode_throughput(section: Section, label: str, model: str, device: str, dtype: str, batches: list[int],
+                      lengths: tuple[int, int], kv_cache_memory: str) -> None:
+    """Output tok/s with and without CUDA graphs: per batch size, that many random-token prompts of ``lengths``
+    = (input, output) tokens submitted at once, greedy, EOS ignored, one untimed warm-up per engine. Short prompts
+    and long outputs, so decode steps dominate the time."""
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    rates: dict[tuple[bool, int], float] = {}
+    captured: dict[bool, str] = {}
+    for graphs in (False, True):
+        with LLM(model, progress=False, device=device, dtype=dtype, max_num_seqs=max(batches), cuda_graphs=graphs,
+                 max_model_len=max(512, sum(lengths)), kv_cache_memory=kv_cache_memory, seed=0,
+                 **_plain_cpu(device)) as llm:
+            captured[graphs] = llm.engine.cuda_graphs.note if graphs else "-"
+            warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+            llm.generate([[1 + i % (vocab - 1) for i in range(lengths[0])]] * max(batches), warm, use_tqdm=False)
+            params = SamplingParams(max_tokens=lengths[1], ignore_eos=True, temperature=0.0)
+            for batch in batches:
+                prompts = [[(7919 * (b + 1) + 13 * i) % vocab for i in range(lengths[0])] for b in range(batch)]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                rates[graphs, batch] = batch * lengths[1] / (time.perf_counter() - start)
+        free_memory()
+    table = Table(f"Decode throughput with and without CUDA graphs: {label} ({dtype})",
+                  ["batch", "requests x (in, out)", "eager output tok/s", "graphs output tok/s", "graphs / eager"],
+                  notes=[f"with graphs: {captured[True]}",
+                         "timed from submission to the last token; short prompts, so decode steps dominate"])
+    if device != "cuda":
+        table.notes.append(f"{device} run: --cuda-graphs is a no-op here, both columns are eager")
+    for batch in batches:
+        eager, graphed = rates[False, batch], rates[True, batch]
+        table.rows.append([str(batch), f"{batch} x {lengths}", f"{eager:,.1f}", f"{graphed:,.1f}",
+                           f"{graphed / eager:.2f}x"])
     section.tables.append(table)
 
 

@@ -21,6 +21,7 @@ if str(BENCHMARKS) not in sys.path:
 import gpu_check  # noqa: E402
 import gpu_check_engine as engine  # noqa: E402
 import gpu_check_kernels as kernels  # noqa: E402
+from cuda_graph_stand_ins import RecordingCapture, StaleCapture  # noqa: E402
 from gpu_check_report import Report  # noqa: E402
 
 from kubellm.kernels import triton_fp8_gemm, triton_grouped_gemm, triton_int4_gemm  # noqa: E402
@@ -58,7 +59,7 @@ def test_a_wrong_decode_kernel_fails_the_kernel_check_and_the_engine_and_exits_1
     start because the start-up check catches it too."""
     sound = tpa.paged_decode_attention
     monkeypatch.setattr(tpa, "paged_decode_attention", lambda *a, **k: sound(*a, **k) * 1.01)
-    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,throughput"]) == 1
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,throughput,graphs"]) == 1
     text = _report(tmp_path)
     assert "**FAIL**" in text and "## Failures" in text
     failures = text.split("## Failures")[1].split("## Environment")[0]
@@ -73,7 +74,7 @@ def test_a_kernel_that_raises_fails_its_check_with_the_exception(tmp_path, monke
         raise RuntimeError("PTX assembly aborted")
 
     monkeypatch.setattr(triton_int4_gemm, "int4_gemm", broken)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs"]
     assert gpu_check.main(argv) == 1
     failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
     assert failures.count("int4 GEMM") == 2  # float32 and bfloat16
@@ -90,7 +91,7 @@ def test_a_wrong_pre_quantized_gemm_fails_each_of_its_forms_and_nothing_else(mod
     and per block) with its error, and nothing else does (1% is inside bfloat16's tolerance)."""
     sound = getattr(module, function)
     monkeypatch.setattr(module, function, lambda *a, **k: sound(*a, **k) * 1.01)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs"]
     assert gpu_check.main(argv) == 1
     failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
     for name, count in failing.items():
@@ -104,11 +105,42 @@ def test_a_crash_in_a_part_of_the_kit_fails_the_run_and_is_named(tmp_path, monke
         raise KeyError("no such table")
 
     monkeypatch.setattr(kernels, "time_prefill", crash)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput,graphs"]
     assert gpu_check.main(argv) == 1
     text = _report(tmp_path)
     assert "2. Kernel timing / prefill timing (crashed)" in text and "KeyError" in text
     assert "### Paged decode attention" in text  # the other timings still ran
+
+
+GRAPHS_ONLY = ["--device", "cpu", "--tiny", "--skip", "kernels,timing,engine,throughput,tp"]
+
+
+def test_on_cpu_the_graphs_section_compares_eager_with_eager_and_says_so(tmp_path):
+    assert gpu_check.main(GRAPHS_ONLY + ["--out", str(tmp_path)]) == 0
+    section = _report(tmp_path).split("## 3c. CUDA graphs (decode)")[1].split("## 4.")[0]
+    assert "| greedy, CUDA graphs vs eager | random Llama (tiny), cpu float32, 4 prompts x 6 tokens |" in section
+    assert "- skipped: CUDA graphs on cpu: the setting is a no-op there, both runs above were eager" in section
+    assert "### Decode throughput with and without CUDA graphs: random Llama (tiny) (float32)" in section
+    assert "| 4 | 4 x (4, 6) |" in section and "cpu run: --cuda-graphs is a no-op here" in section
+
+
+@pytest.mark.parametrize("capture,passed,expect", [
+    (RecordingCapture, True, "| CUDA graphs captured | random Llama (tiny), cpu float32, 4 prompts x 6 tokens | "
+                             "captured 35 decode batch sizes (1..256)"),
+    (StaleCapture, False, "3c. CUDA graphs (decode) / CUDA graphs captured (random Llama (tiny), cpu float32, 4 "
+                          "prompts x 6 tokens): off: the start-up check failed (RuntimeError: the replay of batch "
+                          "size 4 (3 rows + padding) differs from the eager pass"),
+])
+def test_where_the_device_captures_graphs_a_run_that_fell_back_fails(capture, passed, expect, tmp_path, monkeypatch):
+    """CPU with a stand-in capture plays the GPU: graphs captured pass (and replay the eager tokens); a start-up
+    check that falls back fails the kit with the engine's reason."""
+    from kubellm.runtime import cuda_graphs
+
+    monkeypatch.setitem(cuda_graphs.CAPTURE_PRIMITIVES, "cpu", capture)
+    assert gpu_check.main(GRAPHS_ONLY + ["--out", str(tmp_path)]) == (0 if passed else 1)
+    text = _report(tmp_path)
+    assert expect in text
+    assert "| greedy, CUDA graphs vs eager |" in text and "no-op" not in text.split("## 3c.")[1].split("###")[0]
 
 
 @pytest.mark.parametrize("argv,message", [

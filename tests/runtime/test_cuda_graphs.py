@@ -1,8 +1,8 @@
 """CUDA graphs for decode steps (runtime/cuda_graphs.py), everything but the capture itself, on CPU.
 
-The capture primitive is swapped for :class:`RecordingCapture`, which "captures" by recording the callable and
-"replays" by calling it again on the persistent buffers, writing the output tensor it returned the first time (a
-real replay's contract). What that cannot show (that CUDA records the step faithfully) is the start-up check's
+The capture primitive is swapped for tests/cuda_graph_stand_ins.py's ``RecordingCapture``, which "captures" by
+recording the callable and "replays" by calling it again on the persistent buffers, writing the output tensor it
+returned the first time (a real replay's contract). What that cannot show (that CUDA records the step faithfully) is the start-up check's
 job on a GPU and benchmarks/gpu_check.py's.
 """
 
@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+from cuda_graph_stand_ins import RaisingCapture, RecordingCapture, StaleCapture
 
 from kubellm.runtime import cuda_graphs
 from kubellm.runtime.cli import build_parser, engine_kwargs
@@ -24,36 +25,6 @@ from kubellm.runtime.tp_group import Group
 NUM_BLOCKS, BLOCK_SIZE = 96, 4
 PROMPTS = ["the cat sat on the mat", "a", "one two three four five six seven eight nine ten", "hello there",
            "what is the capital of France?", "x y", "we the people", "of the", "so it goes", "and then there were"]
-
-
-class RecordedGraph:
-    """A replay: the recorded step again, its result written into the captured output tensor."""
-
-    def __init__(self, fn, out: torch.Tensor):
-        self.fn, self.out, self.replays = fn, out, 0
-
-    def __call__(self) -> None:
-        self.replays += 1
-        self.out.copy_(self.fn())
-
-
-class RecordingCapture:
-    def capture(self, fn):
-        out = fn()
-        return RecordedGraph(fn, out), out
-
-
-class StaleCapture(RecordingCapture):
-    """A broken capture: replays leave the output as it was at capture time (padding rows' hidden states)."""
-
-    def capture(self, fn):
-        out = fn()
-        return (lambda: None), out
-
-
-class RaisingCapture:
-    def capture(self, fn):
-        raise RuntimeError("operation not permitted when stream is capturing")
 
 
 def _engine(checkpoint, capture=None, **kw) -> LLM:

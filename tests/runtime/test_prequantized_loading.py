@@ -27,7 +27,10 @@ from kubellm.runtime.prequantized import QuantizedWeight
 from kubellm.runtime.sampling_params import SamplingParams
 from tiny_checkpoints import load_hf_model
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixtral's experts name gate, up and down w1, w3 and w2; routers (mlp.gate, block_sparse_moe.gate) stay float.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")
+_FUSED_WITH = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up",
+               "w1": "gate_up", "w3": "gate_up"}
 # Wide enough for groups of 128 and several groups of 32 per layer; k/v rows a multiple of 16 (native int4).
 SHAPE = dict(hidden_size=128, intermediate_size=256, head_dim=32)
 
@@ -143,7 +146,7 @@ def write_quantized(dense_dir, out_dir, fmt: str):
     gen = torch.Generator().manual_seed(7)
     perms: dict[tuple[str, int], torch.Tensor] = {}
 
-    def layer_perm(key):  # one act-order permutation per (layer, input): q/k/v share one, gate/up another
+    def layer_perm(key):  # one act-order permutation per (module, input): q/k/v share one, gate/up another
         return lambda n: perms.setdefault((key, n), torch.randperm(n, generator=gen))
 
     for name, t in tensors.items():
@@ -152,8 +155,7 @@ def write_quantized(dense_dir, out_dir, fmt: str):
             quantized[name] = t
             continue
         prefix = name.removesuffix(".weight")
-        key = f"{parts[2]}:{'qkv' if parts[-2] in ('q_proj', 'k_proj', 'v_proj') else parts[-2]}"
-        key = key.replace("gate_proj", "gate_up").replace("up_proj", "gate_up")
+        key = f"{prefix.rpartition('.')[0]}:{_FUSED_WITH.get(parts[-2], parts[-2])}"  # per layer, per expert
         stored, read = writer(name, t.float(), group if group > 0 else t.shape[1], layer_perm(key))
         quantized.update({f"{prefix}.{k}": v for k, v in stored.items()})
         twin[name] = read.dequantize(t.dtype).contiguous()

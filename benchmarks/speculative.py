@@ -1,15 +1,23 @@
-"""Prompt-lookup speculative decoding against decoding without it, in one process, on two workloads.
+"""Speculative decoding against decoding without it, in one process, on two workloads.
 
   repetitive  chat requests whose answers quote their prompt (fix typos in a paragraph, rename a variable in
               code, pull a list out of a text): what prompt lookup is for
   random      prompts of random words, answers that repeat nothing: where speculation must cost ~nothing
 
-Each request runs alone (batch 1: one at a time, sequentially), greedy, the same max_tokens, on two engines
-built side by side from the same folder (speculation off / on). In float32 greedy output must be identical
-(checked: exit 1 otherwise); in bf16 it is not even batch-invariant without speculation. The table gives
-output tok/s, the ratio, and the draft acceptance rate. Run:
+Proposers (one engine each, built side by side from the same folder, plus one without speculation):
+
+  ngram         prompt lookup (--speculative-ngram)
+  draft-random  a draft model: the target's config cut to --draft-layers layers, random weights, the same
+                tokenizer (a draft that is almost never right: what a useless draft costs after back-off)
+  draft-same    the target itself as its own draft: every draft right (the upper bound of what acceptance buys
+                when the draft costs as much as the target)
+
+Each request runs alone (batch 1: one at a time, sequentially), greedy, the same max_tokens. In float32 greedy
+output must be identical (checked: exit 1 otherwise); in bf16 it is not even batch-invariant without
+speculation. The table gives output tok/s, the ratio, and the draft acceptance rate. Run:
 
   .venv/bin/python benchmarks/speculative.py [--model smollm2] [--ngram 3] [--k 4] [--max-tokens 128]
+      [--proposers ngram,draft-random,draft-same] [--draft-layers 2]
 """
 
 from __future__ import annotations
@@ -57,6 +65,35 @@ def random_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
+def random_draft(target: Path, dest: Path, layers: int, seed: int = 0) -> Path:
+    """A draft with the target's tokenizer and shapes but only ``layers`` layers of random weights."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in target.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dest / f.name)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for path in sorted(target.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= layers:
+                    continue
+                shape = f.get_slice(name).get_shape()
+                tensors[name] = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(
+                    shape, generator=g) * 0.02
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / "model.safetensors"))
+    return dest
+
+
 def timed(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
     from kubellm.runtime.sampling_params import SamplingParams
 
@@ -78,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeat", type=int, default=3, help="timed passes per workload and side (median reported)")
+    p.add_argument("--proposers", default="ngram,draft-random,draft-same",
+                   help="comma-separated: ngram, draft-random, draft-same (default all)")
+    p.add_argument("--draft-layers", type=int, default=2, help="layers of the random draft (default 2)")
     args = p.parse_args(argv)
+
+    import tempfile
 
     from kubellm.runtime import model_store
     from kubellm.runtime.config import parse_dtype
@@ -91,39 +133,52 @@ def main(argv: list[str] | None = None) -> int:
         folder = model_store.cached_hf_export(args.model, parse_dtype(args.dtype))
     kw = dict(progress=False, dtype=args.dtype, max_model_len=1024, kv_cache_memory="512MiB")
     plain = LLM(str(folder), **kw)
-    spec = LLM(str(folder), speculative_ngram=args.ngram, num_speculative_tokens=args.k, **kw)
-    for llm in (plain, spec):
+    proposers = [name.strip() for name in args.proposers.split(",") if name.strip()]
+    engines = {}
+    for name in proposers:
+        if name == "ngram":
+            engines[name] = LLM(str(folder), speculative_ngram=args.ngram, num_speculative_tokens=args.k, **kw)
+        elif name in ("draft-random", "draft-same"):
+            draft = folder if name == "draft-same" else random_draft(
+                folder, Path(tempfile.mkdtemp(prefix="kubellm-draft-")), args.draft_layers)
+            engines[name] = LLM(str(folder), speculative_model=str(draft), num_speculative_tokens=args.k, **kw)
+        else:
+            p.error(f"unknown proposer {name!r}; use ngram, draft-random, draft-same")
+    for llm in (plain, *engines.values()):
         llm.engine.warmup()
     workloads = {"repetitive": [plain.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in REPETITIVE],
                  "random": random_prompts(plain.tokenizer, 4)}
     rows, identical = [], True
     for name, prompts in workloads.items():
-        before = spec.engine.stats().speculation
-        base_rates, spec_rates = [], []
-        for _ in range(args.repeat):  # alternated, so drift on a shared machine hits both sides alike
-            base_out, base_s = timed(plain, prompts, args.max_tokens)
-            spec_out, spec_s = timed(spec, prompts, args.max_tokens)
-            base_rates.append(sum(len(o) for o in base_out) / base_s)
-            spec_rates.append(sum(len(o) for o in spec_out) / spec_s)
-        after = spec.engine.stats().speculation
-        identical &= base_out == spec_out
-        for a, b in zip(base_out, spec_out, strict=True):
-            if a != b:
-                at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-                print(f"{name}: outputs diverge at token {at} of {len(a)}", file=sys.stderr)
-        off, on = statistics.median(base_rates), statistics.median(spec_rates)
-        drafted = after.num_draft_tokens - before.num_draft_tokens
-        accepted = after.num_accepted_tokens - before.num_accepted_tokens
-        rows.append((name, sum(len(o) for o in base_out), off, on, on / off, accepted / drafted if drafted else 0.0,
-                     drafted // args.repeat))
+        before = {n: e.engine.stats().speculation for n, e in engines.items()}
+        rates: dict[str, list[float]] = {n: [] for n in ("off", *engines)}
+        outs: dict[str, list] = {}
+        for _ in range(args.repeat):  # alternated, so drift on a shared machine hits every side alike
+            for side, llm in (("off", plain), *engines.items()):
+                outs[side], seconds = timed(llm, prompts, args.max_tokens)
+                rates[side].append(sum(len(o) for o in outs[side]) / seconds)
+        off = statistics.median(rates["off"])
+        for side in engines:
+            after = engines[side].engine.stats().speculation
+            identical &= outs["off"] == outs[side]
+            for a, b in zip(outs["off"], outs[side], strict=True):
+                if a != b:
+                    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                    print(f"{name}/{side}: outputs diverge at token {at} of {len(a)}", file=sys.stderr)
+            on = statistics.median(rates[side])
+            drafted = after.num_draft_tokens - before[side].num_draft_tokens
+            accepted = after.num_accepted_tokens - before[side].num_accepted_tokens
+            rows.append((name, side, sum(len(o) for o in outs["off"]), off, on, on / off,
+                         accepted / drafted if drafted else 0.0, drafted // args.repeat))
         print(f"{name}: done", file=sys.stderr, flush=True)
-    print(f"\nmodel {folder.name}, {args.dtype}, batch 1, greedy, "
-          f"max_tokens {args.max_tokens}, --speculative-ngram {args.ngram} --num-speculative-tokens {args.k}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeat} alternated passes\n")
-    print("| workload | output tokens | tok/s off | tok/s on | speed-up | acceptance | draft tokens per pass |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, tokens, off, on, ratio, acc, drafted in rows:
-        print(f"| {name} | {tokens} | {off:.1f} | {on:.1f} | {ratio:.2f}x | {acc:.0%} | {drafted} |")
+    print(f"\nmodel {folder.name}, {args.dtype}, batch 1, greedy, max_tokens {args.max_tokens}, "
+          f"--num-speculative-tokens {args.k} (ngram: --speculative-ngram {args.ngram}; draft-random: "
+          f"{args.draft_layers} random layers), {torch.get_num_threads()} threads, median of {args.repeat} "
+          "alternated passes\n")
+    print("| workload | proposer | output tokens | tok/s off | tok/s on | speed-up | acceptance | draft tokens per pass |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name, side, tokens, off, on, ratio, acc, drafted in rows:
+        print(f"| {name} | {side} | {tokens} | {off:.1f} | {on:.1f} | {ratio:.2f}x | {acc:.0%} | {drafted} |")
     print(f"\ngreedy outputs identical with and without speculation: {'yes' if identical else 'no'}")
     if args.dtype != "float32":
         # bf16 GEMMs round differently for different batch shapes, so even without speculation the same request

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.int4:
         layers["int4"] = _int4_experts(layers["per-expert"])
 
-    int4_head = ("| int4 per-expert (ms) | int4 / bf16 per-expert | int4 / kernel ", "| ---: | ---: | ---: ") \
+    int4_head = ("| int4 per-expert (ms) | int4 speed-up vs per-expert | vs kernel ", "| ---: | ---: | ---: ") \
         if args.int4 else ("", "")
     print(f"| rows | per-expert (ms) | kernel (ms) | speed-up {int4_head[0]}|\n"
           f"| ---: | ---: | ---: | ---: {int4_head[1]}|")

@@ -298,6 +298,25 @@ MODEL_URI_MESSAGE = (
 )
 
 
+def model_source_rules(field: str) -> tuple[Rule, ...]:
+    """The uri form and the hf://-only revision, for a model source named ``field`` in messages (the served
+    model and a speculative draft are fetched the same way)."""
+    return (
+        Rule(
+            rule=f"self.uri.matches('{MODEL_URI_PATTERN}')",
+            message=field + MODEL_URI_MESSAGE.removeprefix("model"),
+            check=lambda s: re.fullmatch(MODEL_URI_PATTERN, s.uri) is not None,
+            field_path=".uri",
+        ),
+        Rule(
+            rule="!has(self.revision) || self.uri.startsWith('hf://')",
+            message=f"{field}.revision applies to hf:// models only",
+            check=lambda s: s.revision is None or s.uri.startswith("hf://"),
+            field_path=".revision",
+        ),
+    )
+
+
 def default_served_model_name(uri: str) -> str:
     """The name clients pass as ``model`` when ``servedModelName`` is unset.
 
@@ -343,20 +362,7 @@ class ModelSpec(KubeModel):
     """The name clients pass as "model" in OpenAI requests. Default: derived from the uri (hf://org/name is
     served as org/name, a file or PVC path as its last element without .gguf, a known model as its name)."""
 
-    k8s_rules: ClassVar[tuple[Rule, ...]] = (
-        Rule(
-            rule=f"self.uri.matches('{MODEL_URI_PATTERN}')",
-            message=MODEL_URI_MESSAGE,
-            check=lambda s: re.fullmatch(MODEL_URI_PATTERN, s.uri) is not None,
-            field_path=".uri",
-        ),
-        Rule(
-            rule="!has(self.revision) || self.uri.startsWith('hf://')",
-            message="model.revision applies to hf:// models only",
-            check=lambda s: s.revision is None or s.uri.startswith("hf://"),
-            field_path=".revision",
-        ),
-    )
+    k8s_rules: ClassVar[tuple[Rule, ...]] = model_source_rules("model")
 
     @property
     def effective_served_model_name(self) -> str:
@@ -414,20 +420,7 @@ class DraftModelSpec(KubeModel):
     revision: str | None = Field(default=None, min_length=1, max_length=256)
     """Hugging Face revision (branch, tag or commit) for an hf:// draft. Default: the repository's default branch."""
 
-    k8s_rules: ClassVar[tuple[Rule, ...]] = (
-        Rule(
-            rule=f"self.uri.matches('{MODEL_URI_PATTERN}')",
-            message="engine.speculative." + MODEL_URI_MESSAGE,
-            check=lambda s: re.fullmatch(MODEL_URI_PATTERN, s.uri) is not None,
-            field_path=".uri",
-        ),
-        Rule(
-            rule="!has(self.revision) || self.uri.startsWith('hf://')",
-            message="engine.speculative.model.revision applies to hf:// models only",
-            check=lambda s: s.revision is None or s.uri.startswith("hf://"),
-            field_path=".revision",
-        ),
-    )
+    k8s_rules: ClassVar[tuple[Rule, ...]] = model_source_rules("engine.speculative.model")
 
 
 class _SpeculativeBase(KubeModel):

@@ -33,11 +33,17 @@ import torch
 import torch.nn.functional as F
 from gpu_check_report import Check, Section, Table
 
-from kubellm.kernels import triton_fp8_gemm, triton_grouped_gemm, triton_int4_gemm, triton_int8_gemm
+from kubellm.kernels import (
+    int4_weights,
+    triton_fp8_gemm,
+    triton_grouped_gemm,
+    triton_int4_gemm,
+    triton_int8_gemm,
+)
 from kubellm.kernels import triton_paged_attention as decode
 from kubellm.kernels import triton_prefill_attention as prefill
 from kubellm.runtime.prequantized import QuantizedWeight
-from kubellm.runtime.quantization import int4_group, quantize_int4, quantize_int8
+from kubellm.runtime.quantization import int4_group, quantize_int8
 
 # (atol, rtol) per activation dtype: float32 to accumulation-order noise; bf16/fp16 to a few ulps of the
 # output's own rounding (the kernels write their dtype, the reference stays float32).
@@ -215,12 +221,23 @@ class GemmWeights:
 
 
 def gemm_weights(shape: GemmShape, device: str, seed: int = 0) -> GemmWeights:
-    """A bf16 weight with a trained layer's scale (std 0.02), quantized by the runtime's own functions (what
-    ``--quantization int8|int4`` serves)."""
+    """A bf16 weight with a trained layer's scale (std 0.02): int8 by the runtime's own quantizer (what
+    ``--quantization int8`` serves), int4 in ``triton_int4_gemm``'s symmetric form (``--quantization int4`` now
+    runs the grouped 4-bit GEMM of :func:`prequantized_weights` instead)."""
     torch.manual_seed(seed)
     w = (0.02 * torch.randn(shape.n, shape.k, device=device)).to(torch.bfloat16)
-    group = int4_group(shape.k)
-    return GemmWeights(w, *quantize_int8(w), *quantize_int4(w, group), group)
+    group = 128 if shape.k % 128 == 0 else 64
+    return GemmWeights(w, *quantize_int8(w), *_symmetric_int4(w, group), group)
+
+
+def _symmetric_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed 4-bit values with one ``max|w| / 7`` scale per (output, group), packed two per byte."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    scales = g.abs().amax(dim=2) / 7.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(g / scales[:, :, None]).clamp_(-8, 7).view(n, k)
+    return int4_weights.pack_int4(q), scales
 
 
 def quantize_grouped(w: torch.Tensor, bits: int, group: int, act_order: bool = False,

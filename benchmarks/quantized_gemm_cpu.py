@@ -4,7 +4,8 @@ For each weight shape ``N x K`` (output x input) and row count M, the minimum ov
 (in interleaved rounds after warm-up, same process and threads) of:
 
 * ``bf16``: ``F.linear`` on the bf16 weight; ``bf16 packed``: the oneDNN-prepacked linear the engine runs;
-* ``int4 g32``: ``kernels/cpu_int4_gemm.py`` (4-bit, group 32 with zero points: GGUF Q4_1 / Q4_K, AWQ, GPTQ);
+* ``int4 g32``: ``kernels/cpu_int4_gemm.py`` (4-bit, group 32 with zero points: GGUF Q4_1 / Q4_K, AWQ, GPTQ,
+  ``--quantization int4``; ``--int4-groups 32 64`` adds other group sizes);
 * ``int8 g32 zp``: ``kernels/cpu_grouped_int8_gemm.py`` with group 32 and zero points (GGUF Q5_K, GPTQ 8-bit);
   ``int8 g32``: group 32, symmetric (GGUF Q8_0: the demo's token embedding, also its tied LM head, the
   49152 x 576 row); ``int8 g16``: group 16, symmetric (GGUF Q6_K); ``int8 ch``: one scale per channel (W8A16);
@@ -53,13 +54,15 @@ def best_of(fns: dict, calls: int, rounds: int = 10) -> dict:
     return best
 
 
-def kernels_for(n: int, k: int, scale_dtype: torch.dtype = torch.float16):
+def kernels_for(n: int, k: int, scale_dtype: torch.dtype = torch.float16, int4_groups: tuple[int, ...] = (32,)):
     """(name, callable of x) for each quantized kernel available here, on random weights of ``[n, k]``."""
     out = []
     if k4.available():
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-        s, z = (torch.rand(k // 32, n) * 0.01).to(scale_dtype), torch.randint(0, 16, (k // 32, n)).to(scale_dtype)
-        out.append(("int4 g32", lambda x, p=k4.pack(q), s=s, z=z: k4.int4_gemm(x, p, s, z, 32)))
+        for group in int4_groups:
+            s = (torch.rand(k // group, n) * 0.01).to(scale_dtype)
+            z = torch.randint(0, 16, (k // group, n)).to(scale_dtype)
+            out.append((f"int4 g{group}", lambda x, p=k4.pack(q), s=s, z=z, g=group: k4.int4_gemm(x, p, s, z, g)))
     if g8.available():
         q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
         p = g8.pack(q)
@@ -87,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--scales", choices=["float16", "float32"], default="float16",
                     help="dtype of the scales and zero points")
+    ap.add_argument("--int4-groups", type=int, nargs="+", default=[32],
+                    help="group sizes of the int4 rows (--quantization int4 uses 32; 64 also divides every shape)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for n, k in SHAPES:
             linear = nn.Linear(k, n, bias=False).to(dtype)
             packed = PackedLinear(linear) if can_pack("cpu", dtype) else linear
-            kernels = kernels_for(n, k, getattr(torch, args.scales))
+            kernels = kernels_for(n, k, getattr(torch, args.scales), tuple(args.int4_groups))
             for m in args.rows:
                 x = torch.randn(m, k).to(dtype)
                 fns = {"bf16": lambda x=x, w=linear.weight: F.linear(x, w), "bf16 packed": lambda x=x, p=packed: p(x)}

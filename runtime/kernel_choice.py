@@ -17,9 +17,8 @@ What ``auto`` picks:
 * int8 GEMM: ``native`` (kubellm's AVX512-BF16 kernel) for bfloat16 on CPUs that have it, for layers it can
   pack; ``torch`` (torch's int8 GEMM for small steps) for the other CPU cases; ``triton`` on CUDA once its
   check passed; else ``dequantize`` per call.
-* int4 GEMM: ``triton`` on CUDA once its check passed, else ``dequantize``.
 * grouped 4-bit and 8-bit GEMMs (the forms pre-quantized checkpoints read into: per-group scales and zero
-  points; GGUF blocks through kernels/gguf_blocks.py): ``native`` (``cpu_int4_gemm``, ``cpu_grouped_int8_gemm``,
+  points; GGUF blocks through kernels/gguf_blocks.py; the 4-bit one also serves ``--quantization int4``): ``native`` (``cpu_int4_gemm``, ``cpu_grouped_int8_gemm``,
   AVX512-BF16) for bfloat16 on CPUs that have them, for layers they can pack; ``triton``
   (``triton_grouped_gemm``, 5..8-bit values packed as 8-bit) on CUDA once its checks passed, for layers it can
   pack; else ``dequantize`` (the reference, also what AVX2-only CPUs run).
@@ -96,7 +95,6 @@ class Loaded:
     int8_cpu_kernel: str | None = NOT_PROBED  # the AVX512-BF16 int8 GEMM of the CPU extension
     int8_torch_gemm: bool = False  # torch._weight_int8pack_mm exists
     triton_int8: str | None = NOT_PROBED
-    triton_int4: str | None = NOT_PROBED
     grouped_int4_cpu_kernel: str | None = NOT_PROBED  # cpu_int4_gemm (AVX512-BF16)
     grouped_int8_cpu_kernel: str | None = NOT_PROBED  # cpu_grouped_int8_gemm (AVX512-BF16)
     triton_grouped_int4: str | None = NOT_PROBED  # triton_grouped_gemm, bits=4
@@ -114,7 +112,6 @@ class KernelChoice:
     prepack: bool = False  # linear weights reordered once for oneDNN
     int8_gemm: str = "dequantize"  # native | triton | torch | dequantize
     int8_fallback: str = "dequantize"  # torch | dequantize: layers the native kernel cannot pack
-    int4_gemm: str = "dequantize"  # triton | dequantize
     grouped_int4_gemm: str = "dequantize"  # native | triton | dequantize: 4-bit values, per-group scales, zeros
     grouped_int8_gemm: str = "dequantize"  # native | triton | dequantize: 8-bit values, per-group scales (zeros)
     fp8_gemm: str = "dequantize"  # triton | dequantize: e4m3 weights with their scales
@@ -152,7 +149,7 @@ class KernelChoice:
         return "triton" if self.fp8_gemm == "triton" and fp8_triton_packable(in_features, group_size) else "dequantize"
 
     def describe(self, quantization: str = "none") -> str:
-        gemm = {"int8": f", int8 GEMM {self.int8_gemm}", "int4": f", int4 GEMM {self.int4_gemm}", "none": ""}
+        gemm = {"int8": f", int8 GEMM {self.int8_gemm}", "int4": f", int4 GEMM {self.grouped_int4_gemm}", "none": ""}
         grouped = (f", grouped 4-bit GEMM {self.grouped_int4_gemm}, 8-bit GEMM {self.grouped_int8_gemm}, "
                    f"FP8 GEMM {self.fp8_gemm}")
         return (f"attention {self.attention}, layer ops {self.layer_ops}, oneDNN prepacking "
@@ -175,7 +172,6 @@ def choose(settings: KernelSettings, target: Target, loaded: Loaded) -> KernelCh
         layer_ops=layer_ops,
         prepack=_prepack(settings.prepack, loaded, native_cpu),
         int8_gemm=int8_gemm, int8_fallback=int8_fallback,
-        int4_gemm="triton" if target.cuda and loaded.triton_int4 is None else "dequantize",
         grouped_int4_gemm=_grouped(target, loaded.grouped_int4_cpu_kernel, loaded.triton_grouped_int4),
         grouped_int8_gemm=_grouped(target, loaded.grouped_int8_cpu_kernel, loaded.triton_grouped_int8),
         fp8_gemm="triton" if target.cuda and loaded.triton_fp8 is None else "dequantize",
@@ -273,8 +269,8 @@ def probe(settings: KernelSettings, target: Target) -> Loaded:
             found[field] = None if module.available() else f"no AVX512-BF16 {module.__name__} in this build"
     if target.cpu and target.dtype == torch.bfloat16 and "cpu_kernels" in found:
         found["moe_cpu_kernel"] = None if cpu_moe.available() else "no AVX512-BF16 cpu_moe in this build"
-    if target.quantization == "int4" and target.cuda:
-        found["triton_int4"] = triton_gemm_reason("int4", target.device, target.dtype)
+    if target.quantization == "int4" and target.cuda:  # --quantization int4 computes with the 4-bit grouped GEMM
+        found["triton_grouped_int4"] = triton_gemm_reason("grouped4", target.device, target.dtype)
     if target.quantization in PREQUANTIZED and target.cuda:
         for field, method in (("triton_grouped_int4", "grouped4"), ("triton_grouped_int8", "grouped8"),
                               ("triton_fp8", "fp8")):

@@ -14,13 +14,16 @@ quarter of fp32), which leaves more room for the KV cache. The GEMM, by what run
   Not yet run on a GPU.
 * other devices: dequantize per call (correct, the memory saving holds, no speed-up).
 
-``int4``: signed 4-bit weights in ``[-8, 7]`` with one scale (``max|w| / 7``) per output channel and group of
-128 inputs (fewer where the layer's input size is not a multiple of 128), two weights per byte: about a
-quarter of bf16's weight memory. On CUDA a Triton kernel (``kernels/triton_int4_gemm.py``) unpacks the
-nibbles in registers, once its start-up check passed (not yet run on a GPU); bf16 on CPUs with AVX512-BF16
-runs the native int4 kernel (``kernels/cpu_int4_gemm.py``, the same weights as values + 8 with zero point 8 in
-a ``QuantizedLinear``; experts keep ``Int4Linear``); elsewhere the layer dequantizes per call (correct, slow;
-the LLMDeployment API admits int4 only on GPUs).
+``int4``: asymmetric min-max per output channel and group of 32 inputs (one group per row where 32 does not
+divide the input size): values 0..15 with ``w ≈ (q - z) * s``, ``s = (max - min) / 15``, a float zero point
+``z = -min / s``, both kept in float16: 4 bits a weight plus 1 for the group's pair, about 31% of bf16's
+weight memory. Asymmetric because 16 levels spread over a group's own range lose less than a symmetric grid
+around 0 that leaves part of one side unused; groups of 32 because on the demo model 64 still lost 42% in
+perplexity (benchmarks/README.md "Quality", which also says why 32 flatters that model) for 0.5 bits a weight
+less. The layer is the :class:`QuantizedLinear` 4-bit checkpoints load into (experts' too), so it computes
+with their GEMMs: the native kernel (``kernels/cpu_int4_gemm.py``) for bf16 on CPUs with AVX512-BF16, the
+Triton grouped GEMM (``kernels/triton_grouped_gemm.py``) on CUDA once its start-up check passed, else
+dequantize per call (correct, slow; the LLMDeployment API admits int4 only on GPUs).
 
 Embeddings, norms and the LM head stay in the model dtype, as in most weight-only schemes: they are a small
 share of the weights of a large model and the LM head decides the tokens.
@@ -37,9 +40,10 @@ import logging
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_int8_gemm, int4_weights
+from kubellm.kernels import cpu_int8_gemm
 from kubellm.runtime import kernel_choice
 from kubellm.runtime.kernel_choice import KernelChoice
+from kubellm.runtime.prequantized import QuantizedWeight
 
 log = logging.getLogger("kubellm.quantization")
 
@@ -47,7 +51,7 @@ METHODS = ("none", "int8", "int4")
 # Above this many rows torch's int8 GEMM loses to dequantize-then-GEMM (measured on 2 cores, SmolLM2 shapes).
 INT8_GEMM_MAX_ROWS = 32
 PREQUANTIZED = ("fp8", "awq", "gptq", "gguf")  # what a checkpoint brings: named only as a check
-INT4_GROUP = 128
+INT4_GROUP = 32
 
 
 def check_method(method: str) -> None:
@@ -150,54 +154,48 @@ class Int8Linear(nn.Module):
 
 
 def int4_group(in_features: int) -> int:
-    """128, or the largest of 64/32 dividing ``in_features``, else one group per row."""
-    return next((g for g in (INT4_GROUP, 64, 32) if in_features % g == 0), in_features)
+    """:data:`INT4_GROUP` where it divides ``in_features``, else one group per row."""
+    return INT4_GROUP if in_features % INT4_GROUP == 0 else in_features
 
 
-def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight [out, in]`` → (uint8 ``[out, in/2]``: two signed nibbles per byte, low = even input; float32
-    scales ``[out, in/group]``), symmetric per output channel and group of ``group`` inputs."""
+def quantize_int4(weight: torch.Tensor, group: int) -> QuantizedWeight:
+    """``weight [out, in]`` → values 0..15 ``[out, in]`` (uint8) with a scale and a zero point per output channel
+    and group of ``group`` inputs (``[out, in/group]``), asymmetric min-max: ``w ≈ (q - z) * s`` with
+    ``s = (max - min) / 15`` and ``z = -min / s``, so each group's 16 levels span exactly its own range. The
+    zero point is a float (GGUF Q4_1's free minimum, not AWQ's integer one), and both are rounded to float16
+    first and the values computed from the rounded pair, so the layer keeps them in float16 at no extra error;
+    where float16 cannot hold one (a near-constant group far from zero), that layer keeps float32."""
     out_features, in_features = weight.shape
     if in_features % 2 or in_features % group:
         raise ValueError(f"int4 needs an even input size divisible by the group ({group}), got {in_features}")
     w = weight.detach().float().view(out_features, in_features // group, group)
-    scales = w.abs().amax(dim=2) / 7.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(w / scales[:, :, None]).clamp_(-8, 7).view(out_features, in_features)
-    return int4_weights.pack_int4(q), scales
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scales = (hi - lo) / 15.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group: q = 0 is the value
+    scales = _fp16_where_exact_enough(scales)
+    zeros = _fp16_where_exact_enough(-lo / scales)
+    q = torch.round(w / scales[:, :, None] + zeros[:, :, None]).clamp_(0, 15)
+    return QuantizedWeight(q.view(out_features, in_features).to(torch.uint8), scales, zeros, group)
 
 
-class Int4Linear(nn.Module):
-    """Drop-in for an ``nn.Linear``: packed int4 weight, group-wise float32 scales, activations in the model
-    dtype. ``path``: ``triton`` (CUDA, checked at start-up) or ``dequantize``; given as for :class:`Int8Linear`."""
+def _fp16_where_exact_enough(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (float32) rounded to float16 where float16 holds it (finite, not flushed to zero), else as is."""
+    half = t.to(torch.float16).float()
+    return torch.where(torch.isfinite(half) & ((half != 0) | (t == 0)), half, t)
 
-    def __init__(self, linear: nn.Linear, path: str | None = None):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group = int4_group(linear.in_features)
-        packed, scales = quantize_int4(linear.weight, self.group)
-        if path is None:
-            path = kernel_choice.for_quantized_layer(packed.device, linear.weight.dtype, "int4").int4_gemm
-        if path not in ("triton", "dequantize"):
-            raise ValueError(f"int4 GEMM path {path!r}; use triton or dequantize")
-        self.path = path
-        self.register_buffer("qweight", packed)
-        self.register_buffer("scales", scales)
-        self.bias = linear.bias
-        self.bias_f32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.path == "triton":
-            from kubellm.kernels import triton_int4_gemm
+def int4_layer(linear: nn.Linear, kernels: KernelChoice | None = None):
+    """``--quantization int4`` for one layer: :func:`quantize_int4`'s weights in a :class:`QuantizedLinear`, the
+    layer every 4-bit checkpoint format loads into, on the GEMM ``kernels`` chose for its shape (native CPU
+    kernel, Triton grouped GEMM on CUDA, else dequantize per call); ``auto`` for its device and dtype without."""
+    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 
-            rows = x.reshape(-1, self.in_features)
-            out = triton_int4_gemm.int4_gemm(rows, self.qweight, self.scales, self.group, self.bias_f32)
-            return out.view(*x.shape[:-1], self.out_features)
-        out = nn.functional.linear(x, self.dequantized(x.dtype))
-        return out if self.bias is None else out + self.bias
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return int4_weights.dequantize_int4(self.qweight, self.scales, self.group, dtype)
+    w = linear.weight
+    group = int4_group(linear.in_features)
+    if kernels is None:
+        kernels = kernel_choice.for_quantized_layer(w.device, w.dtype, "int4")
+    path = kernels.grouped_path(4, linear.out_features, linear.in_features, group)
+    return QuantizedLinear(quantize_int4(w, group), 4, path, None if linear.bias is None else linear.bias.detach())
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
@@ -219,8 +217,8 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         if isinstance(m, QuantizedLinear):
             for kind, n in m.weight_bytes().items():
                 out[kind] = out.get(kind, 0) + n
-        elif isinstance(m, (Int8Linear, Int4Linear)):
-            add("int8" if isinstance(m, Int8Linear) else "int4", m.qweight)
+        elif isinstance(m, Int8Linear):
+            add("int8", m.qweight)
             add(str(m.scales.dtype).removeprefix("torch."), m.scales)
         for p in m.parameters(recurse=False):
             add(str(p.dtype).removeprefix("torch."), p)
@@ -233,24 +231,6 @@ def log_weight_bytes(model: nn.Module) -> dict[str, int]:
     log.info("weight bytes by dtype: %s (total %.1f MiB)", " ".join(f"{k}={v}" for k, v in sizes.items()),
              sum(sizes.values()) / 2**20, extra={"fields": {"weight_bytes": sizes}})
     return sizes
-
-
-def _native_int4(linear: nn.Linear, kernels: KernelChoice | None):
-    """``--quantization int4`` where the native CPU int4 kernel takes the layer (bf16, AVX512-BF16): the same
-    signed 4-bit weights and group scales as :class:`Int4Linear`, as unsigned values q + 8 with zero point 8 in
-    a :class:`QuantizedLinear` that runs ``kernels/cpu_int4_gemm.py``; None where it does not."""
-    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.prequantized import QuantizedWeight
-
-    if kernels is None or linear.weight.dtype != torch.bfloat16:
-        return None
-    group = int4_group(linear.in_features)
-    if kernels.grouped_path(4, linear.out_features, linear.in_features, group) != "native":
-        return None
-    packed, scales = quantize_int4(linear.weight, group)
-    values = (int4_weights.unpack_int4(packed).to(torch.int16) + 8).to(torch.uint8)
-    weight = QuantizedWeight(values, scales, torch.full_like(scales, 8.0), group)
-    return QuantizedLinear(weight, 4, "native", None if linear.bias is None else linear.bias.detach())
 
 
 def quantize_model(model: nn.Module, method: str, kernels: KernelChoice | None = None) -> int:
@@ -268,14 +248,12 @@ def quantize_model(model: nn.Module, method: str, kernels: KernelChoice | None =
     for name, linear in targets:
         if method == "int8":
             layer = Int8Linear(linear, None if kernels is None else kernels.int8_path(linear.weight))
-        elif ".experts." not in name and (native := _native_int4(linear, kernels)) is not None:
-            layer = native
         else:
-            layer = Int4Linear(linear, None if kernels is None else kernels.int4_gemm)
+            layer = int4_layer(linear, kernels)
         parent_name, _, attr = name.rpartition(".")
         setattr(layers.get_submodule(parent_name) if parent_name else layers, attr, layer)
     after = sum(b.numel() * b.element_size() for m in layers.modules()
-                if isinstance(m, (Int8Linear, Int4Linear, QuantizedLinear))
+                if isinstance(m, (Int8Linear, QuantizedLinear))
                 for b in (m.qweight, m.scales, getattr(m, "zeros", None)) if b is not None)
     log.info("quantized %d linear layers to %s: %.1f MiB -> %.1f MiB of weights", len(targets), method,
              before / 2**20, after / 2**20)

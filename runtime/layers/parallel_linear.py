@@ -5,7 +5,7 @@ computes that slice of the output; a row-parallel layer holds 1/N of the input f
 sum, which the block owning it all-reduces (attention after ``o_proj``, the MLP after ``down_proj``, a mixture
 of experts once over all its experts). The collective stays in the block, not in the layer, because a layer is
 swapped after loading for a drop-in that computes the same thing faster (``PackedLinear``, ``Int8Linear``,
-``Int4Linear``), and the sum must survive the swap.
+``QuantizedLinear``), and the sum must survive the swap.
 
 Each layer is an ``nn.Linear`` of its per-rank shape (so the drop-ins, kernels and quantizers read ``weight``
 and ``bias`` as ever) plus ``weight_loader(param, loaded, shard_id)``: ``loaded`` is the whole checkpoint

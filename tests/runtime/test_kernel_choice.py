@@ -14,7 +14,7 @@ AUTO = KernelSettings()
 CPU = Target("cpu", torch.float32, num_heads=4, num_kv_heads=2, head_dim=64)
 CUDA = Target("cuda", torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=64)
 ALL_LOADED = Loaded(cpu_kernels=None, triton_attention=None, onednn_prepack=None, int8_cpu_kernel=None,
-                    int8_torch_gemm=True, triton_int8=None, triton_int4=None)
+                    int8_torch_gemm=True, triton_int8=None)
 NO_CPU_KERNELS = Loaded(cpu_kernels="no compiler", onednn_prepack=None, int8_torch_gemm=True)
 
 
@@ -30,9 +30,8 @@ def test_auto_on_cpu_runs_the_native_path_as_one_where_the_cpu_kernels_load():
 
 def test_auto_on_cuda_is_triton_when_its_check_passed_and_never_the_cpu_ops():
     assert choose(AUTO, CUDA, ALL_LOADED) == KernelChoice(attention="triton", layer_ops="torch", prepack=False,
-                                                          int8_gemm="triton", int8_fallback="triton",
-                                                          int4_gemm="triton")
-    failed = Loaded(triton_attention="prefill kernel failed", triton_int8="bad", triton_int4="bad")
+                                                          int8_gemm="triton", int8_fallback="triton")
+    failed = Loaded(triton_attention="prefill kernel failed", triton_int8="bad")
     assert choose(AUTO, CUDA, failed) == KernelChoice(attention="torch")
 
 
@@ -138,10 +137,13 @@ def test_probe_checks_the_pre_quantized_triton_gemms_on_cuda_for_those_methods_o
     loaded = kernel_choice.probe(AUTO, Target("cuda", torch.bfloat16, quantization="gptq"))
     assert asked == ["grouped4", "grouped8", "fp8"]
     assert loaded.triton_grouped_int4 is loaded.triton_grouped_int8 is loaded.triton_fp8 is None
-    for quantization in ("none", "int4"):
-        asked.clear()
-        skipped = kernel_choice.probe(AUTO, Target("cuda", torch.bfloat16, quantization=quantization))
-        assert "grouped4" not in asked and skipped.triton_fp8 == kernel_choice.NOT_PROBED
+    asked.clear()
+    skipped = kernel_choice.probe(AUTO, Target("cuda", torch.bfloat16, quantization="none"))
+    assert "grouped4" not in asked and skipped.triton_fp8 == kernel_choice.NOT_PROBED
+    asked.clear()  # --quantization int4 computes with the 4-bit grouped GEMM: that one only
+    int4 = kernel_choice.probe(AUTO, Target("cuda", torch.bfloat16, quantization="int4"))
+    assert asked == ["grouped4"] and int4.triton_fp8 == kernel_choice.NOT_PROBED
+    assert choose(AUTO, Target("cuda", torch.bfloat16, quantization="int4"), int4).grouped_int4_gemm == "triton"
 
 
 @pytest.mark.parametrize("method", ["grouped4", "grouped8", "fp8"])

@@ -245,6 +245,25 @@ def test_int4_layer_equals_a_matmul_on_the_dequantized_weight(dtype, bias):
     torch.testing.assert_close(out.float(), nn.functional.linear(x.float(), weight, expected_bias), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_layer_on_cuda_runs_the_triton_grouped_gemm_on_the_same_weights(dtype):
+    """The CUDA path of --quantization int4 (Triton's interpreter here): float zero points and all."""
+    from kubellm.runtime.kernel_choice import KernelChoice
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(8)
+    linear = nn.Linear(128, 48, bias=True).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 128, generator=g) * 0.05 + 0.01)
+    weight = quantize_int4(linear.weight, 32).dequantize()
+    layer = int4_layer(linear.to(device), KernelChoice(grouped_int4_gemm="triton"))
+    assert layer.path == "triton" and layer.group_size == 32
+    x = torch.randn(5, 128, generator=g).to(dtype)
+    expected = nn.functional.linear(x.float(), weight, linear.bias.detach().float().cpu())
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.02, "rtol": 1.6e-2}
+    torch.testing.assert_close(layer(x.to(device)).float().cpu(), expected, **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_int4_kernel_and_its_start_up_check(dtype, monkeypatch):
     from kubellm.kernels import triton_check, triton_int4_gemm

@@ -73,7 +73,6 @@ GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # node label spec.resources.gpu.pr
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 
 QUANTIZATIONS = engine_settings.QUANTIZATIONS  # spec.quantization's choices
-GPU_ONLY_QUANTIZATIONS = ("int4",)  # pre-quantized formats (fp8, awq, gptq) serve on CPU too
 
 
 class ConditionType(StrEnum):
@@ -937,22 +936,6 @@ class LLMDeploymentSpec(KubeModel):
                 or s.resources.gpu.count >= s.parallelism.ranks_per_node
             ),
             field_path=".parallelism.tensor",
-        ),
-        Rule(
-            rule=f"!(self.quantization in {list(GPU_ONLY_QUANTIZATIONS)!r}) "
-            "|| !has(self.resources.gpu.count) || self.resources.gpu.count > 0",
-            message="quantization int4 needs a GPU; set resources.gpu.count or quantization=none",
-            message_expression="'quantization ' + self.quantization "
-            "+ ' needs a GPU; set resources.gpu.count or quantization=none'",
-            check=lambda s: (
-                s.quantization not in GPU_ONLY_QUANTIZATIONS
-                or s.resources.gpu.count is None
-                or s.resources.gpu.count > 0
-            ),
-            explain=lambda s: (
-                f"quantization {s.quantization} needs a GPU; set resources.gpu.count or quantization=none"
-            ),
-            field_path=".quantization",
         ),
         Rule(
             rule="!has(self.auth.apiKeySecretRef) || !has(self.env) "

@@ -23,7 +23,7 @@ perplexity (benchmarks/README.md "Quality", which also says why 32 flatters that
 less. The layer is the :class:`QuantizedLinear` 4-bit checkpoints load into (experts' too), so it computes
 with their GEMMs: the native kernel (``kernels/cpu_int4_gemm.py``) for bf16 on CPUs with AVX512-BF16, the
 Triton grouped GEMM (``kernels/triton_grouped_gemm.py``) on CUDA once its start-up check passed, else
-dequantize per call (correct, slow; the LLMDeployment API admits int4 only on GPUs).
+dequantize per call (correct, slow).
 
 Embeddings, norms and the LM head stay in the model dtype, as in most weight-only schemes: they are a small
 share of the weights of a large model and the LM head decides the tokens.

@@ -388,9 +388,7 @@ def _cases() -> list[tuple[str, dict[str, Any], bool]]:
             )
             cases.append((f"{uri_id}-{auto_id}-{mode}-sm{available}", spec, available))
     for hw_id, hw in HARDWARE.items():
-        on_cpu = hw["resources"]["gpu"].get("count") == 0
-        quants = [q for q in api.QUANTIZATIONS if not on_cpu or q not in api.GPU_ONLY_QUANTIZATIONS]
-        for quant in quants:
+        for quant in api.QUANTIZATIONS:  # every one on CPU and GPU alike
             spec = merged(hw, {"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"}, "quantization": quant})
             cases.append((f"{hw_id}-{quant}", spec, False))
     cases.append(("full", FULL, True))
@@ -1303,8 +1301,8 @@ def test_api_rules_are_rechecked():
     with the API's own message."""
     ld = make()
     ld.spec.resources.gpu.count = 0
-    ld.spec.quantization = "int4"
-    with pytest.raises(InvalidSpec, match="quantization int4 needs a GPU"):
+    ld.spec.parallelism.tensor = 2
+    with pytest.raises(InvalidSpec, match="more than one tensor-parallel rank per pod"):
         render.render(ld)
 
 

@@ -1,7 +1,8 @@
 """Start-up self-checks for the Triton kernels: compile them for the model's shapes and dtype on the serving
 device, run each once on a small random case and compare with its PyTorch reference (:func:`check` for
-attention, :func:`check_int8_gemm` and :func:`check_int4_gemm` for ``--quantization``, :func:`check_grouped_gemm`
-and :func:`check_fp8_gemm` for pre-quantized checkpoints).
+attention, :func:`check_int8_gemm` for ``--quantization int8``, :func:`check_grouped_gemm` for 4/8-bit
+checkpoints and ``--quantization int4``, :func:`check_fp8_gemm` for FP8; :func:`check_int4_gemm` covers the
+symmetric int4 kernel only the GPU kit still measures).
 
 It costs one compile and a few milliseconds, and turns a kernel that fails to build or computes wrong on this
 GPU / driver / Triton version into a logged fallback to the reference backend (``auto``) or a clear start-up

@@ -302,14 +302,14 @@ def triton_attention_reason(target: Target) -> str | None:
 
 @functools.cache
 def triton_gemm_reason(method: str, device: str, dtype: torch.dtype) -> str | None:
-    """Why the Triton GEMM for ``method`` (int8, int4, grouped4, grouped8, fp8) cannot run on ``device`` (its
+    """Why the Triton GEMM for ``method`` (int8, grouped4, grouped8, fp8) cannot run on ``device`` (its
     start-up check, once per process)."""
     try:
         from kubellm.kernels import triton_check
     except ImportError as e:  # no triton in this image
         reason = str(e)
     else:
-        checks = {"int8": triton_check.check_int8_gemm, "int4": triton_check.check_int4_gemm,
+        checks = {"int8": triton_check.check_int8_gemm,
                   "grouped4": functools.partial(triton_check.check_grouped_gemm, bits=4),
                   "grouped8": functools.partial(triton_check.check_grouped_gemm, bits=8),
                   "fp8": triton_check.check_fp8_gemm}

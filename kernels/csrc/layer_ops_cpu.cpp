@@ -36,6 +36,18 @@ using math::to_f;
 inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
 
 // ---- RMSNorm ------------------------------------------------------------------------------------------------
+// 1 / sqrt(mean(x^2) + eps) over n values, summed in float32 (rms_norm_rows and norm_rotate_head share it).
+template <typename T>
+inline float inv_rms(const T* x, int64_t n, float eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_f(x[i]);
+    ss += v * v;
+  }
+  return 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+}
+
 // out = w * T(x * rsqrt(mean(x^2) + eps)); with a residual: first residual = T(residual + x) (in place), then
 // normalise that. The reference normalises in float32, rounds to T, then multiplies by the weight in T.
 template <typename T>
@@ -52,13 +64,7 @@ void rms_norm_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, T* 
         for (int64_t i = 0; i < hidden; ++i) rr[i] = from_f<T>(to_f(rr[i]) + to_f(xr[i]));
         src = rr;
       }
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float v = to_f(src[i]);
-        ss += v * v;
-      }
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+      const float inv = inv_rms(src, hidden, eps);
 #pragma omp simd
       for (int64_t i = 0; i < hidden; ++i) outr[i] = from_f<T>(to_f(w[i]) * round_as<T>(to_f(src[i]) * inv));
     }
@@ -203,13 +209,7 @@ template <typename T>
 void norm_rotate_head(T* x, const T* w, float eps, const T* c, const T* s, int64_t dim) {
   const int64_t half = dim / 2;
   float n[512];  // the normed head, already rounded to T (dim <= 512 is checked)
-  float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < dim; ++i) {
-    const float v = to_f(x[i]);
-    ss += v * v;
-  }
-  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+  const float inv = inv_rms(x, dim, eps);
 #pragma omp simd
   for (int64_t i = 0; i < dim; ++i) n[i] = round_as<T>(to_f(w[i]) * round_as<T>(to_f(x[i]) * inv));
 #pragma omp simd

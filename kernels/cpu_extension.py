@@ -204,6 +204,22 @@ def _build_guard(build_dir: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _stage_sources(build_dir: Path) -> list[Path]:
+    """Copies of the sources and headers under ``build_dir/src``, what the build compiles.
+
+    ninja records each source's path: compiled from two checkouts of the same sources (the folder is keyed by
+    their content), each checkout's build would look stale to the other and rebuild over it. The copies keep
+    that path the same; a copy is rewritten only when its bytes differ, so ninja's timestamps stay put."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    for path in sources() + [_CSRC / name for name in _HEADER_NAMES]:
+        target = staged / path.name
+        data = path.read_bytes()
+        if not target.is_file() or target.read_bytes() != data:
+            target.write_bytes(data)
+    return [staged / p.name for p in sources()]
+
+
 def _build(load: bool = True) -> Path:
     """Compile (or load the cached build of) the extension into this process; returns the library's path.
     With ``load=False`` it only compiles (for a -march this CPU may not run)."""
@@ -234,7 +250,7 @@ def _build(load: bool = True) -> Path:
         with _build_guard(build_dir):
             built = cpp_extension.load(
                 name="kubellm_cpu_ops",
-                sources=[str(p) for p in sources()],
+                sources=[str(p) for p in _stage_sources(build_dir)],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),

@@ -28,11 +28,12 @@ found by inverting the model's ``packed_modules_mapping`` (Qwen3-MoE ``mlp.exper
 ``block_sparse_moe.experts.E.w1``/``w3``/``w2``): each becomes a :class:`QuantizedLinear` inside the
 unchanged :class:`~kubellm.runtime.layers.moe.FusedMoE`, which routes as for bf16 and runs one quantized GEMM
 per hit expert over the tokens routed to it. Routers (``mlp.gate``, ``block_sparse_moe.gate``) stay float, as
-AutoAWQ, GPTQModel and llm-compressor leave them; GGUF's stacked experts are dequantized at load.
+AutoAWQ, GPTQModel and llm-compressor leave them; GGUF's stacked experts are dequantized at load. Under tensor
+parallelism the experts shard as a dense MLP does, through the same loaders: gate/up column-parallel, down
+row-parallel over the intermediate dimension.
 
 Served: dense decoder layers and experts (every family of the registry). Refused by name: a quantized router,
-quantized experts with tensor parallelism > 1 (untested), a quantized LM head, q/k/v parts with different
-act-order maps, a row-parallel split that would cut a group (``in_features / tensor_parallel_size`` not a
+a quantized LM head, q/k/v parts with different act-order maps, a row-parallel split that would cut a group (``in_features / tensor_parallel_size`` not a
 multiple of the group size).
 """
 
@@ -144,11 +145,6 @@ def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None,
         if ".experts." in name:
             if gguf:
                 continue  # GGUF stacks a layer's experts in one tensor: gguf.py dequantizes them at load
-            tp = getattr(model, "tp", None)
-            if tp is not None and tp.size > 1:
-                raise CheckpointError(f"pre-quantized mixture-of-experts experts ({spec.method}){where} are served "
-                                      "with tensor parallelism 1 only (not tested sharded yet); set "
-                                      "tensor_parallel_size 1")
             alternatives = _expert_alternatives(model, path, patterns, where)
             if alternatives is None:
                 continue

@@ -2,24 +2,32 @@
 type it replaces (runtime/layers/parallel_linear.py's ``quantized_loader``), so the ranks' layers together
 compute the unsharded layer, two ranks generate what transformers generates on the dequantized twin (and so
 what one rank generates: test_prequantized_loading.py), and a split that would cut a group is refused by name.
+Mixture-of-experts experts shard the same way over their intermediate dimension (gate/up column-parallel, down
+row-parallel): tiny Qwen3-MoE and Mixtral in each format.
 
 The checkpoints are test_prequantized_loading.py's, in each format's published layout, at a shape where every
-row-parallel split keeps groups of 128 whole (8 heads of 32: o_proj has 256 inputs, 128 per rank)."""
+row-parallel split keeps groups of 128 whole (8 heads of 32: o_proj has 256 inputs, 128 per rank; experts and
+dense MLPs 256 wide, 128 per rank)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_parity import _engine, _prompts, _run_and_compare
+from test_engine_parity import LOGIT_ATOL, MAX_NEW, LogitRecorder, _engine, _prompts, _run_and_compare
 from test_prequantized_loading import write_quantized
 
+from kubellm.runtime.layers.moe import FusedMoE, route
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.loader import build_model, read_checkpoint
+from kubellm.runtime.sampling_params import SamplingParams
 from kubellm.runtime.tp_group import Group
 
 TP_SHAPE = dict(hidden_size=128, intermediate_size=512, head_dim=32, num_attention_heads=8)
 ROW_PARALLEL = ("o_proj", "down_proj")
+MOE_TP_SHAPE = dict(TP_SHAPE, intermediate_size=256, moe_intermediate_size=256)  # Mixtral's experts: intermediate_size
+ALL_FORMATS = ["awq-4bit-g128", "gptq-4bit-asym-g128", "gptq-4bit-sym-desc_act-g32", "gptq-8bit-sym-g128",
+               "w4a16-group128", "w8a16-channel", "fp8-channel", "fp8-block128"]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -31,9 +39,7 @@ def _quantized_layers(model) -> dict[str, QuantizedLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
 
 
-@pytest.mark.parametrize("fmt", ["awq-4bit-g128", "gptq-4bit-asym-g128", "gptq-4bit-sym-desc_act-g32",
-                                 "gptq-8bit-sym-g128", "w4a16-group128", "w8a16-channel", "fp8-channel",
-                                 "fp8-block128"])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 @torch.inference_mode()
 def test_the_ranks_quantized_shards_compute_the_unsharded_layer(fmt, dense, tmp_path):
     """Column-parallel layers (q/k/v, gate/up): the ranks' outputs, part by part, are the whole layer's;
@@ -80,4 +86,78 @@ def test_a_row_parallel_split_that_cuts_groups_is_refused_naming_the_layer(tiny_
     quant_dir, _ = write_quantized(dense_dir, tmp_path, "awq-4bit-g128")
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.o_proj .*cannot be split over "
                                               r"tensor_parallel_size 2: .*groups of 128"):
+        build_model(read_checkpoint(quant_dir), torch.float32, "cpu", 256, False, tp=Group(rank=1, size=2))
+
+
+# ------------------------------------------------------------------------------------------ mixtures of experts
+def _moes(model) -> list[FusedMoE]:
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+@torch.inference_mode()
+def test_the_ranks_quantized_expert_shards_compute_the_unsharded_experts(fmt, arch, tiny_checkpoint_factory,
+                                                                          tmp_path):
+    """Each expert's gate/up: the ranks' gate rows, then up rows, are the whole expert's (column-parallel over
+    the intermediate dimension); its down: the ranks' partial sums over their inputs add up to it (whole
+    groups, act-order map sliced). Then a whole layer: with the same routing, the ranks' partial sums over all
+    hit experts are the unsharded layer's output."""
+    quant_dir, _ = write_quantized(tiny_checkpoint_factory(arch, **MOE_TP_SHAPE), tmp_path, fmt)
+    ckpt = read_checkpoint(quant_dir)
+    full = _moes(build_model(ckpt, torch.float32, "cpu", 256, False)[0])
+    ranks = [_moes(build_model(ckpt, torch.float32, "cpu", 256, False, tp=Group(rank=r, size=2))[0]) for r in (0, 1)]
+    assert full and all(len(r) == len(full) for r in ranks)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 128, generator=gen)
+    h = torch.randn(9, 256, generator=gen)
+    for i, moe in enumerate(full):
+        shards = [r[i] for r in ranks]
+        assert all(s.inter == 128 for s in shards)
+        for e, expert in enumerate(moe.experts):
+            parts = [s.experts[e] for s in shards]
+            assert all(isinstance(p.gate_up_proj, QuantizedLinear) and isinstance(p.down_proj, QuantizedLinear)
+                       and p.down_proj.in_features == 128 for p in parts)
+            outs = [p.gate_up_proj(x).split(128, dim=-1) for p in parts]  # each rank: its gate rows, its up rows
+            got = torch.cat([outs[0][0], outs[1][0], outs[0][1], outs[1][1]], dim=-1)
+            torch.testing.assert_close(got, expert.gate_up_proj(x), atol=1e-4, rtol=1e-4, msg=f"{fmt} gate_up {e}")
+            got = parts[0].down_proj(h[:, :128]) + parts[1].down_proj(h[:, 128:])
+            torch.testing.assert_close(got, expert.down_proj(h), atol=1e-4, rtol=1e-4, msg=f"{fmt} down {e}")
+        weights, ids = route(moe.gate(x), moe.top_k, moe.renormalize)
+        got = sum(s.experts_one_by_one(x, weights, ids) for s in shards)
+        torch.testing.assert_close(got, moe.experts_one_by_one(x, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch, fmt", [("qwen3_moe", "awq-4bit-g128"), ("mixtral", "gptq-4bit-sym-desc_act-g32"),
+                                       ("mixtral", "w4a16-group128"), ("qwen3_moe", "fp8-block128")])
+def test_tp2_on_quantized_experts_generates_what_one_rank_and_transformers_generate(arch, fmt,
+                                                                                    tiny_checkpoint_factory, tmp_path):
+    """Two ranks on gloo, experts sharded: greedy tokens equal and logits within the fp32 parity tolerance of
+    transformers on the dequantized twin, and the same tokens as one rank with logits within that tolerance."""
+    quant_dir, twin_dir = write_quantized(tiny_checkpoint_factory(arch, **MOE_TP_SHAPE), tmp_path, fmt)
+    prompts, params = _prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    one = _engine(quant_dir)
+    recorder = one.engine.runner.sampler = LogitRecorder(one.engine.runner.sampler)
+    single = [(o.token_ids, torch.stack(recorder.rows[o.request_id]))
+              for o in one.generate(prompts, params, use_tqdm=False)]
+    one.close()
+    llm = _engine(quant_dir, tensor_parallel_size=2)
+    try:
+        down = _moes(llm.engine.runner.model)[0].experts[0].down_proj
+        assert isinstance(down, QuantizedLinear) and down.in_features == 128  # rank 0's half of 256
+        outs = _run_and_compare(llm, twin_dir, prompts)
+        rows = llm.engine.runner.sampler.rows
+        for out, (tokens, logits) in zip(outs, single, strict=True):
+            assert out.token_ids == tokens
+            torch.testing.assert_close(torch.stack(rows[out.request_id]), logits, atol=LOGIT_ATOL, rtol=0)
+    finally:
+        llm.close()
+
+
+def test_an_expert_split_that_cuts_groups_is_refused_naming_the_expert(tiny_checkpoint_factory, tmp_path):
+    """Experts 128 wide: each rank's 64 inputs of down_proj cannot hold AWQ's groups of 128."""
+    dense_dir = tiny_checkpoint_factory("mixtral", **dict(TP_SHAPE, intermediate_size=128))
+    quant_dir, _ = write_quantized(dense_dir, tmp_path, "awq-4bit-g128")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.block_sparse_moe\.experts\.\d+\.w2 .*cannot be "
+                                              r"split over tensor_parallel_size 2: .*groups of 128"):
         build_model(read_checkpoint(quant_dir), torch.float32, "cpu", 256, False, tp=Group(rank=1, size=2))

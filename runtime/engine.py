@@ -22,7 +22,7 @@ from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatche
 from kubellm.runtime.draft_model import DraftModelProposer, load_draft_model
 from kubellm.runtime.model_runner import ModelRunner, kv_block_bytes
 from kubellm.runtime.models.config import ModelConfig, text_tower_config
-from kubellm.runtime.models.loader import build_model, read_checkpoint
+from kubellm.runtime.models.loader import build_model, keeps_gguf_packed, read_checkpoint
 from kubellm.runtime.quantization import check_checkpoint, log_weight_bytes, quantize_model
 from kubellm.runtime.sampler import Sampler, TokenLogprobs
 from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
@@ -133,7 +133,7 @@ class LLMEngine:
         try:
             model, self.model_config = build_model(ckpt, config.dtype, self.tp.device, self.max_model_len, progress,
                                                    tp=self.tp, kernels=self.kernels,
-                                                   keep_packed=config.quantization in ("none", "gguf"))
+                                                   keep_packed=keeps_gguf_packed(config.quantization))
             quantize_model(model, config.quantization, self.kernels)  # before the KV cache is sized from what is left
             self.weight_bytes = log_weight_bytes(model)
             # The draft's pool has as many blocks as the main one: each block's cost is both.

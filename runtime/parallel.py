@@ -38,7 +38,7 @@ import torch.distributed as dist
 from kubellm.runtime import host_malloc, kernel_choice
 from kubellm.runtime.kernel_choice import KernelChoice
 from kubellm.runtime.model_runner import ModelRunner
-from kubellm.runtime.models.loader import build_model, read_checkpoint
+from kubellm.runtime.models.loader import build_model, keeps_gguf_packed, read_checkpoint
 from kubellm.runtime.quantization import quantize_model
 from kubellm.runtime.sampler import Sampler
 from kubellm.runtime.tp_group import EXIT, LOGITS, Group, check_divisible, join_group
@@ -173,7 +173,8 @@ def build_rank_runner(config, tp: Group, max_model_len: int, kernels: KernelChoi
         host_malloc.tune()
     kernel_choice.load(kernels)
     ckpt = read_checkpoint(config.model)
-    model, cfg = build_model(ckpt, config.dtype, tp.device, max_model_len, False, tp=tp, kernels=kernels)
+    model, cfg = build_model(ckpt, config.dtype, tp.device, max_model_len, False, tp=tp, kernels=kernels,
+                             keep_packed=keeps_gguf_packed(config.quantization))
     quantize_model(model, config.quantization, kernels)
     num_blocks = tp.broadcast()
     return ModelRunner(model, cfg, num_blocks, config.block_size, config.dtype, tp.device, Sampler([]), kernels)

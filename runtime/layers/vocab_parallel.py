@@ -7,6 +7,11 @@ ids in its slice, writes zeros for the others, and the all-reduce sums the one r
 rank. The LM head computes this rank's slice of the logits; :func:`gather_logits` (called by the model's
 ``compute_logits``, not by the layer, since prepacking swaps the layer for a drop-in) concatenates the ranks'
 slices and drops the padding. Tied embeddings share one parameter, as the two layers shard alike.
+
+A GGUF token embedding kept packed (runtime/layers/quantized_embedding.py) shards the same way:
+:meth:`VocabParallelEmbedding.quantized_loader` keeps this rank's rows of the quantized table (values, scales and
+zero points are per row, so any row split keeps groups whole), the padding rows zero; with tied embeddings that
+packed slice is the rank's LM head.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from torch import nn
 
 from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.prequantized import QuantizedWeight
 from kubellm.runtime.tp_group import Group
 
 PAD = 64  # rows per rank are a multiple of this, so every rank's GEMM has whole 64-row tiles
@@ -52,14 +58,40 @@ class VocabParallelEmbedding(nn.Embedding):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _load_rows(self, param, loaded, shard_id)
 
+    def quantized_loader(self, weight: QuantizedWeight, bias: torch.Tensor | None, shard_id=None
+                         ) -> tuple[QuantizedWeight, None]:
+        """This rank's rows of a quantized ``[vocab, hidden]`` table, padding rows zero (values and scales)."""
+        if shard_id is not None or bias is not None:
+            raise CheckpointError("a quantized embedding has neither parts nor a bias")
+        implied = (self.vocab_size, self.embedding_dim)
+        if tuple(weight.values.shape) != implied:
+            raise CheckpointError(f"has shape {tuple(weight.values.shape)}, the config implies {implied}")
+        if self.tp.size == 1:
+            return weight, None
+        real = max(0, min(self.num_embeddings, self.vocab_size - self.vocab_start))
+        mine, pad = weight.output_slice(self.vocab_start, real), self.num_embeddings - real
+
+        def padded(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.cat([t, t.new_zeros(pad, t.shape[1])])
+
+        return QuantizedWeight(padded(mine.values), padded(mine.scales), padded(mine.zeros), weight.group_size,
+                               weight.g_idx), None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → [T, hidden], the same on every rank."""
-        if self.tp.size == 1:
-            return nn.functional.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab_start
-        elsewhere = (local < 0) | (local >= self.num_embeddings)
-        out = nn.functional.embedding(local.masked_fill(elsewhere, 0), self.weight)
-        return self.tp.all_reduce(out.masked_fill_(elsewhere.unsqueeze(-1), 0))
+        return vocab_parallel_lookup(input_ids, lambda ids: nn.functional.embedding(ids, self.weight),
+                                     self.vocab_start, self.num_embeddings, self.tp)
+
+
+def vocab_parallel_lookup(input_ids: torch.Tensor, lookup, vocab_start: int, rows: int, tp: Group) -> torch.Tensor:
+    """``lookup(local ids) -> [..., hidden]`` over this rank's ``rows`` from ``vocab_start``; ids elsewhere read
+    zeros, and the all-reduce leaves each token's one real row on every rank."""
+    if tp.size == 1:
+        return lookup(input_ids)
+    local = input_ids - vocab_start
+    elsewhere = (local < 0) | (local >= rows)
+    out = lookup(local.masked_fill(elsewhere, 0))
+    return tp.all_reduce(out.masked_fill_(elsewhere.unsqueeze(-1), 0))
 
 
 class ParallelLMHead(nn.Linear):

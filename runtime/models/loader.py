@@ -35,17 +35,23 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     raise CheckpointError(f"{path} is neither a model folder nor a .gguf file")
 
 
+def keeps_gguf_packed(quantization: str) -> bool:
+    """Whether a GGUF file's blocks stay packed under ``--quantization`` (int8/int4 requantize dequantized
+    weights); every rank must decide alike."""
+    return quantization in ("none", "gguf")
+
+
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len: int,
                 progress: bool = True, tp: Group | None = None,
                 kernels: KernelChoice | None = None, keep_packed: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model with its weights (this rank's shards with tensor parallelism) on ``device``; the linears of a
     pre-quantized checkpoint stay quantized, computed by the GEMMs ``kernels`` chose, and so do a GGUF file's
-    blocks with ``keep_packed`` (without tensor parallelism; else they are dequantized)."""
+    blocks with ``keep_packed`` (sharded as the layers they replace; else they are dequantized)."""
     cfg = ModelConfig.from_hf(ckpt.config, ckpt.source)
     start = time.perf_counter()
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, dtype, max_positions=max_model_len, tp=tp)
-        gguf = keep_packed and ckpt.packed_tensors is not None and (tp is None or tp.size == 1)
+        gguf = keep_packed and ckpt.packed_tensors is not None
         quantized = quantized_loading.prepare(model, ckpt.config, kernels, ckpt.source, gguf=gguf,
                                               packed_embedding=gguf and ckpt.packed_embedding)
     # Materialise directly in the target dtype/device; weights are copied in by load_weights.

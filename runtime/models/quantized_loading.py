@@ -20,8 +20,9 @@ arrives as one too: it becomes a :class:`QuantizedLinear` ``[vocab, hidden]`` be
 
 Tensor parallelism: each part, once read, goes through the ``quantized_loader`` of the parallel linear the
 placeholder stands for (runtime/layers/parallel_linear.py), which keeps this rank's outputs (q/k/v, gate/up)
-or inputs in whole groups (o, down); then the parts are concatenated as without it. GGUF blocks are not kept
-packed under tensor parallelism (runtime/models/loader.py dequantizes them and the dense layers shard them).
+or inputs in whole groups (o, down); then the parts are concatenated as without it. GGUF blocks shard the same
+way once read into their grouped 4-/8-bit form, and a packed token embedding keeps this rank's vocabulary rows
+(runtime/layers/vocab_parallel.py).
 
 Mixtures of experts: every expert's gate/up and down are targets like a dense MLP's, their checkpoint names
 found by inverting the model's ``packed_modules_mapping`` (Qwen3-MoE ``mlp.experts.E.gate_proj``, Mixtral
@@ -286,8 +287,9 @@ class QuantizedLoading:
         layer = QuantizedLinear(weight, bits, self._path(weight, bits, device),
                                 None if bias is None else bias.to(device))
         parent, _, leaf = target.module.rpartition(".")
-        setattr(self.model.get_submodule(parent), leaf, QuantizedEmbedding(layer, self.dtype) if target.embedding
-                else layer)
+        embed = target.layout  # for the embedding: the VocabParallelEmbedding whose rows this rank holds
+        setattr(self.model.get_submodule(parent), leaf, QuantizedEmbedding(layer, self.dtype, embed.vocab_start,
+                                                                           embed.tp) if target.embedding else layer)
         if target.tied_head:
             self.model.lm_head = layer
         del self.pending[target.module]

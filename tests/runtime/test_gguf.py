@@ -582,6 +582,52 @@ def test_a_packed_file_keeps_its_q8_0_embedding_packed_and_a_tied_head_computes_
     llm.close()
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_tp2_keeps_a_packed_file_packed_and_generates_what_one_rank_generates(tied, tmp_path, byte_tokenizer):
+    """Two ranks on gloo: each keeps its shards of the Q4_0/Q4_1 linears and its vocabulary rows of the Q8_0
+    embedding in their blocks (the weight-bytes log shows int4 and int8 values at half of one rank's, no float
+    copy of them), the tied LM head is that packed slice, and greedy tokens equal one rank's with logits
+    within float32 rounding. 320 tokens: each rank holds 192 rows, rank 1's last 64 are padding."""
+    from test_engine_parity import LogitRecorder
+
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.layers.quantized_embedding import QuantizedEmbedding
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    meta = byte_level_metadata(byte_tokenizer)
+    model = tiny_model(tiny_config(len(meta["tokens"]), tie_word_embeddings=tied), seed=4)
+    quants = {n: Q.Q4_1 if "mlp" in n else Q.Q4_0 for n in model.state_dict() if n.endswith("proj.weight")}
+    path = tmp_path / "packed.gguf"
+    write_gguf(path, model, meta, quants=quants | {"model.embed_tokens.weight": Q.Q8_0, "lm_head.weight": Q.F16})
+    prompts = [list(range(3, 20)), list(range(40, 45)), list(range(250, 300))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=32, block_size=16, progress=False,
+                  tensor_parallel_size=tp)
+        try:
+            served = llm.engine.runner.model
+            embed = served.model.embed_tokens
+            assert isinstance(embed, QuantizedEmbedding) and embed.num_embeddings == (320 if tp == 1 else 192)
+            assert (served.lm_head is embed.table) == tied
+            recorder = llm.engine.runner.sampler = LogitRecorder(llm.engine.runner.sampler)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append(([o.token_ids for o in outs], [torch.stack(recorder.rows[o.request_id]) for o in outs],
+                         dict(llm.engine.weight_bytes)))
+        finally:
+            llm.close()
+    (tokens, logits, one), (tokens2, logits2, two) = runs
+    assert tokens2 == tokens
+    for a, b in zip(logits2, logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    hidden = model.config.hidden_size
+    assert one["int8"] == 320 * hidden and two["int8"] == 192 * hidden  # the embedding's values, one byte each
+    assert two["int4"] * 2 == one["int4"]
+    head = 0 if tied else 192 * hidden * 4  # rank 0's rows of the untied F16 head, dequantized as stored
+    float_copy = two["int4"] * 2 * 4  # what rank 0's linears would take in float32
+    assert two["float32"] - head < 0.05 * float_copy  # only norms and Q4_1's float32 zero points
+
+
 def llama3_rope_divisors(theta, head_dim, factor, low, high, original_context):
     """llama.cpp's convert_hf_to_gguf.py rope_freqs for Llama 3 scaling (the reference formula)."""
     out = []

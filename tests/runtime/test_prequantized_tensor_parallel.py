@@ -11,15 +11,20 @@ dense MLPs 256 wide, 128 per rank)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from test_engine_parity import LOGIT_ATOL, MAX_NEW, LogitRecorder, _engine, _prompts, _run_and_compare
 from test_prequantized_loading import write_quantized
 
+from kubellm.kernels import gguf_blocks
 from kubellm.runtime.layers.moe import FusedMoE, route
+from kubellm.runtime.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.loader import build_model, read_checkpoint
+from kubellm.runtime.prequantized import QuantizedWeight
 from kubellm.runtime.sampling_params import SamplingParams
 from kubellm.runtime.tp_group import Group
 
@@ -161,3 +166,71 @@ def test_an_expert_split_that_cuts_groups_is_refused_naming_the_expert(tiny_chec
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.block_sparse_moe\.experts\.\d+\.w2 .*cannot be "
                                               r"split over tensor_parallel_size 2: .*groups of 128"):
         build_model(read_checkpoint(quant_dir), torch.float32, "cpu", 256, False, tp=Group(rank=1, size=2))
+
+
+# ----------------------------------------------------------------------------------------------------- GGUF
+def _gguf_form(type_name: str, n: int, k: int, seed: int) -> tuple[QuantizedWeight, int]:
+    """One ``[n, k]`` tensor of random ``type_name`` blocks (sane fp16 scale fields) as the loader reads it, and
+    its bits; the gguf package cannot write K-quants, so the bytes are random: every pattern is a valid block."""
+    per, nbytes = gguf_blocks.BLOCKS[type_name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // per, nbytes), dtype=np.uint8)
+    for off in {"Q6_K": (208,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}.get(type_name, (0,)):
+        raw[..., off:off + 2] = (rng.standard_normal((n, k // per, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    form = gguf_blocks.unpack(type_name, torch.from_numpy(raw.reshape(n, -1)), k)
+    return QuantizedWeight(form.values, form.scales, form.zeros, form.group_size), 4 if form.kernel == "int4" else 8
+
+
+@pytest.mark.parametrize("type_name", list(gguf_blocks.BLOCKS))
+@torch.inference_mode()
+def test_gguf_blocks_shard_over_the_ranks_in_whole_groups(type_name):
+    """A GGUF linear kept packed (Q4_0/Q4_1/Q4_K as grouped 4-bit, Q5_K/Q6_K/Q8_0 as grouped 8-bit, groups of 32
+    or 16) goes through the same quantized loaders: the ranks' column-parallel outputs are the layer's, their
+    row-parallel partial sums add up to it."""
+    weight, bits = _gguf_form(type_name, 64, 512, seed=len(type_name))
+    full = QuantizedLinear(weight, bits)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    columns = [ColumnParallelLinear(512, 64, False, Group(rank=r, size=2)).quantized_loader(weight, None)[0]
+               for r in (0, 1)]
+    got = torch.cat([QuantizedLinear(w, bits)(x) for w in columns], dim=-1)
+    torch.testing.assert_close(got, full(x), atol=1e-4, rtol=1e-4)
+    rows = [RowParallelLinear(512, 64, False, Group(rank=r, size=2)).quantized_loader(weight, None)[0] for r in (0, 1)]
+    assert all(w.scales.shape[1] == 256 // weight.group_size for w in rows)  # whole groups, their scales only
+    got = sum(QuantizedLinear(w, bits)(x[:, r * 256:(r + 1) * 256]) for r, w in enumerate(rows))
+    torch.testing.assert_close(got, full(x), atol=1e-4, rtol=1e-4)
+
+
+def test_a_gguf_split_that_cuts_groups_is_refused_naming_the_layer(tmp_path):
+    """Q4_0 down_proj with 96 inputs: each rank's 48 cut its groups of 32."""
+    from test_gguf import byte_level_metadata, tiny_config, tiny_model, train_byte_level_tokenizer, write_gguf
+
+    meta = byte_level_metadata(train_byte_level_tokenizer())
+    model = tiny_model(tiny_config(len(meta["tokens"]), intermediate_size=96))
+    path = tmp_path / "cut.gguf"
+    write_gguf(path, model, meta, quants={n: Q.Q4_0 for n in model.state_dict() if n.endswith("proj.weight")})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.down_proj .*cannot be split over "
+                                              r"tensor_parallel_size 2: .*groups of 32"):
+        build_model(read_checkpoint(path), torch.float32, "cpu", 256, False, tp=Group(rank=0, size=2))
+
+
+@torch.inference_mode()
+def test_a_packed_gguf_embedding_keeps_each_ranks_vocabulary_rows(tmp_path):
+    """Q8_0 ``token_embd``, 320 tokens: rank 0 holds rows 0..191, rank 1 rows 192..319 and 64 zero rows, still
+    packed; together (padding dropped) they are the one-rank table."""
+    from test_gguf import byte_level_metadata, tiny_config, tiny_model, train_byte_level_tokenizer, write_gguf
+
+    meta = byte_level_metadata(train_byte_level_tokenizer())
+    model = tiny_model(tiny_config(len(meta["tokens"]), tie_word_embeddings=True))
+    path = tmp_path / "embed.gguf"
+    quants = {n: Q.Q4_0 for n in model.state_dict() if n.endswith("proj.weight")}
+    write_gguf(path, model, meta, quants=quants | {"model.embed_tokens.weight": Q.Q8_0})
+    ckpt = read_checkpoint(path)
+    full = build_model(ckpt, torch.float32, "cpu", 256, False)[0]
+    ranks = [build_model(ckpt, torch.float32, "cpu", 256, False, tp=Group(rank=r, size=2))[0] for r in (0, 1)]
+    tables = [r.model.embed_tokens.table for r in ranks]
+    assert [r.model.embed_tokens.vocab_start for r in ranks] == [0, 192]
+    assert all(t.out_features == 192 and t.bits == 8 and r.lm_head is t for r, t in zip(ranks, tables, strict=True))
+    want = full.model.embed_tokens.table.dequantized()
+    got = torch.cat([t.dequantized() for t in tables])
+    torch.testing.assert_close(got[:320], want, atol=0, rtol=0)
+    assert not got[320:].any()

@@ -1,10 +1,11 @@
 """One mixture-of-experts layer on CPU: the per-expert path (a oneDNN-prepacked GEMM per hit expert) against
 the native kernel (kernels/cpu_moe.py, every hit expert in one call), at Qwen3-30B-A3B's layer shape. With
-``--int4``, a third column: the same layer with 4-bit experts as a pre-quantized checkpoint loads them
-(``QuantizedLinear`` per expert linear on the native int4 GEMM, groups of 128, one GEMM per hit expert).
+``--int4``, the same layer with 4-bit experts as a pre-quantized checkpoint loads them (groups of 128), two
+ways: ``QuantizedLinear`` per expert linear on the native int4 GEMM, one GEMM per hit expert, and those
+layers stacked for cpu_moe's fused int4 kernel (every hit expert in one call, as the engine runs them).
 
 Random bfloat16 weights (hidden 2048, 128 experts of 768, top-8, softmax router renormalised), random inputs,
-rows 1, 8, 32 (decode steps of that many sequences) and 512 (a prefill chunk). Both paths run interleaved,
+rows 1, 8, 32 (decode steps of that many sequences) and 512 (a prefill chunk). All paths run interleaved,
 ``--rounds`` times ``--calls`` calls each; the table gives the best round's milliseconds per call.
 
     python benchmarks/moe_cpu.py --threads 2 [--rows 1,8,32,512] [--int4]
@@ -30,14 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768)
-    p.add_argument("--int4", action="store_true", help="add the 4-bit per-expert path (pre-quantized experts)")
+    p.add_argument("--int4", action="store_true",
+                   help="add the 4-bit per-expert path and the fused int4 kernel (pre-quantized experts)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     from kubellm.kernels import cpu_int4_gemm, cpu_moe
     from kubellm.runtime.layers.linear import pack_linears
-    from kubellm.runtime.layers.moe import FusedMoE
+    from kubellm.runtime.layers.moe import FusedMoE, pack_experts
     from kubellm.runtime.models.llama import use_native_ops
     from kubellm.runtime.tp_group import Group
 
@@ -58,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         layers[kind] = moe
     if args.int4:
         layers["int4"] = _int4_experts(layers["per-expert"])
+        layers["int4 fused"] = _int4_experts(layers["per-expert"])  # the same values (same seed), stacked
+        assert pack_experts(layers["int4 fused"]) == 1
 
-    int4_head = ("| int4 per-expert (ms) | int4 speed-up vs per-expert | vs kernel ", "| ---: | ---: | ---: ") \
-        if args.int4 else ("", "")
+    int4_head = ("| int4 per-expert (ms) | int4 fused (ms) | int4 per-expert vs kernel | fused vs int4 per-expert "
+                 "| fused vs kernel ", "| ---: | ---: | ---: | ---: | ---: ") if args.int4 else ("", "")
     print(f"| rows | per-expert (ms) | kernel (ms) | speed-up {int4_head[0]}|\n"
           f"| ---: | ---: | ---: | ---: {int4_head[1]}|")
     for rows in map(int, args.rows.split(",")):
@@ -78,13 +82,23 @@ def main(argv: list[str] | None = None) -> int:
                     best[kind] = min(best.get(kind, ms), ms)
         # Rows agree except where bfloat16 router logits tie at the k-th expert: torch.topk breaks such ties in
         # no fixed order, the kernel by the lower expert id.
-        close = torch.isclose(layers["per-expert"](x).float(), layers["kernel"](x).float(), atol=2e-2, rtol=2e-2)
-        agree = close.all(dim=1).float().mean().item()
-        assert agree >= 0.75, f"the two paths disagree on {1 - agree:.0%} of the rows"
+        _check_agree(layers["per-expert"], layers["kernel"], x)
+        if args.int4:
+            _check_agree(layers["int4"], layers["int4 fused"], x)
         ref, got = best["per-expert"], best["kernel"]
-        int4 = f" {best['int4']:.2f} | {ref / best['int4']:.2f}x | {got / best['int4']:.2f}x |" if args.int4 else ""
+        int4 = ""
+        if args.int4:
+            per, fused = best["int4"], best["int4 fused"]
+            int4 = f" {per:.2f} | {fused:.2f} | {got / per:.2f}x | {per / fused:.2f}x | {got / fused:.2f}x |"
         print(f"| {rows} | {ref:.2f} | {got:.2f} | {ref / got:.2f}x |{int4}", flush=True)
     return 0
+
+
+def _check_agree(a, b, x) -> None:
+    with torch.inference_mode():
+        close = torch.isclose(a(x).float(), b(x).float(), atol=2e-2, rtol=2e-2)
+    agree = close.all(dim=1).float().mean().item()
+    assert agree >= 0.75, f"the two paths disagree on {1 - agree:.0%} of the rows"
 
 
 def _int4_experts(bf16_moe):

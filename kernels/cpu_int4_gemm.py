@@ -19,7 +19,7 @@ import torch
 
 from kubellm.kernels.cpu_extension import available as extension_available
 
-__all__ = ["DEQUANTIZE_ROWS", "available", "int4_gemm", "pack", "packable", "reference_int4_gemm"]
+__all__ = ["DEQUANTIZE_ROWS", "available", "int4_gemm", "pack", "packable", "reference_int4_gemm", "unpack"]
 
 DEQUANTIZE_ROWS = 16  # kDequantMinRows in csrc/int4_gemm_cpu.cpp
 
@@ -39,6 +39,12 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     quads = q.to(torch.uint8).view(n // 16, 16, k // 4, 2, 2).permute(0, 2, 1, 4, 3)  # [.., i, j, low/high]
     return (quads[..., 0] | (quads[..., 1] << 4)).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """:func:`pack`'s inverse: ``[N/16, K/4, 16, 2]`` bytes → ``[N, K]`` values 0..15 (uint8)."""
+    nib = torch.stack([packed & 0xF, packed >> 4], dim=-1)  # [N/16, K/4, 16, 2 (j), 2 (low/high)]
+    return nib.permute(0, 2, 1, 4, 3).reshape(packed.shape[0] * 16, -1)
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

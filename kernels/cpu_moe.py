@@ -11,16 +11,27 @@ the k weighted outputs are summed in float32.
 
 The kernel wants the weights packed once by :func:`pack` (``I`` and ``H`` multiples of 16). It exists only in
 builds for CPUs with AVX512-BF16; :func:`available` says whether this process has it.
+
+:func:`moe_int4_experts` is the same for experts of 4-bit values with per-group scales and zero points (the
+form AWQ, GPTQ without act-order, compressed-tensors W4A16 and ``--quantization int4`` load into): each
+expert's ``gate_up`` and ``down`` as kernels/cpu_int4_gemm.py packs them, stacked over the experts
+(:class:`Int4Experts`), ``W = (q - z) * s`` per group of inputs. The products use the stored values widened in
+registers (cpu_int4_gemm's few-rows path at every row count), and the results are rounded where the per-expert
+path rounds them.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
+from kubellm.kernels import cpu_int4_gemm
 from kubellm.kernels.cpu_extension import available as extension_available
 
-__all__ = ["available", "moe_experts", "pack", "packable", "reference_moe_experts"]
+__all__ = ["Int4Experts", "available", "moe_experts", "moe_int4_experts", "pack", "packable", "reference_int4_moe_experts",
+           "reference_moe_experts"]
 
 
 def available() -> bool:
@@ -47,9 +58,50 @@ def moe_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: to
     return torch.ops.kubellm_cpu.moe_experts(x.contiguous(), logits, w13, w2, top_k, renormalize)
 
 
+class Int4Experts(NamedTuple):
+    """A layer's 4-bit experts, stacked: per linear the cpu_int4_gemm packing of every expert (``w13``
+    ``[E, 2I/16, H/4, 16, 2]`` uint8, gate rows then up rows; ``w2`` ``[E, H/16, I/4, 16, 2]``), the scales and
+    zero points ``[E, inputs / group, outputs]`` (float32 or float16, values 0..15 as the GEMM reads them) and
+    the group size."""
+
+    w13: torch.Tensor
+    s13: torch.Tensor
+    z13: torch.Tensor
+    group13: int
+    w2: torch.Tensor
+    s2: torch.Tensor
+    z2: torch.Tensor
+    group2: int
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up [E, 2I, H], down [E, H, I])`` in float32: the reference's weights."""
+        def linear(packed, scales, zeros, group):
+            q = torch.stack([cpu_int4_gemm.unpack(p) for p in packed]).float()  # [E, N, K]
+            g = torch.arange(q.shape[2]) // group
+            return (q - zeros.float().transpose(1, 2)[:, :, g]) * scales.float().transpose(1, 2)[:, :, g]
+        return linear(self.w13, self.s13, self.z13, self.group13), linear(self.w2, self.s2, self.z2, self.group2)
+
+
+def int4_packable(hidden: int, inter: int, group13: int, group2: int) -> bool:
+    return hidden % 16 == 0 and inter % 16 == 0 and all(g % 4 == 0 and k % g == 0 for g, k in
+                                                         ((group13, hidden), (group2, inter)))
+
+
+def moe_int4_experts(x: torch.Tensor, logits: torch.Tensor, experts: Int4Experts, top_k: int,
+                     renormalize: bool) -> torch.Tensor:
+    return torch.ops.kubellm_cpu.moe_int4_experts(x.contiguous(), logits, *experts, top_k, renormalize)
+
+
+def reference_int4_moe_experts(x: torch.Tensor, logits: torch.Tensor, experts: Int4Experts, top_k: int,
+                               renormalize: bool) -> torch.Tensor:
+    """The same result from the dequantized weights in float32, one expert at a time."""
+    return reference_moe_experts(x, logits, *experts.dequantized(), top_k, renormalize)
+
+
 def reference_moe_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                           top_k: int, renormalize: bool) -> torch.Tensor:
-    """The same result from unpacked weights, one expert at a time."""
+    """The same result from unpacked weights (bfloat16, or float32 for :func:`reference_int4_moe_experts`), one
+    expert at a time."""
     weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -57,8 +109,9 @@ def reference_moe_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         tokens, choice = (ids == e).nonzero(as_tuple=True)
-        gate, up = F.linear(x[tokens], gate_up[e]).split(inter, dim=-1)
+        # Products in float32 (bfloat16 weights: as exact as a bf16 GEMM), each linear's output rounded to x's dtype.
+        gate, up = F.linear(x[tokens].float(), gate_up[e].float()).to(x.dtype).split(inter, dim=-1)
         h = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
-        y = F.linear(h, down[e]).float() * weights[tokens, choice].to(x.dtype).float().unsqueeze(1)
+        y = F.linear(h.float(), down[e].float()).to(x.dtype).float() * weights[tokens, choice].to(x.dtype).float().unsqueeze(1)
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)

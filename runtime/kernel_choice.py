@@ -25,8 +25,10 @@ What ``auto`` picks:
 * FP8 weight GEMM (e4m3, per-tensor / per-channel / block scales): ``triton`` (``triton_fp8_gemm``) on CUDA
   once its check passed, else ``dequantize``.
 * mixture-of-experts layers: ``native`` (``cpu_moe``: routing and every hit expert of a layer in one call,
-  AVX512-BF16) with native layer ops for bfloat16 without quantization where it loaded; else ``torch`` (one
-  GEMM per hit expert through the linear layers above).
+  AVX512-BF16) with native layer ops for bfloat16 where it loaded, unquantized or with 4-bit experts
+  (``--quantization int4`` or a pre-quantized checkpoint; the layers whose experts the kernels do not take,
+  act-order, 8-bit, FP8, keep one GEMM per hit expert); else ``torch`` (one GEMM per hit expert through the
+  linear layers above).
 
 The Triton GEMMs for pre-quantized checkpoints are checked on CUDA when ``Target.quantization`` names a
 pre-quantized method (:data:`PREQUANTIZED`): the loader sets it from the checkpoint before deciding.
@@ -175,8 +177,8 @@ def choose(settings: KernelSettings, target: Target, loaded: Loaded) -> KernelCh
         grouped_int4_gemm=_grouped(target, loaded.grouped_int4_cpu_kernel, loaded.triton_grouped_int4),
         grouped_int8_gemm=_grouped(target, loaded.grouped_int8_cpu_kernel, loaded.triton_grouped_int8),
         fp8_gemm="triton" if target.cuda and loaded.triton_fp8 is None else "dequantize",
-        moe="native" if layer_ops == "native" and target.quantization == "none" and target.dtype == torch.bfloat16
-        and target.cpu and loaded.moe_cpu_kernel is None else "torch",
+        moe="native" if layer_ops == "native" and target.quantization in ("none", "int4", *PREQUANTIZED)
+        and target.dtype == torch.bfloat16 and target.cpu and loaded.moe_cpu_kernel is None else "torch",
     )
 
 

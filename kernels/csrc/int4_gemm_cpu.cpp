@@ -28,9 +28,9 @@
 #include <cstdlib>
 
 #include "gemm_tiles.h"
+#include "int4_tiles.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
+#ifdef KUBELLM_INT4_TILES
 #define KUBELLM_INT4_GEMM 1
 #endif
 
@@ -52,43 +52,9 @@ template <int MR, int NB>
 void micro_kernel4(const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
                    const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads,
                    tiles::GroupParams scales, tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy) {
-  const __m512i nibble = _mm512_set1_epi32(0x000F000F);
-  const __m512i magic = _mm512_set1_epi32(0x43004300);  // bf16 128.0 in both halves
   __m512 out[MR][NB];
-  for (int r = 0; r < MR; ++r)
-    for (int b = 0; b < NB; ++b) out[r][b] = _mm512_setzero_ps();
-  for (int64_t g = 0, kq0 = 0; kq0 < K4; ++g, kq0 += group_quads) {
-    __m512 acc[MR][NB];
-    for (int r = 0; r < MR; ++r)
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
-    const int64_t kq1 = std::min(K4, kq0 + group_quads);
-    for (int64_t kq = kq0; kq < kq1; ++kq) {
-      __m512i lo[NB], hi[NB];
-      for (int b = 0; b < NB; ++b) {
-        const __m512i words =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * w_block_stride + kq * 32)));
-        lo[b] = _mm512_ternarylogic_epi32(words, nibble, magic, 0xEA);  // (words & nibble) | magic
-        hi[b] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble, magic, 0xEA);
-      }
-      for (int r = 0; r < MR; ++r) {
-        const __m512i x0 = _mm512_set1_epi32(x_pairs[r * x_pair_stride + 2 * kq]);
-        const __m512i x1 = _mm512_set1_epi32(x_pairs[r * x_pair_stride + 2 * kq + 1]);
-        for (int b = 0; b < NB; ++b) {
-          acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)x0, (__m512bh)lo[b]);
-          acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)x1, (__m512bh)hi[b]);
-        }
-      }
-    }
-    // out += s * (acc - (z + 128) * sum(x over the group))
-    for (int b = 0; b < NB; ++b) {
-      const __m512 s = scales.load16(g * N + b * 16);
-      const __m512 z = _mm512_add_ps(zeros.load16(g * N + b * 16), _mm512_set1_ps(128.f));
-      for (int r = 0; r < MR; ++r) {
-        const __m512 centred = _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[r][b]);
-        out[r][b] = _mm512_fmadd_ps(centred, s, out[r][b]);
-      }
-    }
-  }
+  int4::dot_groups<MR, NB>(x_pairs, x_pair_stride, xsum, groups, w, w_block_stride, K4, group_quads, scales, zeros,
+                           N, 16, out);
   for (int b = 0; b < NB; ++b) {
     const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r)

@@ -14,6 +14,9 @@ On CPUs with AVX512-BF16 serving bfloat16 without quantization, :func:`pack_expe
 it when the kernel choice says ``moe native``) moves every layer's experts into the packed form of
 kernels/cpu_moe.py, whose kernel routes and runs all hit experts of a layer in one call: with 128 experts and
 top-8 a decode step visits ~110 experts per layer, and the per-expert path spends ~10 PyTorch dispatches on each.
+Experts loaded as 4-bit ``QuantizedLinear`` layers on the native int4 GEMM (AWQ, GPTQ without act-order,
+W4A16, ``--quantization int4``) are stacked the same way into kernels/cpu_moe.py's :class:`Int4Experts` and run
+by its int4 kernel; act-order, 8-bit and FP8 experts keep the per-expert path.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 from kubellm.kernels import cpu_layer_ops as ops
 from kubellm.kernels import cpu_moe
 from kubellm.runtime.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
+from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaMLP
 from kubellm.runtime.tp_group import Group
@@ -61,11 +65,14 @@ class FusedMoE(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router, replicated
         self.experts = nn.ModuleList(Expert(hidden, inter, tp) for _ in range(num_experts))
 
-    packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) of kernels/cpu_moe.py, set by pack_experts
+    # (w13, w2) of kernels/cpu_moe.py's bf16 kernel or its Int4Experts, set by pack_experts
+    packed: tuple[torch.Tensor, torch.Tensor] | cpu_moe.Int4Experts | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        if self.packed is not None:  # routing included
+        if isinstance(self.packed, cpu_moe.Int4Experts):  # routing included
+            return self.tp.all_reduce(cpu_moe.moe_int4_experts(x, logits, self.packed, self.top_k, self.renormalize))
+        if self.packed is not None:
             return self.tp.all_reduce(cpu_moe.moe_experts(x, logits, *self.packed, self.top_k, self.renormalize))
         weights, ids = route(logits, self.top_k, self.renormalize)
         return self.tp.all_reduce(self.experts_one_by_one(x, weights, ids))
@@ -109,18 +116,63 @@ class FusedMoE(nn.Module):
 
     def packable_for_cpu_kernel(self) -> bool:
         """Plain bfloat16 expert layers (not replaced by quantized or prepacked ones) of sizes the kernel takes."""
-        return cpu_moe.packable(self.gate.in_features, self.inter, self.gate.weight.dtype) and all(
+        plain = bool(self.experts) and all(
             type(x.gate_up_proj) is MergedColumnParallelLinear and type(x.down_proj) is RowParallelLinear
-            for x in self.experts)
+            for x in self.experts)  # checked first: a prepacked router has no .weight
+        return plain and cpu_moe.packable(self.gate.in_features, self.inter, self.experts[0].down_proj.weight.dtype)
+
+
+    def stack_int4_for_cpu_kernel(self) -> None:
+        """Stack the experts' native 4-bit buffers into kernels/cpu_moe.py's :class:`Int4Experts`, one expert at a
+        time (the extra memory is one expert's), and drop the per-expert layers. Scales and zero points stay
+        float16 where every expert's are."""
+        def stacked(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+            layers = [getattr(x, name) for x in self.experts]
+            first = layers[0]
+            def dtype(key: str) -> torch.dtype:
+                half = all(getattr(m, key).dtype == torch.float16 for m in layers)
+                return torch.float16 if half else torch.float32
+
+            out = [torch.empty(len(layers), *getattr(first, key).shape, dtype=torch.uint8 if key == "qweight"
+                               else dtype(key)) for key in ("qweight", "scales", "zeros")]
+            for i, m in enumerate(layers):
+                for dst, src in zip(out, (m.qweight, m.scales, m.zeros), strict=True):
+                    dst[i] = src
+                m.qweight = m.scales = m.zeros = None
+            return (*out, first.group_size)
+
+        w13, s13, z13, group13 = stacked("gate_up_proj")
+        w2, s2, z2, group2 = stacked("down_proj")
+        self.experts = nn.ModuleList()
+        self.packed = cpu_moe.Int4Experts(w13, s13, z13, group13, w2, s2, z2, group2)
+
+    def int4_stackable_for_cpu_kernel(self) -> bool:
+        """Every expert linear a native 4-bit ``QuantizedLinear`` without act-order or bias, one group size per
+        linear across the experts, sizes the kernel takes."""
+        layers = [[getattr(x, name) for x in self.experts] for name in ("gate_up_proj", "down_proj")]
+        if not self.experts or not all(isinstance(m, QuantizedLinear) and m.path == "native" and m.bits == 4
+                                       and m.perm is None and m.g_idx is None and m.bias is None
+                                       and m.zeros is not None for linear in layers for m in linear):
+            return False
+        groups = [{m.group_size for m in linear} for linear in layers]
+        return all(len(g) == 1 for g in groups) and cpu_moe.int4_packable(
+            self.gate.in_features, self.inter, *(g.pop() for g in groups))
 
 
 def pack_experts(model: nn.Module) -> int:
-    """Pack the experts of every :class:`FusedMoE` of ``model`` that the CPU kernel takes (plain bfloat16
-    linears, sizes multiples of 16); returns how many layers were packed."""
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.packed is None and m.packable_for_cpu_kernel()]
+    """Pack the experts of every :class:`FusedMoE` of ``model`` that the CPU kernels take (plain bfloat16
+    linears, or native 4-bit quantized ones; sizes multiples of 16); returns how many layers were packed."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.packed is None]
+    packed = 0
     for moe in layers:
-        moe.pack_for_cpu_kernel()
-    return len(layers)
+        if moe.packable_for_cpu_kernel():
+            moe.pack_for_cpu_kernel()
+        elif moe.int4_stackable_for_cpu_kernel():
+            moe.stack_int4_for_cpu_kernel()
+        else:
+            continue
+        packed += 1
+    return packed
 
 
 def moe_mlp(cfg: ModelConfig, tp: Group, layer: int) -> nn.Module:

@@ -177,9 +177,8 @@ class QuantizedLinear(nn.Module):
         q = self.qweight
         if self.path == "native":
             n, k = self.out_features, self.in_features
-            if self.bits == 4:  # [N/16, K/4, 16, 2] bytes: low nibbles k, k+1; high k+2, k+3
-                nib = torch.stack([q & 0xF, q >> 4], dim=-1)  # [N/16, K/4, 16, 2 (j), 2 (low/high)]
-                return nib.permute(0, 2, 1, 4, 3).reshape(-1, k)[:n]
+            if self.bits == 4:
+                return cpu_int4_gemm.unpack(q)[:n]
             return q.permute(0, 2, 1, 3).reshape(-1, k)[:n]
         return _unpack_nibbles(q) if self.nibbles else q
 

@@ -28,10 +28,11 @@ Mixtures of experts: every expert's gate/up and down are targets like a dense ML
 found by inverting the model's ``packed_modules_mapping`` (Qwen3-MoE ``mlp.experts.E.gate_proj``, Mixtral
 ``block_sparse_moe.experts.E.w1``/``w3``/``w2``): each becomes a :class:`QuantizedLinear` inside the
 unchanged :class:`~kubellm.runtime.layers.moe.FusedMoE`, which routes as for bf16 and runs one quantized GEMM
-per hit expert over the tokens routed to it. Routers (``mlp.gate``, ``block_sparse_moe.gate``) stay float, as
-AutoAWQ, GPTQModel and llm-compressor leave them; GGUF's stacked experts are dequantized at load. Under tensor
-parallelism the experts shard as a dense MLP does, through the same loaders: gate/up column-parallel, down
-row-parallel over the intermediate dimension.
+per hit expert over the tokens routed to it (native 4-bit experts without act-order are stacked afterwards for
+kernels/cpu_moe.py's fused int4 kernel where the kernel choice says ``moe native``). Routers (``mlp.gate``,
+``block_sparse_moe.gate``) stay float, as AutoAWQ, GPTQModel and llm-compressor leave them; GGUF's stacked
+experts are dequantized at load. Under tensor parallelism the experts shard as a dense MLP does, through the
+same loaders: gate/up column-parallel, down row-parallel over the intermediate dimension.
 
 Served: dense decoder layers and experts (every family of the registry). Refused by name: a quantized router,
 a quantized LM head, q/k/v parts with different act-order maps, a row-parallel split that would cut a group (``in_features / tensor_parallel_size`` not a

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kubellm.kernels import cpu_moe
+from kubellm.kernels import cpu_int4_gemm, cpu_moe
 
 pytestmark = pytest.mark.usefixtures("native_moe")  # skip without it; fail under CI where the CPU has it
 
@@ -80,3 +80,49 @@ def test_pack_layout():
     assert w13[1, 1, 1, 3, 5, 1] == gate_up[1, inter + 16 + 5, 7]
     assert w13[1, 1, 0, 3, 5, 0] == gate_up[1, 16 + 5, 6]
     assert w2[1, 0, 4, 9, 1] == down[1, 9, 9]
+
+
+def _int4_case(tokens, hidden, inter, experts, group13, group2, seed=0, half=False):
+    """Random 4-bit experts as cpu_int4_gemm packs them, stacked; zero points anywhere in 0..15."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    logits = torch.randn(tokens, experts, generator=g)
+
+    def linear(n, k, group):
+        q = torch.randint(0, 16, (experts, n, k), generator=g, dtype=torch.uint8)
+        scales = (torch.rand(experts, k // group, n, generator=g) + 0.5) / (8 * k**0.5)
+        zeros = torch.randint(0, 16, (experts, k // group, n), generator=g).float()
+        if half:
+            scales, zeros = scales.half(), zeros.half()
+        return torch.stack([cpu_int4_gemm.pack(w) for w in q]), scales, zeros
+
+    w13, s13, z13 = linear(2 * inter, hidden, group13)
+    w2, s2, z2 = linear(hidden, inter, group2)
+    return x, logits, cpu_moe.Int4Experts(w13, s13, z13, group13, w2, s2, z2, group2)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+@pytest.mark.parametrize(("hidden", "inter", "experts", "top_k", "group13", "group2"),
+                         [(64, 32, 128, 8, 32, 32), (128, 64, 8, 2, 64, 32), (80, 48, 4, 4, 16, 48)])
+def test_int4_experts_match_the_reference(tokens, hidden, inter, experts, top_k, group13, group2):
+    """4-bit experts: routing as above, 128 experts of which most get no token, groups of 16..64 that differ
+    between the two linears, row tiles of 1..6 and remainders (40 tokens on 4 experts), an odd number of output
+    blocks (80)."""
+    x, logits, experts4 = _int4_case(tokens, hidden, inter, experts, group13, group2, seed=tokens + experts)
+    out = cpu_moe.moe_int4_experts(x, logits, experts4, top_k, True)
+    ref = cpu_moe.reference_int4_moe_experts(x, logits, experts4, top_k, True)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_int4_experts_take_float16_scales_and_no_renormalisation():
+    x, logits, experts4 = _int4_case(9, 64, 32, 16, 32, 32, seed=3, half=True)
+    out = cpu_moe.moe_int4_experts(x, logits, experts4, 4, False)
+    ref = cpu_moe.reference_int4_moe_experts(x, logits, experts4, 4, False)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_int4_experts_refuse_a_group_size_that_does_not_divide_the_inputs():
+    x, logits, experts4 = _int4_case(2, 64, 32, 4, 32, 32)
+    with pytest.raises(RuntimeError, match=r"w2's group size \(24\) must be a multiple of 4 that divides 32"):
+        cpu_moe.moe_int4_experts(x, logits, experts4._replace(group2=24), 2, True)

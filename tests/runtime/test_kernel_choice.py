@@ -176,13 +176,15 @@ def test_the_engine_passes_its_choice_down(tiny_llama):
                    if isinstance(getattr(type(m), "native", None), bool))
 
 
-def test_moe_experts_run_natively_only_for_unquantized_bfloat16_with_native_layer_ops():
+def test_moe_experts_run_natively_for_bfloat16_unquantized_or_4bit_experts_with_native_layer_ops():
     bf16 = Target("cpu", torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=64)
     loaded = dataclasses.replace(ALL_LOADED, moe_cpu_kernel=None)
     assert choose(AUTO, bf16, loaded).moe == "native"
     assert "MoE experts native" in choose(AUTO, bf16, loaded).describe()
     assert choose(AUTO, CPU, loaded).moe == "torch"  # float32: the kernel is bfloat16 only
-    assert choose(AUTO, dataclasses.replace(bf16, quantization="int8"), loaded).moe == "torch"  # quantized experts
+    assert choose(AUTO, dataclasses.replace(bf16, quantization="int8"), loaded).moe == "torch"  # int8 experts
+    for quantization in ("int4", "awq", "gptq", "compressed-tensors", "gguf"):  # 4-bit experts where they load so
+        assert choose(AUTO, dataclasses.replace(bf16, quantization=quantization), loaded).moe == "native"
     assert choose(KernelSettings(layer_ops="torch"), bf16, loaded).moe == "torch"
     assert choose(AUTO, bf16, dataclasses.replace(loaded, moe_cpu_kernel="no AVX512-BF16")).moe == "torch"
     assert choose(AUTO, bf16, ALL_LOADED).moe == "torch"  # not probed

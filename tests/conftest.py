@@ -13,7 +13,14 @@ import tokenizers
 import torch
 
 import tiny_checkpoints  # tests/ is on sys.path: pyproject.toml's pytest `pythonpath`
-from kubellm.kernels import cpu_extension, cpu_grouped_int8_gemm, cpu_int4_gemm, cpu_int8_gemm, cpu_moe
+from kubellm.kernels import (
+    cpu_bf16_gemm,
+    cpu_extension,
+    cpu_grouped_int8_gemm,
+    cpu_int4_gemm,
+    cpu_int8_gemm,
+    cpu_moe,
+)
 
 # Safe-path mode for every Python process a test starts, as `make test` exports it: the working directory
 # (the repository root, with its operator/ folder) never goes on a child's sys.path.
@@ -128,6 +135,7 @@ NATIVE_SETS: dict[str, tuple[str, Callable[[], str | None], Callable[[], bool]]]
     "native_grouped_int8": ("native grouped 8-bit GEMM (AVX512-BF16)", _expect_native_int8,
                             cpu_grouped_int8_gemm.available),
     "native_moe": ("native mixture-of-experts kernel (AVX512-BF16)", _expect_native_int8, cpu_moe.available),
+    "native_bf16_gemm": ("native bf16 linear (AVX512-BF16)", _expect_native_int8, cpu_bf16_gemm.available),
 }
 
 
@@ -175,6 +183,12 @@ def native_moe(native_kernels) -> None:
     """The native mixture-of-experts kernel (CPUs with AVX512-BF16 only); skip without it (fail under CI where
     the CPU has it)."""
     _require_native("native_moe")
+
+
+@pytest.fixture(scope="session")
+def native_bf16_gemm(native_kernels) -> None:
+    """The native bf16 linear (CPUs with AVX512-BF16 only); skip without it (fail under CI where the CPU has it)."""
+    _require_native("native_bf16_gemm")
 
 
 _native_tests: dict[str, set[str]] = {name: set() for name in NATIVE_SETS}  # set -> collected node ids

@@ -1,6 +1,7 @@
-// Helpers shared by the weight-only GEMMs with zero points (int4_gemm_cpu.cpp, grouped_int8_gemm_cpu.cpp):
-// the per-group sums of x the zero points multiply, how many 16-channel blocks one work item takes, and the
-// per-group scales and zero points in float32 or float16.
+// Helpers shared by the CPU GEMMs: the bf16 register tile of vdpbf16ps on weights in its operand layout
+// (bf16_gemm_cpu.cpp, int4_gemm_cpu.cpp; int8/fp8 kernels widen into the same layout), how many 16-channel
+// blocks one work item takes; for the weight-only GEMMs with zero points (int4, grouped int8) the per-group sums
+// of x the zero points multiply and the per-group scales and zero points in float32 or float16.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -85,6 +86,48 @@ inline int blocks_per_item(int64_t nblk, int max_nb) {
   }
   return best;
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KUBELLM_BF16_TILE 1
+// The vdpbf16ps operand layout: per block of 16 output channels and pair of inputs (k, k+1), one 64-byte line
+// holding the 16 channels' (w[n, k], w[n, k+1]) bf16 pairs. A tile reads the line of block b and pair kp at
+// w + b * block_stride + kp * pair_stride (in lines): [N/16][K/2][16][2] is (K/2, 1) (a packed bf16 weight),
+// a per-item scratch [K/2][NB][16][2] is (1, NB) (int4's dequantized blocks).
+
+// y[r, b * 16 + i] = bf16(acc[r][b] + bias) for the `valid` first channels (a partial last block is masked).
+template <int MR, int NB>
+__attribute__((always_inline)) inline void store_tile(__m512 (&acc)[MR][NB], const float* bias, c10::BFloat16* y,
+                                                      int64_t ldy, int64_t valid = NB * 16) {
+  for (int b = 0; b < NB; ++b) {
+    const int64_t left = valid - b * 16;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+    const __m512 bi = bias ? _mm512_maskz_loadu_ps(mask, bias + b * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r)
+      _mm256_mask_storeu_epi16(y + r * ldy + b * 16, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], bi)));
+  }
+}
+
+// acc[r][b] (zeroed here) = sum over the K2 input pairs of row r's pair . block b's line. x_pairs: each row's
+// (x[k], x[k+1]) bf16 pairs as int32, rows x_pair_stride apart. Per pair, NB line loads and MR broadcasts feed
+// MR x NB vdpbf16ps (MR x NB <= 24 keeps the accumulators, the NB lines and a broadcast in the 32 registers).
+// side(kp) runs after each pair: work interleaved with the products (int4's next dequantization), or nothing.
+template <int MR, int NB, typename Side>
+__attribute__((always_inline)) inline void bf16_tile(__m512 (&acc)[MR][NB], const int32_t* x_pairs,
+                                                     int64_t x_pair_stride, const __m512i* w, int64_t block_stride,
+                                                     int64_t pair_stride, int64_t K2, Side&& side) {
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(w + b * block_stride + kp * pair_stride);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xb = _mm512_set1_epi32(x_pairs[r * x_pair_stride + kp]);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xb, (__m512bh)wv[b]);
+    }
+    side(kp);
+  }
+}
+#endif
 
 }  // namespace tiles
 }  // namespace kubellm_cpu

@@ -141,39 +141,21 @@ struct Dequantization {
   }
 };
 
-template <int MR, int NB>
-void store_tile(__m512 (&acc)[MR][NB], const float* bias, c10::BFloat16* y, int64_t ldy) {
-  for (int b = 0; b < NB; ++b) {
-    const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + b * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], bi)));
-  }
-}
-
-// MR rows over the dequantized scratch: per pair of inputs, NB weight loads and MR broadcasts feed MR x NB
-// vdpbf16ps; every `every` pairs, one quad of `side` (the next item) is dequantized beside them.
+// MR rows over the dequantized scratch ([K/2][NB][16][2]: lines (1, NB) apart, tiles::bf16_tile); every `every`
+// pairs, one quad of `side` (the next item) is dequantized beside the products.
 template <int MR, int NB>
 void bf16_tile(const int32_t* x_pairs, int64_t x_pair_stride, const __m512i* scratch, int64_t K2, const float* bias,
                c10::BFloat16* y, int64_t ldy, Dequantization& side, int64_t side_quads, int64_t every) {
   __m512 acc[MR][NB];
-  for (int r = 0; r < MR; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   const int64_t side_left = std::max<int64_t>(0, side.left - side_quads);  // what this tile leaves
   int64_t countdown = every;
-  for (int64_t kp = 0; kp < K2; ++kp) {
-    __m512i wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = _mm512_load_si512(scratch + kp * NB + b);
-    for (int r = 0; r < MR; ++r) {
-      const __m512i xb = _mm512_set1_epi32(x_pairs[r * x_pair_stride + kp]);
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xb, (__m512bh)wv[b]);
-    }
+  tiles::bf16_tile<MR, NB>(acc, x_pairs, x_pair_stride, scratch, 1, NB, K2, [&](int64_t) {
     if (--countdown == 0) {
       countdown = every;
       if (side.left > side_left) side.step();
     }
-  }
-  store_tile<MR, NB>(acc, bias, y, ldy);
+  });
+  tiles::store_tile<MR, NB>(acc, bias, y, ldy);
 }
 
 // All M rows of one item of NB blocks, in tiles of equal size (32 rows: 6 + 6 + 5 + 5 + 5 + 5, not a last tile

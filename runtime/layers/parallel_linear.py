@@ -20,11 +20,12 @@ Every loader checks shapes and raises :class:`CheckpointError` with the checkpoi
 the model's loader adds the tensor's name.
 
 Checkpoints quantized elsewhere shard by the same rules through ``quantized_loader(weight, bias, shard_id)``:
-runtime/models/quantized_loading.py reads each stored part (AWQ, GPTQ, compressed-tensors, FP8) into a
-:class:`QuantizedWeight` (values ``[out, in]`` unpacked, scales per group) and the layer that the quantized
-layer replaces returns this rank's part of it. Slicing the unpacked form makes every packing (AWQ's eight
-nibbles per word along the outputs, GPTQ's and compressed-tensors' along the inputs) shard alike; the
-row-parallel split must keep groups whole (an act-order map is sliced with the inputs instead).
+runtime/models/quantized_loading.py reads each stored part (AWQ, GPTQ, compressed-tensors, FP8, GGUF blocks)
+into a :class:`QuantizedWeight` (values ``[out, in]`` unpacked, scales per group) and the layer that the
+quantized layer replaces returns this rank's part of it. Slicing the unpacked form makes every packing (AWQ's
+eight nibbles per word along the outputs, GPTQ's and compressed-tensors' along the inputs, GGUF's blocks)
+shard alike; the row-parallel split must keep groups whole (an act-order map is sliced with the inputs
+instead).
 """
 
 from __future__ import annotations

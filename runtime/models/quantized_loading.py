@@ -35,8 +35,8 @@ experts are dequantized at load. Under tensor parallelism the experts shard as a
 same loaders: gate/up column-parallel, down row-parallel over the intermediate dimension.
 
 Served: dense decoder layers and experts (every family of the registry). Refused by name: a quantized router,
-a quantized LM head, q/k/v parts with different act-order maps, a row-parallel split that would cut a group (``in_features / tensor_parallel_size`` not a
-multiple of the group size).
+a quantized LM head, q/k/v parts with different act-order maps, a row-parallel split that would cut a group
+(``in_features / tensor_parallel_size`` not a multiple of the group size; experts' down and GGUF alike).
 """
 
 from __future__ import annotations
@@ -288,9 +288,10 @@ class QuantizedLoading:
         layer = QuantizedLinear(weight, bits, self._path(weight, bits, device),
                                 None if bias is None else bias.to(device))
         parent, _, leaf = target.module.rpartition(".")
-        embed = target.layout  # for the embedding: the VocabParallelEmbedding whose rows this rank holds
-        setattr(self.model.get_submodule(parent), leaf, QuantizedEmbedding(layer, self.dtype, embed.vocab_start,
-                                                                           embed.tp) if target.embedding else layer)
+        module: nn.Module = layer
+        if target.embedding:  # this rank's vocabulary rows, looked up as the VocabParallelEmbedding would
+            module = QuantizedEmbedding(layer, self.dtype, target.layout.vocab_start, target.layout.tp)
+        setattr(self.model.get_submodule(parent), leaf, module)
         if target.tied_head:
             self.model.lm_head = layer
         del self.pending[target.module]

@@ -410,7 +410,9 @@ class ParallelismSpec(KubeModel):
 
 class DraftModelSpec(KubeModel):
     """A draft model for speculative decoding: a smaller model with the served model's tokenizer (the runtime
-    refuses another tokenizer at start-up), e.g. Qwen2.5-0.5B-Instruct drafting for Qwen2.5-7B-Instruct."""
+    refuses another tokenizer at start-up), e.g. Qwen2.5-0.5B-Instruct drafting for Qwen2.5-7B-Instruct; with
+    engine.speculative.method eagle, an EAGLE-1 head trained for the served model (e.g.
+    yuhuili/EAGLE-LLaMA3-Instruct-8B for Meta-Llama-3-8B-Instruct; the runtime refuses one of another shape)."""
 
     uri: str = Field(min_length=1, max_length=2048)
     """Where the draft's weights come from, in the forms of model.uri: hf://<org>/<name> (downloaded at pod
@@ -431,6 +433,13 @@ class _SpeculativeBase(KubeModel):
             check=lambda s: s.ngram == 0 or s.model is None,
             field_path=".model",
         ),
+        Rule(
+            rule="self.method != 'eagle' || has(self.model)",
+            message="engine.speculative.method eagle drafts with an EAGLE head: set engine.speculative.model to "
+            "the head's uri",
+            check=lambda s: s.method != "eagle" or s.model is not None,
+            field_path=".method",
+        ),
     )
 
 
@@ -438,16 +447,18 @@ class _SpeculativeBase(KubeModel):
 _SETTING_GROUPS = {
     "engine": "Runtime engine settings (the flags of `kubellm serve`).",
     "engine.speculative": "Speculative decoding: tokens drafted cheaply and verified together (off by default). "
-    "Drafts come from prompt lookup (ngram) or from a draft model (model), not both; EAGLE heads are not supported.",
+    "Drafts come from prompt lookup (ngram) or from model: a draft model, or an EAGLE-1 head with method eagle; "
+    "not both.",
     "engine.cuda_graphs": "CUDA graphs for decode steps (GPUs only; on by default).",
 }
 # Group fields that are no engine setting, appended after the settings', and the group's own base (its rules).
 _GROUP_FIELDS: dict[str, dict[str, Any]] = {
     "engine.speculative": {
         "model": (DraftModelSpec | None, Field(default=None, description=(
-            "A draft model that proposes numTokens tokens per step, verified in one forward pass of the served "
-            "model: greedy output is unchanged, sampled output keeps its distribution. Fetched like spec.model "
-            "(an init container for hf:// and known names). Not with ngram, nor with parallelism.tensor > 1."))),
+            "A draft model (or, with method eagle, an EAGLE-1 head) that proposes numTokens tokens per step, "
+            "verified in one forward pass of the served model: greedy output is unchanged, sampled output keeps "
+            "its distribution. Fetched like spec.model (an init container for hf:// and known names). Not with "
+            "ngram, nor with parallelism.tensor > 1."))),
     },
 }
 _GROUP_BASES: dict[str, type[KubeModel]] = {"engine.speculative": _SpeculativeBase}

@@ -42,12 +42,16 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 class BlockManager:
     """Owns every block id in ``[0, num_blocks)``; sequences only hold them in ``seq.block_table``."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 recompute_last_hit_block: bool = False):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        # An EAGLE head's K/V at a block's last position depend on the next block's first token, which the hash
+        # does not cover: serving every hit but the last makes the model recompute that block (runtime/eagle.py).
+        self.recompute_last_hit_block = recompute_last_hit_block
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = evict first
         self.hash_to_block: dict[bytes, int] = {}
@@ -95,6 +99,8 @@ class BlockManager:
             ids.append(block_id)
             hashes.append(h)
             parent = h
+        if self.recompute_last_hit_block and ids:
+            return ids[:-1], hashes[:-1]
         return ids, hashes
 
     # ---- allocation ----------------------------------------------------------------------------

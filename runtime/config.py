@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kubellm.runtime.engine_settings import ATTENTION_BACKENDS, LAYER_OPS, PREPACK_WEIGHTS, default
+from kubellm.runtime.engine_settings import (
+    ATTENTION_BACKENDS,
+    LAYER_OPS,
+    PREPACK_WEIGHTS,
+    SPECULATIVE_METHODS,
+    default,
+)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -68,6 +74,7 @@ class EngineConfig:
     num_threads: int | None = default("num_threads")  # CPU intra-op threads; default: all cores torch sees
     speculative_ngram: int = default("speculative_ngram")  # prompt-lookup speculation: longest n-gram matched (0 = off; runtime/speculative.py)
     speculative_model: str | None = default("speculative_model")  # draft-model speculation: the draft's path (runtime/draft_model.py)
+    speculative_method: str = default("speculative_method")  # draft_model | eagle: what speculative_model is (runtime/eagle.py)
     num_speculative_tokens: int = default("num_speculative_tokens")  # draft tokens verified per step, with speculation on
     cuda_graphs: bool = default("cuda_graphs")  # decode steps replayed from CUDA graphs (CUDA only; runtime/cuda_graphs.py)
     cuda_graph_max_batch_size: int = default("cuda_graph_max_batch_size")  # largest captured decode batch (rows)
@@ -90,10 +97,12 @@ class EngineConfig:
         if self.speculative_ngram and self.speculative_model:
             raise ValueError("speculative decoding takes one proposer: --speculative-ngram or --speculative-model, "
                              "not both")
+        if self.speculative_method == "eagle" and not self.speculative_model:
+            raise ValueError("--speculative-method eagle needs --speculative-model PATH: the EAGLE head's folder")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         for name, choices in (("attention_backend", ATTENTION_BACKENDS), ("layer_ops", LAYER_OPS),
-                              ("prepack_weights", PREPACK_WEIGHTS)):
+                              ("prepack_weights", PREPACK_WEIGHTS), ("speculative_method", SPECULATIVE_METHODS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: unknown {getattr(self, name)!r}; use {', '.join(choices)}")
         from kubellm.runtime.quantization import check_method

@@ -23,7 +23,7 @@ output is decoding without speculation). Sampled requests draw each draft from `
 distribution after the request's temperature, top-k, top-p and min-p, and hand ``q`` on: verification applies
 the rejection rule (``speculative.verify_sampled_drafts``), so the output distribution is the model's.
 
-EAGLE-style heads (drafting from the target's hidden states) are not implemented.
+EAGLE heads (drafting from the served model's hidden states) are in ``runtime/eagle.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from kubellm.runtime.models.loader import build_model, read_checkpoint
 from kubellm.runtime.sampler import Sampler
 from kubellm.runtime.scheduler import ScheduledSeq
 from kubellm.runtime.sequence import Sequence, SequenceStatus
-from kubellm.runtime.speculative import BackOffTracker, Draft, SpeculationStats, sampling_probs
+from kubellm.runtime.speculative import BackOffTracker, Draft, SpeculationStats, draw_drafts
 from kubellm.runtime.tokenizer import Tokenizer
 from kubellm.runtime.tp_group import Group
 
@@ -164,7 +164,7 @@ class DraftModelProposer:
                 entry.seq.num_computed_tokens += entry.num_tokens
             if not drafting:
                 break
-            tokens, probs = self._draw(logits, [seqs[i].sampling_params for i, _, _ in drafting])
+            tokens, probs = draw_drafts(logits, [seqs[i].sampling_params for i, _, _ in drafting], self.vocab_size)
             for row, (i, shadow, _) in enumerate(drafting):
                 shadow.seq.token_ids.append(tokens[row])
                 drafted[i][0].append(tokens[row])
@@ -200,20 +200,6 @@ class DraftModelProposer:
         shadow.verified = len(tokens)
         bm.commit(s)  # every computed token is verified now: full blocks may enter the prefix cache
         return shadow
-
-    def _draw(self, logits: torch.Tensor, params: list) -> tuple[list[int], list[torch.Tensor | None] | None]:
-        """One draft token per row, and the distribution it came from (None for greedy rows)."""
-        V = self.vocab_size
-        if logits.shape[1] > V:  # padded embedding rows are no tokens of the served model
-            logits = logits[:, :V]
-        elif logits.shape[1] < V:
-            logits = torch.nn.functional.pad(logits, (0, V - logits.shape[1]), value=float("-inf"))
-        greedy = [p.temperature < 1e-5 or p.top_k == 1 for p in params]
-        if all(greedy):
-            return logits.argmax(dim=-1).tolist(), None
-        q = sampling_probs(logits, params)
-        tokens = torch.multinomial(q, 1).squeeze(1).tolist()
-        return tokens, [None if g else q[r] for r, g in enumerate(greedy)]
 
     def _free(self, seq_id: int) -> None:
         shadow = self._shadows.pop(seq_id, None)

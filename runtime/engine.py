@@ -20,6 +20,7 @@ from kubellm.runtime.block_manager import BlockManager
 from kubellm.runtime.config import EngineConfig, available_memory_bytes
 from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kubellm.runtime.draft_model import DraftModelProposer, load_draft_model
+from kubellm.runtime.eagle import EagleProposer, load_eagle_head
 from kubellm.runtime.model_runner import ModelRunner, kv_block_bytes
 from kubellm.runtime.models.config import ModelConfig, text_tower_config
 from kubellm.runtime.models.loader import build_model, keeps_gguf_packed, read_checkpoint
@@ -122,12 +123,14 @@ class LLMEngine:
         self.kernels = kernel_choice.for_engine(config, cfg, config.tensor_parallel_size)  # every rank's
         self.tp = Group(device=config.device)
         draft = None
+        eagle = config.speculative_model and config.speculative_method == "eagle"
         if config.speculative_model:
             if config.tensor_parallel_size > 1:
                 raise ValueError("--speculative-model with --tensor-parallel-size > 1 is not supported; use "
                                  "--speculative-ngram, or serve without tensor parallelism")
-            draft = load_draft_model(config.speculative_model, self.tokenizer, config, self.max_model_len,
-                                     config.device, progress)
+            if not eagle:
+                draft = load_draft_model(config.speculative_model, self.tokenizer, config, self.max_model_len,
+                                         config.device, progress)
         if config.tensor_parallel_size > 1:
             self.tp = parallel.start(config, self.max_model_len, self.kernels)
         try:
@@ -136,8 +139,14 @@ class LLMEngine:
                                                    keep_packed=keeps_gguf_packed(config.quantization))
             quantize_model(model, config.quantization, self.kernels)  # before the KV cache is sized from what is left
             self.weight_bytes = log_weight_bytes(model)
-            # The draft's pool has as many blocks as the main one: each block's cost is both.
-            num_blocks = self._num_kv_blocks(draft.kv_block_bytes(config.block_size, config.dtype) if draft else 0)
+            head = None
+            if eagle:  # built on the served model: it borrows its embedding and LM head
+                head = load_eagle_head(config.speculative_model, model, self.model_config, config.dtype,
+                                       self.tp.device, self.max_model_len)
+            # A draft's (or an EAGLE head's) pool has as many blocks as the main one: each block's cost is both.
+            side_block_bytes = (draft.kv_block_bytes(config.block_size, config.dtype) if draft else
+                                kv_block_bytes(head[1], config.block_size, config.dtype) if head else 0)
+            num_blocks = self._num_kv_blocks(side_block_bytes)
             if self.tp.size > 1:  # every rank's pool has rank 0's block count: one scheduler serves them all
                 self.tp.broadcast(num_blocks)
             graph_plan = cuda_graphs.plan(config, model, self.max_model_len)  # + a scratch block for padding rows
@@ -148,7 +157,8 @@ class LLMEngine:
         except BaseException:
             self.tp.shutdown()
             raise
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          recompute_last_hit_block=head is not None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill)
         self.speculator = None
@@ -161,6 +171,13 @@ class LLMEngine:
                                           config.num_speculative_tokens, self.model_config.vocab_size,
                                           config.max_num_batched_tokens, config.enable_prefix_caching)
             self.speculator = Speculator(proposer, self.block_manager, self.max_model_len)
+        elif head is not None:
+            proposer = EagleProposer(head[0], head[1], model, num_blocks, config.block_size, config.dtype,
+                                     self.tp.device, config.num_speculative_tokens, self.model_config.vocab_size,
+                                     config.max_num_seqs, self.kernels)
+            self.speculator = Speculator(proposer, self.block_manager, self.max_model_len)
+            self.runner.keep_hidden = True
+        self.eagle = proposer if head is not None else None
         self.requests: dict[str, _Request] = {}
         tp_note = f", tensor parallel x{self.tp.size} (per rank)" if self.tp.size > 1 else ""
         log.info("engine ready: %s, dtype=%s, max_model_len=%d, %d KV blocks of %d tokens (%.0f MiB%s)",
@@ -323,6 +340,8 @@ class LLMEngine:
             have += entries[len(have) - first :]
         new_tokens, new_logprobs = self._per_sequence(batch, tokens, logprobs)
         updated = self.scheduler.postprocess(batch, [t[-1] for t in new_tokens])  # sampled entries, in order
+        if self.eagle is not None:  # before stops end sequences: their blocks may enter the prefix cache
+            self.eagle.observe(batch, *self.runner.last_hidden)
         return [self._process_tokens(seq, t, lp) for seq, t, lp in zip(updated, new_tokens, new_logprobs, strict=True)]
 
     def _per_sequence(self, batch, tokens: list[int], logprobs: list) -> tuple[list[list[int]], list[list]]:

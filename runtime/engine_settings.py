@@ -188,8 +188,20 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "pass; output (greedy) or its distribution (sampling) is unchanged. Not with --speculative-ngram",
     ),
     EngineSetting(
+        "speculative_method", str, "draft_model", flag="--speculative-method", choices=("draft_model", "eagle"),
+        help="what --speculative-model is: draft_model, a smaller checkpoint with the served model's tokenizer; "
+        "eagle, an EAGLE-1 head (one decoder layer over the served model's last hidden state and the next "
+        "token's embedding) trained for the served model (default %(default)s)",
+        crd_field="engine.speculative.method",
+        doc="What engine.speculative.model is: draft_model, a smaller model with the served model's tokenizer; "
+        "eagle, an EAGLE-1 head trained for the served model (one decoder layer that drafts from the served "
+        "model's last hidden state and the next token's embedding, reusing its embedding and LM head; "
+        "Llama-family models). EAGLE-3 heads are not supported.",
+    ),
+    EngineSetting(
         "num_speculative_tokens", int, 4, flag="--num-speculative-tokens", metavar="K",
-        help="draft tokens verified per step with --speculative-ngram or --speculative-model (default %(default)s)",
+        help="draft tokens verified per step with --speculative-ngram or --speculative-model (an EAGLE head drafts "
+        "them as a chain) (default %(default)s)",
         crd_field="engine.speculative.num_tokens", ge=1,
         doc="Draft tokens verified per step when speculative decoding is on.",
     ),
@@ -230,4 +242,5 @@ def default(name: str) -> Any:
 ATTENTION_BACKENDS: tuple[str, ...] = setting("attention_backend").choices or ()
 LAYER_OPS: tuple[str, ...] = setting("layer_ops").choices or ()
 PREPACK_WEIGHTS: tuple[str, ...] = setting("prepack_weights").choices or ()
+SPECULATIVE_METHODS: tuple[str, ...] = setting("speculative_method").choices or ()
 QUANTIZATIONS: tuple[str, ...] = setting("quantization").choices or ()

@@ -35,7 +35,7 @@ def _is_decode(s: ScheduledSeq) -> bool:
     return s.num_tokens == 1 or s.seq.num_draft_tokens > 0
 
 
-def _chunk_starts(batch: list[ScheduledSeq]) -> list[int]:
+def chunk_starts(batch: list[ScheduledSeq]) -> list[int]:
     """Where each batch entry's tokens start in the flat input: decodes first, then prefills (as prepare lays
     them out)."""
     starts, offset = [0] * len(batch), 0
@@ -80,6 +80,10 @@ class ModelRunner:
         self.v_caches = [zeroed_pool(shape, dtype, device) for _ in range(cfg.num_layers)]
         self.kernels = kernels
         self.decode_graphs: DecodeGraphs | None = None  # set by cuda_graphs.start: decode steps replay a graph
+        # An EAGLE head reads every computed position's final hidden state: run() then keeps (hidden, where
+        # each batch entry's rows start) of its last step in last_hidden.
+        self.keep_hidden = False
+        self.last_hidden: tuple[torch.Tensor, list[int]] | None = None
         self.backend = attention_backend(kernels.attention, num_heads, num_kv_heads, cfg.head_dim)
         for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
             attn = layer.self_attn.attn
@@ -186,6 +190,8 @@ class ModelRunner:
         seqs = [s.seq for s in batch if s.samples for _ in range(1 + s.seq.num_draft_tokens)]  # a row each
         masks = self.structured.start_masks(seqs) if self.structured is not None else None  # beside the forward
         hidden = self._forward(input_ids, positions, meta)
+        if self.keep_hidden:  # the layout before resolve() trims drafts off num_tokens
+            self.last_hidden = (hidden, chunk_starts(batch))
         if not sample_at:
             return [], [], self._prompt_logprobs(batch, hidden, sample_at)
         logits = self._logits(hidden, sample_at)
@@ -199,7 +205,7 @@ class ModelRunner:
         out = []
         if all(s.seq.sampling_params.prompt_logprobs is None for s in batch):
             return out  # the usual step: nothing to compute
-        starts = _chunk_starts(batch)
+        starts = chunk_starts(batch)
         for i, s in enumerate(batch):
             seq, c = s.seq, s.seq.num_computed_tokens
             k = seq.sampling_params.prompt_logprobs

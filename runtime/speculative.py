@@ -1,7 +1,8 @@
 """Speculative decoding: drafts proposed cheaply, verified by the model in one forward pass.
 
-Two proposers: prompt lookup (``NgramProposer``, here) and a small draft model (``DraftModelProposer`` in
-``runtime/draft_model.py``). Both hand the :class:`Speculator` a batch of drafts, and both are verified here.
+Three proposers: prompt lookup (``NgramProposer``, here), a small draft model (``DraftModelProposer`` in
+``runtime/draft_model.py``) and an EAGLE head (``EagleProposer`` in ``runtime/eagle.py``). All hand the
+:class:`Speculator` a batch of drafts, and all are verified here.
 
 Prompt lookup: draft tokens copied from the sequence's own history, no draft model.
 
@@ -266,6 +267,24 @@ def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     e = (xs - m).exp().masked_fill(xs < thr[:, None], 0.0)
     out[rows] = e / e.sum(dim=-1, keepdim=True)
     return out
+
+
+def draw_drafts(logits: torch.Tensor, params: list, vocab_size: int
+                ) -> tuple[list[int], list[torch.Tensor | None] | None]:
+    """One draft token per row of a drafter's ``logits`` [R, V'] and the distribution it came from (None for
+    greedy rows; None altogether when every row is greedy): the argmax for greedy requests, else a draw from
+    :func:`sampling_probs` under the request's parameters. Logits are cut or padded to ``vocab_size`` first
+    (a padded embedding's extra rows are no tokens of the served model)."""
+    if logits.shape[1] > vocab_size:
+        logits = logits[:, :vocab_size]
+    elif logits.shape[1] < vocab_size:
+        logits = torch.nn.functional.pad(logits, (0, vocab_size - logits.shape[1]), value=float("-inf"))
+    greedy = [p.temperature < 1e-5 or p.top_k == 1 for p in params]
+    if all(greedy):
+        return logits.argmax(dim=-1).tolist(), None
+    q = sampling_probs(logits, params)
+    tokens = torch.multinomial(q, 1).squeeze(1).tolist()
+    return tokens, [None if g else q[r] for r, g in enumerate(greedy)]
 
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,

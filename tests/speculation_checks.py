@@ -65,3 +65,42 @@ CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32
              11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25, 17: 40.79, 18: 42.31, 19: 43.82,
              20: 45.31, 21: 46.80, 22: 48.27, 23: 49.73, 24: 51.18, 25: 52.62, 26: 54.05, 27: 55.48, 28: 56.89,
              29: 58.30, 30: 59.70}  # chi-square quantiles at 0.999
+
+
+def eagle_head(target, dst, *, seed: int = 0, echo: float | None = None, fmt: str = "safetensors",
+               fc_shape: tuple[int, int] | None = None, **config_overrides):
+    """An EAGLE-1 head for the tiny Llama at ``target``, in the published layout (config.json + fc.weight,
+    layers.0.*, a copy of embed_tokens; no input norm on layer 0, no final norm). Random weights (``seed``), or
+    with ``echo`` a head that outputs ``echo`` times the next token's embedding scaled to unit RMS: on
+    :func:`cycle_checkpoint` models it drafts the cycle (surer of it than the model for echo > the model's
+    strength). ``fmt``: "safetensors" or "bin" (pytorch_model.bin, as the published heads)."""
+    import json
+    from pathlib import Path
+
+    dst = Path(dst)
+    dst.mkdir(parents=True)
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    w = load_file(str(Path(target) / "model.safetensors"))
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+              "mlp.down_proj": (h, inter)}
+    tensors = {f"layers.0.{k}.weight": torch.randn(s, generator=g) * 0.15 for k, s in shapes.items()}
+    tensors["layers.0.post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    tensors["fc.weight"] = torch.randn(fc_shape or (h, 2 * h), generator=g) * 0.1
+    tensors["embed_tokens.weight"] = w["model.embed_tokens.weight"].clone()
+    if echo is not None:
+        rms = float(w["model.embed_tokens.weight"][CYCLE].pow(2).mean().sqrt())
+        tensors["fc.weight"] = torch.cat((torch.eye(h) * echo / rms, torch.zeros(h, h)), dim=1)
+        tensors["layers.0.self_attn.o_proj.weight"].zero_()
+        tensors["layers.0.mlp.down_proj.weight"].zero_()
+    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], bias=False)
+    cfg.update(config_overrides)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    if fmt == "bin":
+        torch.save(tensors, dst / "pytorch_model.bin")
+    else:
+        save_file(tensors, str(dst / "model.safetensors"))
+    return dst

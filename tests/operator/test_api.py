@@ -25,7 +25,7 @@ FULL_DEFAULTS = {
         "kvCacheBlockSize": 16,
         "kvCacheMemoryFraction": 0.9,
         "prefixCaching": True,
-        "speculative": {"ngram": 0, "numTokens": 4},
+        "speculative": {"ngram": 0, "method": "draft_model", "numTokens": 4},
         "cudaGraphs": {"enabled": True, "maxBatchSize": 256},
     },
     "resources": {"gpu": {"resourceName": "nvidia.com/gpu"}},
@@ -84,7 +84,7 @@ def test_round_trip_camel_case():
             "maxModelLen": 8192,
             "kvCacheBlockSize": 32,
             "prefixCaching": False,
-            "speculative": {"ngram": 3, "numTokens": 6},
+            "speculative": {"ngram": 3, "method": "draft_model", "numTokens": 6},
             "cudaGraphs": {"enabled": False, "maxBatchSize": 64},
         },
         "resources": {

@@ -408,6 +408,8 @@ INVALID = [
      {"parallelism": {"tensor": 2}, "engine": {"speculative": {"model": {"uri": "hf://Qwen/Qwen2.5-0.5B"}}}},
      "engine.speculative.model runs the draft beside an unsharded model; it needs parallelism.tensor 1 (use "
      "engine.speculative.ngram with tensor parallelism)"),
+    ("eagle without a head", {"engine": {"speculative": {"method": "eagle"}}},
+     "engine.speculative.method eagle drafts with an EAGLE head: set engine.speculative.model to the head's uri"),
     ("s3 draft uri", {"engine": {"speculative": {"model": {"uri": "s3://bucket/draft"}}}},
      "engine.speculative." + api.MODEL_URI_MESSAGE),
     ("revision on a pvc draft", {"engine": {"speculative": {"model": {"uri": "pvc://models/d", "revision": "main"}}}},

@@ -98,6 +98,9 @@ def _other_value(s: EngineSetting) -> Any:
 def test_render_passes_every_api_setting_to_the_runtime_as_it_parses():
     spec: dict[str, Any] = {"model": {"uri": "hf://org/name"}, "resources": {"gpu": {"product": "NVIDIA-L4"}}}
     values = {s.name: _other_value(s) for s in CRD_SETTINGS}
+    # eagle needs engine.speculative.model, which rules out ngram and tensor parallelism: it stays at its
+    # default here (test_render's eagle test renders it).
+    values["speculative_method"] = engine_settings.default("speculative_method")
     for s in CRD_SETTINGS:
         *parents, leaf = [to_camel(p) for p in s.crd_field.split(".")]
         node = spec

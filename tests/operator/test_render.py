@@ -904,6 +904,7 @@ def test_a_draft_model_is_fetched_like_the_model_and_passed_to_the_runtime(uri, 
     assert arg(c, "--speculative-model") == draft_arg
     assert arg(c, "--num-speculative-tokens") == "5"
     assert arg(c, "--speculative-ngram") is None
+    assert arg(c, "--speculative-method") is None  # draft_model, the default
     assert arg(c, "--model") == "/models/Qwen/Qwen2.5-7B-Instruct"
     volumes = {v["name"]: v for v in ps["volumes"]}
     assert volumes.get("draft-models") == volume
@@ -918,6 +919,15 @@ def test_a_draft_model_is_fetched_like_the_model_and_passed_to_the_runtime(uri, 
     assert [i["command"] for i in drafts] == ([init] if init else [])
     if uri.startswith("hf://"):
         assert {"name": "draft-models", "mountPath": "/draft-models"} in drafts[0]["volumeMounts"]  # writable
+
+
+def test_an_eagle_head_is_fetched_like_a_draft_model_and_named_by_the_method():
+    ps = pod_spec(make({"model": {"uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct"}, "engine": {"speculative": {
+        "method": "eagle", "model": {"uri": "hf://yuhuili/EAGLE-LLaMA3-Instruct-8B"}}}}))
+    c = ps["containers"][0]
+    assert arg(c, "--speculative-method") == "eagle"
+    assert arg(c, "--speculative-model") == "/draft-models/yuhuili/EAGLE-LLaMA3-Instruct-8B"
+    assert "download-draft-model" in {i["name"] for i in ps["initContainers"]}
 
 
 def test_without_a_draft_model_nothing_of_it_is_rendered():

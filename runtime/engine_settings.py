@@ -125,9 +125,11 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "size, else torch",
     ),
     EngineSetting(
-        "prepack_weights", str, "auto", flag="--prepack-weights", choices=("auto", "on", "off"),
-        help="reorder linear-layer weights once into oneDNN's layout (CPU, float32/bfloat16); auto = on where "
-        "--layer-ops auto picks native, else off",
+        "prepack_weights", str, "auto", flag="--prepack-weights", choices=("auto", "native", "onednn", "on", "off"),
+        help="pack dense linear-layer weights once for a CPU GEMM: native = kubellm's bf16 kernel (bfloat16, "
+        "AVX512-BF16; a tied embedding reads the LM head's packed table), onednn (or on) = oneDNN's layout "
+        "(float32/bfloat16); auto = native where --layer-ops auto picks native and the kernel loads, else onednn "
+        "there, else off",
     ),
     EngineSetting(
         "quantization", str, "none", flag="--quantization",

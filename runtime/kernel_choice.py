@@ -12,8 +12,10 @@ What ``auto`` picks:
 * attention: ``triton`` on CUDA once its start-up check passed here; ``cpu`` on CPU where kubellm's CPU kernels
   load and take the model's head size (a multiple of 16, up to 512); else ``torch``.
 * layer ops (RMSNorm, rotary embedding, SiLU-and-mul): ``native`` under that same CPU condition, else ``torch``.
-* prepacking linear weights for oneDNN: on under that same CPU condition when oneDNN packs the dtype (float32,
-  bfloat16), else off. ``auto`` runs the native CPU path as one unit, as it is measured and tested.
+* prepacking linear weights: under that same CPU condition ``native`` (kubellm's bf16 linear,
+  ``cpu_bf16_gemm``, AVX512-BF16) for bfloat16 where it loaded, else ``onednn`` when oneDNN packs the dtype
+  (float32, bfloat16), else ``off``. ``auto`` runs the native CPU path as one unit, as it is measured and
+  tested. (``on`` is ``onednn``, its name from before the native kernel.)
 * int8 GEMM: ``native`` (kubellm's AVX512-BF16 kernel) for bfloat16 on CPUs that have it, for layers it can
   pack; ``torch`` (torch's int8 GEMM for small steps) for the other CPU cases; ``triton`` on CUDA once its
   check passed; else ``dequantize`` per call.
@@ -44,7 +46,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kubellm.kernels import cpu_extension, cpu_grouped_int8_gemm, cpu_int4_gemm, cpu_int8_gemm, cpu_moe
+from kubellm.kernels import (
+    cpu_bf16_gemm,
+    cpu_extension,
+    cpu_grouped_int8_gemm,
+    cpu_int4_gemm,
+    cpu_int8_gemm,
+    cpu_moe,
+)
 from kubellm.runtime.layers.linear import can_pack
 
 log = logging.getLogger("kubellm.kernels")
@@ -59,7 +68,7 @@ class KernelSettings:
 
     attention: str = "auto"  # auto | cpu | triton | torch
     layer_ops: str = "auto"  # auto | native | torch
-    prepack: str = "auto"  # auto | on | off
+    prepack: str = "auto"  # auto | native | onednn | on (= onednn) | off
 
     @classmethod
     def from_config(cls, config) -> KernelSettings:
@@ -94,6 +103,7 @@ class Loaded:
     cpu_kernels: str | None = NOT_PROBED  # kubellm's native CPU extension
     triton_attention: str | None = NOT_PROBED
     onednn_prepack: str | None = NOT_PROBED
+    bf16_cpu_kernel: str | None = NOT_PROBED  # cpu_bf16_gemm (AVX512-BF16)
     int8_cpu_kernel: str | None = NOT_PROBED  # the AVX512-BF16 int8 GEMM of the CPU extension
     int8_torch_gemm: bool = False  # torch._weight_int8pack_mm exists
     triton_int8: str | None = NOT_PROBED
@@ -111,7 +121,7 @@ class KernelChoice:
 
     attention: str = "torch"  # cpu | triton | torch
     layer_ops: str = "torch"  # native | torch
-    prepack: bool = False  # linear weights reordered once for oneDNN
+    prepack: str = "off"  # native | onednn | off: dense linear weights packed once for that GEMM
     int8_gemm: str = "dequantize"  # native | triton | torch | dequantize
     int8_fallback: str = "dequantize"  # torch | dequantize: layers the native kernel cannot pack
     grouped_int4_gemm: str = "dequantize"  # native | triton | dequantize: 4-bit values, per-group scales, zeros
@@ -154,8 +164,13 @@ class KernelChoice:
         gemm = {"int8": f", int8 GEMM {self.int8_gemm}", "int4": f", int4 GEMM {self.grouped_int4_gemm}", "none": ""}
         grouped = (f", grouped 4-bit GEMM {self.grouped_int4_gemm}, 8-bit GEMM {self.grouped_int8_gemm}, "
                    f"FP8 GEMM {self.fp8_gemm}")
-        return (f"attention {self.attention}, layer ops {self.layer_ops}, oneDNN prepacking "
-                f"{'on' if self.prepack else 'off'}{gemm.get(quantization, grouped)}, MoE experts {self.moe}")
+        return (f"attention {self.attention}, layer ops {self.layer_ops}, dense linears {self.dense_linears}"
+                f"{gemm.get(quantization, grouped)}, MoE experts {self.moe}")
+
+    @property
+    def dense_linears(self) -> str:
+        """The GEMM of the unquantized linear layers, in words."""
+        return {"native": "native bf16 kernel", "onednn": "oneDNN prepacked"}.get(self.prepack, "F.linear")
 
 
 def cpu_head_size_ok(head_dim: int) -> bool:
@@ -172,7 +187,7 @@ def choose(settings: KernelSettings, target: Target, loaded: Loaded) -> KernelCh
     return KernelChoice(
         attention=_attention(settings.attention, target, loaded, native_cpu),
         layer_ops=layer_ops,
-        prepack=_prepack(settings.prepack, loaded, native_cpu),
+        prepack=_prepack(settings.prepack, target, loaded, native_cpu),
         int8_gemm=int8_gemm, int8_fallback=int8_fallback,
         grouped_int4_gemm=_grouped(target, loaded.grouped_int4_cpu_kernel, loaded.triton_grouped_int4),
         grouped_int8_gemm=_grouped(target, loaded.grouped_int8_cpu_kernel, loaded.triton_grouped_int8),
@@ -222,14 +237,23 @@ def _layer_ops(kind: str, target: Target, loaded: Loaded, native_cpu: bool) -> s
     return kind
 
 
-def _prepack(kind: str, loaded: Loaded, native_cpu: bool) -> bool:
+def _prepack(kind: str, target: Target, loaded: Loaded, native_cpu: bool) -> str:
+    native_ok = target.cpu and target.dtype == torch.bfloat16 and loaded.bf16_cpu_kernel is None
     if kind == "auto":
-        return native_cpu and loaded.onednn_prepack is None
-    if kind == "on" and loaded.onednn_prepack is not None:
+        if not native_cpu:
+            return "off"
+        return "native" if native_ok else "onednn" if loaded.onednn_prepack is None else "off"
+    kind = "onednn" if kind == "on" else kind
+    if kind == "native" and not native_ok:
+        why = (loaded.bf16_cpu_kernel if target.cpu and target.dtype == torch.bfloat16
+               else f"it takes bfloat16 weights on CPU (got {str(target.dtype).removeprefix('torch.')} on "
+               f"{target.device!r})")
+        raise ValueError(f"the native bf16 linear cannot run here: {why}; use --prepack-weights onednn or off")
+    if kind == "onednn" and loaded.onednn_prepack is not None:
         raise ValueError(f"{loaded.onednn_prepack}; use --prepack-weights off")
-    if kind not in ("on", "off"):
-        raise ValueError(f"prepack weights {kind!r}: use auto, on or off")
-    return kind == "on"
+    if kind not in ("native", "onednn", "off"):
+        raise ValueError(f"prepack weights {kind!r}: use auto, native, onednn or off")
+    return kind
 
 
 def _int8_gemm(target: Target, loaded: Loaded) -> tuple[str, str]:
@@ -255,6 +279,9 @@ def probe(settings: KernelSettings, target: Target) -> Loaded:
         found["cpu_kernels"] = _cpu_kernels_reason()
     if settings.attention == "triton" or (settings.attention == "auto" and target.cuda):
         found["triton_attention"] = triton_attention_reason(target)
+    if target.cpu and target.dtype == torch.bfloat16 and (settings.prepack == "native" or (
+            settings.prepack == "auto" and "cpu_kernels" in found)):
+        found["bf16_cpu_kernel"] = None if cpu_bf16_gemm.available() else "no AVX512-BF16 cpu_bf16_gemm in this build"
     if settings.prepack != "off":
         found["onednn_prepack"] = None if can_pack(target.device, target.dtype) else (
             f"oneDNN cannot prepack {str(target.dtype).removeprefix('torch.')} weights on {target.device!r}")
@@ -336,7 +363,7 @@ def load(choice: KernelChoice) -> None:
     """Load in this process what ``choice`` runs: a tensor-parallel rank runs rank 0's choice, and the CPU
     extension is loaded per process."""
     native = "native" in (choice.layer_ops, choice.int8_gemm, choice.grouped_int4_gemm, choice.grouped_int8_gemm,
-                          choice.moe) \
+                          choice.moe, choice.prepack) \
         or choice.attention == "cpu"
     if native and (reason := _cpu_kernels_reason()):
         raise RuntimeError(f"the chosen kernels need kubellm's CPU kernels, which cannot load here: {reason}")

@@ -91,8 +91,8 @@ class ModelRunner:
         use_native_ops(model, kernels.layer_ops == "native")
         if kernels.moe == "native":  # before prepacking, which would take the experts' linears
             log.info("packed the experts of %d layers for the CPU kernel", pack_experts(model))
-        if kernels.prepack:  # weights reordered once for oneDNN instead of inside every GEMM
-            log.info("prepacked %d linear layers for oneDNN", pack_linears(model))
+        if kernels.prepack != "off":  # weights packed once for the GEMM instead of reordered inside every call
+            log.info("packed %d linear layers for the %s", pack_linears(model, kernels.prepack), kernels.dense_linears)
 
     # ---- batch → tensors -----------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]):

@@ -1,5 +1,12 @@
-"""Linear layers whose weights are reordered once into oneDNN's blocked layout (CPU, float32 / bfloat16).
+"""Linear layers whose weights are packed once for a CPU GEMM: kubellm's own bf16 kernel or oneDNN's.
 
+:class:`NativeLinear` (bfloat16, CPUs with AVX512-BF16) holds the weight in the vdpbf16ps operand layout of
+kernels/cpu_bf16_gemm.py: it streams the weight at 1-8 rows (a decode step) closer to the read bandwidth than
+oneDNN and tiles more rows in registers, faster than oneDNN's prepacked GEMM at the SmolLM2-135M and Qwen3-0.6B
+shapes from 1 to 1024 rows (benchmarks/README.md, "bf16 linear"). A tied LM head's embedding then reads its
+rows from the same packed weight, so the table is held once.
+
+:class:`PackedLinear` (float32 / bfloat16, what CPUs without AVX512-BF16 run):
 ``F.linear`` hands oneDNN (bfloat16) or MKL (float32) a plain weight on every call; oneDNN then reorders it
 inside each GEMM. Prepacking once (``torch.ops.mkldnn._reorder_linear_weight``, what PyTorch's own inductor
 freezing pass uses) measured on 2 cores with SmolLM2's shapes: bfloat16 decode GEMMs (32 rows) ~20% faster
@@ -9,10 +16,13 @@ summation order.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 from torch import nn
+
+from kubellm.kernels import cpu_bf16_gemm
 
 log = logging.getLogger("kubellm.linear")
 
@@ -36,6 +46,22 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class NativeLinear(nn.Module):
+    """Drop-in for a bfloat16 ``nn.Linear`` on CPU; holds only the packed weight (and the bias, in float32)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            self.packed_weight = cpu_bf16_gemm.pack(linear.weight.detach())
+            self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = cpu_bf16_gemm.bf16_linear(x.reshape(-1, self.in_features), self.packed_weight, self.out_features,
+                                        self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
 def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:
     if torch.device(device).type != "cpu" or dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
         return False
@@ -47,13 +73,34 @@ def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`; returns how many were replaced."""
+def pack_linears(model: nn.Module, kind: str = "onednn") -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a :class:`NativeLinear` (``kind`` "native": bfloat16 weights
+    only) or a :class:`PackedLinear` ("onednn"); returns how many were replaced.
+
+    With "native", an embedding tied to a replaced layer (one parameter, as SmolLM2's and Qwen3-0.6B's LM heads)
+    that looks rows up through ``lookup`` (VocabParallelEmbedding) then reads them from the packed weight and
+    drops its own: one copy of the table. (oneDNN's layout is opaque, so there the embedding keeps its weight.)"""
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not targets or not can_pack(targets[0][1].weight.device, targets[0][1].weight.dtype):
+    if not targets:
         return 0
+    weight = targets[0][1].weight
+    if kind == "native":
+        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+            return 0
+        layer_cls = NativeLinear
+    elif kind == "onednn":
+        if not can_pack(weight.device, weight.dtype):
+            return 0
+        layer_cls = PackedLinear
+    else:
+        raise ValueError(f"pack kind {kind!r}: native or onednn")
+    tied = {id(m.weight): m for m in model.modules() if isinstance(m, nn.Embedding) and hasattr(m, "lookup")}
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(linear))
+        packed = layer_cls(linear)
+        setattr(parent, attr, packed)
+        if kind == "native" and (embedding := tied.get(id(linear.weight))) is not None:
+            embedding.lookup = functools.partial(cpu_bf16_gemm.embedding, packed.packed_weight, k=packed.in_features)
+            del embedding.weight
     return len(targets)

@@ -79,8 +79,12 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → [T, hidden], the same on every rank."""
-        return vocab_parallel_lookup(input_ids, lambda ids: nn.functional.embedding(ids, self.weight),
-                                     self.vocab_start, self.num_embeddings, self.tp)
+        return vocab_parallel_lookup(input_ids, self.lookup, self.vocab_start, self.num_embeddings, self.tp)
+
+    def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows ``local_ids`` → ``[*local_ids.shape, hidden]``. A tied LM head packed for the native
+        bf16 kernel replaces it by a read of its packed weight (runtime/layers/linear.py, pack_linears)."""
+        return nn.functional.embedding(local_ids, self.weight)
 
 
 def vocab_parallel_lookup(input_ids: torch.Tensor, lookup, vocab_start: int, rows: int, tp: Group) -> torch.Tensor:

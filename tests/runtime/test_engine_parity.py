@@ -236,6 +236,40 @@ def test_native_moe_kernel_in_a_bfloat16_engine_matches_transformers(tiny_checkp
         assert sum(errors) / len(errors) < 0.03, f"{settings}: mean |logit error| per prompt {errors}"
 
 
+@pytest.mark.parametrize(("arch", "tp"), [("llama", 1), ("qwen2", 1), ("qwen3", 1), ("qwen2", 2)])
+def test_native_bf16_linears_in_a_bfloat16_engine_match_transformers(arch, tp, tiny_checkpoint_factory,
+                                                                     native_bf16_gemm):
+    """bfloat16: every dense linear and the LM head run kubellm's bf16 kernel (kernel choice ``prepack native``;
+    Qwen2's q/k/v bias in float32, and its tied embedding reads its rows from the LM head's packed table).
+    Greedy tokens equal transformers' bfloat16 run and the first step's logits are as close to them as oneDNN's
+    path; with two tensor-parallel ranks each packs its own slice. (Tied Qwen3 is left out: there every path, F.linear's too, meets a near-tie in bfloat16 and leaves
+    transformers' tokens on one prompt.)"""
+    from torch import nn
+
+    from kubellm.runtime.layers.linear import NativeLinear
+
+    model_dir = tiny_checkpoint_factory(arch, dtype=torch.bfloat16)
+    prompts = _prompts()[:4]
+    ref_tokens, ref_logits = hf_greedy(model_dir, prompts, 8, dtype=torch.bfloat16)
+    errors = {}
+    for prepack in ("native", "onednn"):
+        llm = _engine(model_dir, dtype="bfloat16", prepack_weights=prepack, tensor_parallel_size=tp)
+        model = llm.engine.runner.model  # rank 0's
+        assert llm.engine.kernels.prepack == prepack
+        assert not any(type(m) is nn.Linear for m in model.modules())
+        assert any(isinstance(m, NativeLinear) for m in model.modules()) == (prepack == "native")
+        if prepack == "native" and model.config.tie_word_embeddings:
+            assert "weight" not in dict(model.model.embed_tokens.named_parameters())  # one copy of the table
+        recorder = LogitRecorder(llm.engine.runner.sampler)
+        llm.engine.runner.sampler = recorder
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        llm.close()
+        assert [o.token_ids for o in outs] == ref_tokens, prepack
+        errors[prepack] = sum((recorder.rows[o.request_id][0] - ref[0].float()).abs().mean()
+                              for o, ref in zip(outs, ref_logits, strict=True)) / len(outs)
+    assert errors["native"] < 2 * errors["onednn"] + 1e-3, errors
+
+
 _BACKENDS = {"auto": {}, "torch": {"attention_backend": "torch", "layer_ops": "torch", "prepack_weights": "off"},
              "triton": {"attention_backend": "triton", "device": "cuda" if torch.cuda.is_available() else "cpu"}}
 

@@ -19,17 +19,17 @@ NO_CPU_KERNELS = Loaded(cpu_kernels="no compiler", onednn_prepack=None, int8_tor
 
 
 def test_auto_on_cpu_runs_the_native_path_as_one_where_the_cpu_kernels_load():
-    assert choose(AUTO, CPU, ALL_LOADED) == KernelChoice(attention="cpu", layer_ops="native", prepack=True,
+    assert choose(AUTO, CPU, ALL_LOADED) == KernelChoice(attention="cpu", layer_ops="native", prepack="onednn",
                                                          int8_gemm="torch", int8_fallback="torch")
     plain = choose(AUTO, CPU, NO_CPU_KERNELS)
-    assert (plain.attention, plain.layer_ops, plain.prepack) == ("torch", "torch", False)
+    assert (plain.attention, plain.layer_ops, plain.prepack) == ("torch", "torch", "off")
     odd_heads = Target("cpu", torch.float32, 4, 2, head_dim=72)  # not a head size the CPU kernels take
     assert choose(AUTO, odd_heads, ALL_LOADED).attention == "torch"
     assert choose(AUTO, odd_heads, ALL_LOADED).layer_ops == "torch"
 
 
 def test_auto_on_cuda_is_triton_when_its_check_passed_and_never_the_cpu_ops():
-    assert choose(AUTO, CUDA, ALL_LOADED) == KernelChoice(attention="triton", layer_ops="torch", prepack=False,
+    assert choose(AUTO, CUDA, ALL_LOADED) == KernelChoice(attention="triton", layer_ops="torch", prepack="off",
                                                           int8_gemm="triton", int8_fallback="triton")
     failed = Loaded(triton_attention="prefill kernel failed", triton_int8="bad")
     assert choose(AUTO, CUDA, failed) == KernelChoice(attention="torch")
@@ -37,13 +37,26 @@ def test_auto_on_cuda_is_triton_when_its_check_passed_and_never_the_cpu_ops():
 
 def test_each_setting_chooses_only_what_it_names():
     torch_attention = choose(KernelSettings(attention="torch"), CPU, ALL_LOADED)
-    assert (torch_attention.attention, torch_attention.layer_ops, torch_attention.prepack) == ("torch", "native", True)
+    assert (torch_attention.attention, torch_attention.layer_ops, torch_attention.prepack) == ("torch", "native",
+                                                                                                 "onednn")
     ops = choose(KernelSettings(layer_ops="torch"), CPU, ALL_LOADED)
-    assert (ops.attention, ops.layer_ops, ops.prepack) == ("cpu", "torch", True)
+    assert (ops.attention, ops.layer_ops, ops.prepack) == ("cpu", "torch", "onednn")
     packed = choose(KernelSettings(prepack="off"), CPU, ALL_LOADED)
-    assert (packed.attention, packed.layer_ops, packed.prepack) == ("cpu", "native", False)
+    assert (packed.attention, packed.layer_ops, packed.prepack) == ("cpu", "native", "off")
     reference = choose(KernelSettings("torch", "torch", "off"), CPU, ALL_LOADED)
-    assert (reference.attention, reference.layer_ops, reference.prepack) == ("torch", "torch", False)
+    assert (reference.attention, reference.layer_ops, reference.prepack) == ("torch", "torch", "off")
+
+
+def test_dense_linears_run_the_native_bf16_kernel_for_bfloat16_where_it_loaded():
+    bf16 = Target("cpu", torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=64)
+    loaded = dataclasses.replace(ALL_LOADED, bf16_cpu_kernel=None)
+    assert choose(AUTO, bf16, loaded).prepack == "native"
+    assert "dense linears native bf16 kernel" in choose(AUTO, bf16, loaded).describe()
+    assert choose(AUTO, CPU, loaded).prepack == "onednn"  # float32: the kernel is bfloat16 only
+    assert choose(AUTO, bf16, dataclasses.replace(loaded, bf16_cpu_kernel="no AVX512-BF16")).prepack == "onednn"
+    assert choose(KernelSettings(prepack="onednn"), bf16, loaded).prepack == "onednn"
+    assert choose(KernelSettings(prepack="on"), bf16, loaded).prepack == "onednn"  # the older name
+    assert choose(AUTO, bf16, dataclasses.replace(loaded, cpu_kernels="no compiler")).prepack == "off"
 
 
 @pytest.mark.parametrize("settings,target,loaded,message", [
@@ -56,6 +69,11 @@ def test_each_setting_chooses_only_what_it_names():
     (KernelSettings(layer_ops="native"), CPU, NO_CPU_KERNELS, r"no compiler; use --layer-ops torch"),
     (KernelSettings(prepack="on"), CUDA, Loaded(onednn_prepack="oneDNN cannot prepack"),
      r"oneDNN cannot prepack; use --prepack-weights off"),
+    (KernelSettings(prepack="native"), Target("cpu", torch.bfloat16, 4, 2, 64),
+     Loaded(bf16_cpu_kernel="no AVX512-BF16 cpu_bf16_gemm"), r"no AVX512-BF16 cpu_bf16_gemm; use --prepack-weights "
+                                                            r"onednn or off"),
+    (KernelSettings(prepack="native"), CPU, ALL_LOADED, r"takes bfloat16 weights on CPU \(got float32"),
+    (KernelSettings(prepack="yes"), CPU, ALL_LOADED, r"use auto, native, onednn or off"),
 ])
 def test_an_explicit_choice_that_cannot_run_is_a_clear_error(settings, target, loaded, message):
     with pytest.raises(ValueError, match=message):
@@ -167,11 +185,12 @@ def test_the_engine_passes_its_choice_down(tiny_llama):
     assert engine.kernels.layer_ops == ("native" if native else "torch")
     switches = {m.native for m in engine.runner.model.modules() if isinstance(getattr(type(m), "native", None), bool)}
     assert switches == {native}
-    assert any(isinstance(m, PackedLinear) for m in engine.runner.model.modules()) == engine.kernels.prepack
+    assert any(isinstance(m, PackedLinear) for m in engine.runner.model.modules()) == (
+        engine.kernels.prepack == "onednn")
     reference = LLM(str(tiny_llama), progress=False, dtype="float32", num_kv_blocks=16, max_model_len=64,
                     attention_backend="torch", layer_ops="torch", prepack_weights="off").engine
     assert (reference.kernels.attention, reference.kernels.layer_ops, reference.kernels.prepack) == ("torch", "torch",
-                                                                                                  False)
+                                                                                                  "off")
     assert not any(m.native for m in reference.runner.model.modules()
                    if isinstance(getattr(type(m), "native", None), bool))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from kubellm.runtime.layers.linear import PackedLinear, can_pack, pack_linears
+from kubellm.runtime.layers.linear import NativeLinear, PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack("cpu", torch.float32), reason="oneDNN linear ops unavailable")
 
@@ -45,3 +45,42 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_embeddings():
 def test_nothing_to_pack_for_other_dtypes():
     model = nn.Sequential(nn.Linear(4, 4).half())
     assert pack_linears(model) == 0 and type(model[0]) is nn.Linear
+
+
+@pytest.mark.usefixtures("native_bf16_gemm")
+@pytest.mark.parametrize("rows", [1, 6, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_same_as_nn_linear_in_bfloat16(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
+    x = torch.randn(3, rows, 96).to(torch.bfloat16)
+    got = NativeLinear(linear)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, rows, 200)
+    torch.testing.assert_close(got.float(), linear(x).float(), rtol=2**-7, atol=2e-2)
+
+
+@pytest.mark.usefixtures("native_bf16_gemm")
+def test_native_packing_moves_a_tied_embedding_onto_the_packed_table():
+    """The embedding's rows come from the LM head's packed weight and its own weight is gone (one copy of the
+    table); an untied embedding keeps its weight."""
+    from kubellm.runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+    from kubellm.runtime.tp_group import Group
+
+    torch.manual_seed(0)
+    tied, untied = (nn.ModuleDict({"embed": VocabParallelEmbedding(100, 48, Group()),
+                                   "head": ParallelLMHead(48, 100, Group())}).to(torch.bfloat16) for _ in range(2))
+    tied["head"].weight = tied["embed"].weight
+    ids = torch.tensor([0, 17, 99, 17])
+    for model in (tied, untied):
+        expected_rows, expected_logits = model["embed"](ids), model["head"](model["embed"](ids))
+        assert pack_linears(model, "native") == 1 and isinstance(model["head"], NativeLinear)
+        assert torch.equal(model["embed"](ids), expected_rows)
+        torch.testing.assert_close(model["head"](model["embed"](ids)).float(), expected_logits.float(),
+                                   rtol=2**-7, atol=2e-2)
+    assert "weight" not in dict(tied["embed"].named_parameters())
+    assert untied["embed"].weight.shape == (100, 48)
+
+
+def test_native_packing_takes_only_bfloat16():
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert pack_linears(model, "native") == 0 and type(model[0]) is nn.Linear

@@ -9,25 +9,28 @@ For each weight shape ``N x K`` (output x input) and row count M, the minimum ov
 * ``int8 g32 zp``: ``kernels/cpu_grouped_int8_gemm.py`` with group 32 and zero points (GGUF Q5_K, GPTQ 8-bit);
   ``int8 g32``: group 32, symmetric (GGUF Q8_0: the demo's token embedding, also its tied LM head, the
   49152 x 576 row); ``int8 g16``: group 16, symmetric (GGUF Q6_K); ``int8 ch``: one scale per channel (W8A16);
-* ``fp8 ch``: ``kernels/cpu_fp8_gemm.py`` (e4m3, per-channel scales), where it exists.
+* ``fp8 ch``: ``kernels/cpu_fp8_gemm.py`` (e4m3, per-channel scales: FP8 / compressed-tensors float-quantized
+  per channel or per tensor); ``fp8 b128``: the same with a scale per 128 inputs (128 x 128 block scales, as
+  DeepSeek and Qwen3-FP8 write them; 576 inputs end in a group of 64).
 
 Scales and zero points are float16, as the loader keeps them where exact (``--scales float32``: the form the
 kernels took before they read float16, for before/after runs). Ratios are ``best bf16 µs / kernel µs``
 (above 1: the kernel is faster than both bf16 paths).
 
     python benchmarks/quantized_gemm_cpu.py [--threads 2] [--calls 200] [--rows 1 8 32] [--scales float16]
+        [--only fp8]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kubellm.kernels import cpu_fp8_gemm as f8
 from kubellm.kernels import cpu_grouped_int8_gemm as g8
 from kubellm.kernels import cpu_int4_gemm as k4
 from kubellm.runtime import host_malloc
@@ -71,15 +74,11 @@ def kernels_for(n: int, k: int, scale_dtype: torch.dtype = torch.float16, int4_g
             s = (torch.rand(k // group, n) * 0.001).to(scale_dtype)
             z = torch.randint(-128, 128, (k // group, n)).to(scale_dtype) if zp else None
             out.append((name, lambda x, p=p, s=s, z=z, g=group: g8.grouped_int8_gemm(x, p, s, z, g)))
-    try:
-        fp8 = importlib.import_module("kubellm.kernels.cpu_fp8_gemm")
-    except ImportError:
-        fp8 = None
-    if fp8 is not None and fp8.available():
-        w = (torch.randn(n, k) * 0.1).to(torch.float8_e4m3fn)
-        p = fp8.pack(w)
-        s = torch.rand(n) * 0.01
-        out.append(("fp8 ch", lambda x, p=p, s=s: fp8.fp8_gemm(x, p, s)))
+    if f8.available():
+        p = f8.pack((torch.randn(n, k) * 0.1).to(torch.float8_e4m3fn))
+        for name, group in (("fp8 ch", k), ("fp8 b128", 128)):
+            s = (torch.rand(-(-k // group), n) * 0.01).to(scale_dtype)
+            out.append((name, lambda x, p=p, s=s, g=group: f8.fp8_gemm(x, p, s, g)))
     return out
 
 
@@ -92,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="dtype of the scales and zero points")
     ap.add_argument("--int4-groups", type=int, nargs="+", default=[32],
                     help="group sizes of the int4 rows (--quantization int4 uses 32; 64 also divides every shape)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
+                    help="only the kernels whose names start with one of these (e.g. fp8), beside bf16")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="NxK", help="only these weight shapes")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -100,10 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16
     rows = []
     with torch.inference_mode():
-        for n, k in SHAPES:
+        shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+        for n, k in shapes:
             linear = nn.Linear(k, n, bias=False).to(dtype)
             packed = PackedLinear(linear) if can_pack("cpu", dtype) else linear
             kernels = kernels_for(n, k, getattr(torch, args.scales), tuple(args.int4_groups))
+            if args.only:
+                kernels = [(name, f) for name, f in kernels if name.startswith(tuple(args.only))]
             for m in args.rows:
                 x = torch.randn(m, k).to(dtype)
                 fns = {"bf16": lambda x=x, w=linear.weight: F.linear(x, w), "bf16 packed": lambda x=x, p=packed: p(x)}

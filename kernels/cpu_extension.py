@@ -39,8 +39,8 @@ MARCH_ENV = "KUBELLM_CPU_MARCH"
 LIBRARY_NAME = "kubellm_cpu_ops.so"
 # x86-64 micro-architecture levels, best first, with the /proc/cpuinfo flags each needs (a subset that tells
 # them apart; compilers target exactly these levels with -march=x86-64-vN). x86-64-v4-bf16 is v4 plus
-# AVX512-BF16 (AMD Zen 4+, Intel Cooper Lake and Sapphire Rapids+): the bf16 prefill attention and the int8
-# GEMM need it.
+# AVX512-BF16 (AMD Zen 4+, Intel Cooper Lake and Sapphire Rapids+): the bf16 prefill attention and the int8,
+# int4 and FP8 GEMMs need it.
 X86_LEVELS = {
     "x86-64-v4-bf16": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2",
                        "avx512_bf16"},
@@ -50,12 +50,13 @@ X86_LEVELS = {
 }
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "prefill_attention_cpu.cpp", "int8_gemm_cpu.cpp",
-                 "int4_gemm_cpu.cpp", "grouped_int8_gemm_cpu.cpp", "moe_cpu.cpp", "bf16_gemm_cpu.cpp")
+                 "int4_gemm_cpu.cpp", "grouped_int8_gemm_cpu.cpp", "moe_cpu.cpp", "bf16_gemm_cpu.cpp",
+                 "fp8_gemm_cpu.cpp")
 _HEADER_NAMES = ("scalar_math.h", "gemm_tiles.h", "int4_tiles.h")  # part of the build's cache key, not compiled on their own
 OP_NAMESPACE = "kubellm_cpu"
 # One op per source: the extension counts as loaded when all of them are registered.
 _OPS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_",
-        "int8_gemm", "int4_gemm", "grouped_int8_gemm", "moe_experts", "bf16_linear")
+        "int8_gemm", "int4_gemm", "grouped_int8_gemm", "moe_experts", "bf16_linear", "fp8_gemm")
 _BUILD_WAIT_S = 600.0  # a real build takes about a minute on 2 cores
 
 _lock = threading.Lock()

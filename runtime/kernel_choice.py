@@ -24,8 +24,9 @@ What ``auto`` picks:
   AVX512-BF16) for bfloat16 on CPUs that have them, for layers they can pack; ``triton``
   (``triton_grouped_gemm``, 5..8-bit values packed as 8-bit) on CUDA once its checks passed, for layers it can
   pack; else ``dequantize`` (the reference, also what AVX2-only CPUs run).
-* FP8 weight GEMM (e4m3, per-tensor / per-channel / block scales): ``triton`` (``triton_fp8_gemm``) on CUDA
-  once its check passed, else ``dequantize``.
+* FP8 weight GEMM (e4m3, per-tensor / per-channel / block scales): ``native`` (``cpu_fp8_gemm``, AVX512-BF16)
+  for bfloat16 on CPUs that have it, for layers it can pack (inputs and groups multiples of 4); ``triton``
+  (``triton_fp8_gemm``) on CUDA once its check passed; else ``dequantize``.
 * mixture-of-experts layers: ``native`` (``cpu_moe``: routing and every hit expert of a layer in one call,
   AVX512-BF16) with native layer ops for bfloat16 where it loaded, unquantized or with 4-bit experts
   (``--quantization int4`` or a pre-quantized checkpoint; the layers whose experts the kernels do not take,
@@ -49,6 +50,7 @@ import torch
 from kubellm.kernels import (
     cpu_bf16_gemm,
     cpu_extension,
+    cpu_fp8_gemm,
     cpu_grouped_int8_gemm,
     cpu_int4_gemm,
     cpu_int8_gemm,
@@ -112,6 +114,7 @@ class Loaded:
     triton_grouped_int4: str | None = NOT_PROBED  # triton_grouped_gemm, bits=4
     triton_grouped_int8: str | None = NOT_PROBED  # triton_grouped_gemm, bits=8
     triton_fp8: str | None = NOT_PROBED  # triton_fp8_gemm
+    fp8_cpu_kernel: str | None = NOT_PROBED  # cpu_fp8_gemm (AVX512-BF16)
     moe_cpu_kernel: str | None = NOT_PROBED  # cpu_moe (AVX512-BF16)
 
 
@@ -126,7 +129,7 @@ class KernelChoice:
     int8_fallback: str = "dequantize"  # torch | dequantize: layers the native kernel cannot pack
     grouped_int4_gemm: str = "dequantize"  # native | triton | dequantize: 4-bit values, per-group scales, zeros
     grouped_int8_gemm: str = "dequantize"  # native | triton | dequantize: 8-bit values, per-group scales (zeros)
-    fp8_gemm: str = "dequantize"  # triton | dequantize: e4m3 weights with their scales
+    fp8_gemm: str = "dequantize"  # native | triton | dequantize: e4m3 weights with their scales
     moe: str = "torch"  # native | torch: the routing and experts of mixture-of-experts layers
 
     def int8_path(self, weight: torch.Tensor) -> str:
@@ -154,10 +157,12 @@ class KernelChoice:
 
     def fp8_path(self, in_features: int, group_size: int) -> str:
         """The GEMM of one FP8 (e4m3) layer with a scale per (output, ``group_size`` inputs; -1: per channel):
-        ``triton`` where its check passed and it takes the scale layout, else ``dequantize`` (also on CPU, which
-        has no native FP8 GEMM)."""
+        ``native`` or ``triton`` where it loaded and takes the layer's shape and scale layout, else
+        ``dequantize``."""
         from kubellm.runtime.layers.quantized_linear import fp8_triton_packable
 
+        if self.fp8_gemm == "native":
+            return "native" if cpu_fp8_gemm.packable(in_features, group_size) else "dequantize"
         return "triton" if self.fp8_gemm == "triton" and fp8_triton_packable(in_features, group_size) else "dequantize"
 
     def describe(self, quantization: str = "none") -> str:
@@ -191,7 +196,7 @@ def choose(settings: KernelSettings, target: Target, loaded: Loaded) -> KernelCh
         int8_gemm=int8_gemm, int8_fallback=int8_fallback,
         grouped_int4_gemm=_grouped(target, loaded.grouped_int4_cpu_kernel, loaded.triton_grouped_int4),
         grouped_int8_gemm=_grouped(target, loaded.grouped_int8_cpu_kernel, loaded.triton_grouped_int8),
-        fp8_gemm="triton" if target.cuda and loaded.triton_fp8 is None else "dequantize",
+        fp8_gemm=_grouped(target, loaded.fp8_cpu_kernel, loaded.triton_fp8),
         moe="native" if layer_ops == "native" and target.quantization in ("none", "int4", *PREQUANTIZED)
         and target.dtype == torch.bfloat16 and target.cpu and loaded.moe_cpu_kernel is None else "torch",
     )
@@ -293,8 +298,8 @@ def probe(settings: KernelSettings, target: Target) -> Loaded:
             found["triton_int8"] = triton_gemm_reason("int8", target.device, target.dtype)
     if target.cpu and target.dtype == torch.bfloat16 and (target.quantization != "none" or "cpu_kernels" in found):
         # The formats a checkpoint brings (GGUF blocks, GPTQ...) are known only once it loads: check both here.
-        for field, module in (("grouped_int4_cpu_kernel", cpu_int4_gemm), ("grouped_int8_cpu_kernel",
-                                                                             cpu_grouped_int8_gemm)):
+        for field, module in (("grouped_int4_cpu_kernel", cpu_int4_gemm),
+                              ("grouped_int8_cpu_kernel", cpu_grouped_int8_gemm), ("fp8_cpu_kernel", cpu_fp8_gemm)):
             found[field] = None if module.available() else f"no AVX512-BF16 {module.__name__} in this build"
     if target.cpu and target.dtype == torch.bfloat16 and "cpu_kernels" in found:
         found["moe_cpu_kernel"] = None if cpu_moe.available() else "no AVX512-BF16 cpu_moe in this build"
@@ -363,7 +368,7 @@ def load(choice: KernelChoice) -> None:
     """Load in this process what ``choice`` runs: a tensor-parallel rank runs rank 0's choice, and the CPU
     extension is loaded per process."""
     native = "native" in (choice.layer_ops, choice.int8_gemm, choice.grouped_int4_gemm, choice.grouped_int8_gemm,
-                          choice.moe, choice.prepack) \
+                          choice.fp8_gemm, choice.moe, choice.prepack) \
         or choice.attention == "cpu"
     if native and (reason := _cpu_kernels_reason()):
         raise RuntimeError(f"the chosen kernels need kubellm's CPU kernels, which cannot load here: {reason}")

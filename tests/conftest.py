@@ -16,6 +16,7 @@ import tiny_checkpoints  # tests/ is on sys.path: pyproject.toml's pytest `pytho
 from kubellm.kernels import (
     cpu_bf16_gemm,
     cpu_extension,
+    cpu_fp8_gemm,
     cpu_grouped_int8_gemm,
     cpu_int4_gemm,
     cpu_int8_gemm,
@@ -117,7 +118,7 @@ def _expect_native_kernels() -> str | None:
 
 
 def _expect_native_int8() -> str | None:
-    """The int8, int4 and grouped 8-bit GEMMs exist only in builds for CPUs with AVX512-BF16 (-march=native on such a CPU)."""
+    """The int8, int4, grouped 8-bit and FP8 GEMMs exist only in builds for CPUs with AVX512-BF16 (-march=native on such a CPU)."""
     if "x86-64-v4-bf16" not in cpu_extension.supported_levels():
         return "this CPU lacks AVX512-BF16"
     march = os.environ.get(cpu_extension.MARCH_ENV, "").strip() or "native"
@@ -136,6 +137,7 @@ NATIVE_SETS: dict[str, tuple[str, Callable[[], str | None], Callable[[], bool]]]
                             cpu_grouped_int8_gemm.available),
     "native_moe": ("native mixture-of-experts kernel (AVX512-BF16)", _expect_native_int8, cpu_moe.available),
     "native_bf16_gemm": ("native bf16 linear (AVX512-BF16)", _expect_native_int8, cpu_bf16_gemm.available),
+    "native_fp8": ("native FP8 GEMM (AVX512-BF16)", _expect_native_int8, cpu_fp8_gemm.available),
 }
 
 
@@ -189,6 +191,12 @@ def native_moe(native_kernels) -> None:
 def native_bf16_gemm(native_kernels) -> None:
     """The native bf16 linear (CPUs with AVX512-BF16 only); skip without it (fail under CI where the CPU has it)."""
     _require_native("native_bf16_gemm")
+
+
+@pytest.fixture(scope="session")
+def native_fp8(native_kernels) -> None:
+    """The native FP8 GEMM (CPUs with AVX512-BF16 only); skip without it (fail under CI where the CPU has it)."""
+    _require_native("native_fp8")
 
 
 _native_tests: dict[str, set[str]] = {name: set() for name in NATIVE_SETS}  # set -> collected node ids

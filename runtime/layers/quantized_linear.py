@@ -8,9 +8,11 @@ and keeps it in what its GEMM reads, chosen per layer (``KernelChoice.grouped_pa
   signed formats are shifted by 8, values and zeros alike, which leaves ``values - zeros`` unchanged).
 * ``native`` 5..8-bit: ``kernels/cpu_grouped_int8_gemm.py`` (int8 values; unsigned 0..255 formats are
   shifted by -128, values and zeros alike).
+* ``native`` FP8: ``kernels/cpu_fp8_gemm.py`` (the e4m3 bytes packed by its ``pack``; per-channel scales, or
+  per (output, group of inputs) for block scales, the last group possibly shorter).
 * ``dequantize``: values kept compact (two 4-bit values per byte, else one per byte; FP8 as e4m3), the
   ``[out, in]`` weight rebuilt in the activation dtype on every call. Correct on every device and dtype;
-  the memory saving holds, the speed-up does not. FP8 takes this path on CPU: there is no native FP8 CPU GEMM.
+  the memory saving holds, the speed-up does not (what CPUs without AVX512-BF16 and non-bf16 dtypes run).
 
 * ``triton`` (CUDA, once its start-up check passed): 4 and 8 bits through ``kernels/triton_grouped_gemm.py``, in
   its own packed layout (GPTQ-style int32 words, act-order sorted by its ``pack``); FP8 through
@@ -37,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm, int4_weights
+from kubellm.kernels import cpu_fp8_gemm, cpu_grouped_int8_gemm, cpu_int4_gemm, int4_weights
 from kubellm.runtime.prequantized import QuantizedWeight
 
 PATHS = ("native", "triton", "dequantize")
@@ -74,7 +76,8 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("g_idx", None if g_idx is None else g_idx.long())
         if not self.float_values:
             values, zeros = _kernel_range(values, zeros, scales, bits)
-        if path == "native" and (self.float_values or self.in_features % self.group_size):
+        if path == "native" and not (cpu_fp8_gemm.packable(self.in_features, self.group_size) if self.float_values
+                                     else self.in_features % self.group_size == 0):
             path = "dequantize"
         if path == "triton" and self.float_values and not fp8_triton_packable(self.in_features, weight.group_size):
             path = "dequantize"
@@ -84,7 +87,8 @@ class QuantizedLinear(nn.Module):
             zeros = torch.zeros_like(scales)
         scales, zeros = _narrow(scales), None if zeros is None else _narrow(zeros)
         if path == "native":
-            pack = cpu_int4_gemm.pack if bits == 4 else cpu_grouped_int8_gemm.pack
+            pack = cpu_fp8_gemm.pack if self.float_values else cpu_int4_gemm.pack if bits == 4 else \
+                cpu_grouped_int8_gemm.pack
             self.register_buffer("qweight", pack(values))
             self.register_buffer("scales", scales.t().contiguous())  # [groups, out]: the kernels' order
             self.register_buffer("zeros", None if zeros is None else zeros.t().contiguous())
@@ -129,7 +133,9 @@ class QuantizedLinear(nn.Module):
             rows = rows.index_select(1, self.perm)
         if self.path == "native" and rows.dtype == torch.bfloat16:
             rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-            if self.bits == 4:
+            if self.float_values:
+                out = cpu_fp8_gemm.fp8_gemm(rows, self.qweight, self.scales, self.group_size, self.bias)
+            elif self.bits == 4:
                 out = cpu_int4_gemm.int4_gemm(rows, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
             else:
                 out = cpu_grouped_int8_gemm.grouped_int8_gemm(rows, self.qweight, self.scales, self.zeros,
@@ -161,7 +167,9 @@ class QuantizedLinear(nn.Module):
             raise ValueError("row lookup needs contiguous groups in input order (no act-order), off the Triton path")
         flat = ids.reshape(-1)
         q = self.qweight
-        if self.path == "native":
+        if self.path == "native" and self.float_values:
+            q, scales, zeros = self.values()[flat], self.scales[:, flat].t(), None
+        elif self.path == "native":
             q = q[flat // 16, :, flat % 16, :]  # [T, K/4, 2] bytes (4-bit) or [T, K/2, 2] int8
             if self.bits == 4:  # low nibbles are inputs k + j, high nibbles k + 2 + j (see values())
                 q = torch.stack([q & 0xF, q >> 4], dim=-2)
@@ -177,6 +185,8 @@ class QuantizedLinear(nn.Module):
         q = self.qweight
         if self.path == "native":
             n, k = self.out_features, self.in_features
+            if self.float_values:
+                return cpu_fp8_gemm.unpack(q, n)
             if self.bits == 4:
                 return cpu_int4_gemm.unpack(q)[:n]
             return q.permute(0, 2, 1, 3).reshape(-1, k)[:n]

@@ -113,18 +113,32 @@ def test_grouped_gemms_are_native_for_bf16_on_cpu_where_they_load_and_the_layer_
         assert other.grouped_path(4, 576, 576, 32) == "dequantize"
 
 
+def test_fp8_gemm_is_native_for_bf16_on_cpu_where_it_loads_and_the_layer_packs():
+    bf16 = Target("cpu", torch.bfloat16, 4, 2, 64, quantization="fp8")
+    choice = choose(AUTO, bf16, Loaded(cpu_kernels=None, fp8_cpu_kernel=None))
+    assert choice.fp8_gemm == "native" and "FP8 GEMM native" in choice.describe("fp8")
+    assert choice.fp8_path(576, -1) == choice.fp8_path(576, 128) == "native"  # 576 = 4 groups of 128 + 64
+    assert choice.fp8_path(98, -1) == "dequantize"  # inputs not a multiple of 4
+    for target, loaded in ((Target("cpu", torch.float32, quantization="fp8"), Loaded(fp8_cpu_kernel=None)),
+                           (bf16, Loaded(fp8_cpu_kernel="no AVX512-BF16 cpu_fp8_gemm in this build"))):
+        assert choose(AUTO, target, loaded).fp8_path(576, 128) == "dequantize"
+
+
 def test_probe_checks_the_grouped_kernels_for_bf16_on_cpu_only(monkeypatch):
-    from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm
+    from kubellm.kernels import cpu_fp8_gemm, cpu_grouped_int8_gemm, cpu_int4_gemm
     from kubellm.runtime import kernel_choice
 
     monkeypatch.setattr(cpu_int4_gemm, "available", lambda: True)
     monkeypatch.setattr(cpu_grouped_int8_gemm, "available", lambda: False)
+    monkeypatch.setattr(cpu_fp8_gemm, "available", lambda: True)
     off = KernelSettings("torch", "torch", "off")
     loaded = kernel_choice.probe(off, Target("cpu", torch.bfloat16, quantization="gptq"))
     assert loaded.grouped_int4_cpu_kernel is None and "cpu_grouped_int8_gemm" in loaded.grouped_int8_cpu_kernel
+    assert loaded.fp8_cpu_kernel is None
     for target in (Target("cpu", torch.float32, quantization="gptq"), Target("cpu", torch.bfloat16)):
         skipped = kernel_choice.probe(off, target)
-        assert skipped.grouped_int4_cpu_kernel == skipped.grouped_int8_cpu_kernel == kernel_choice.NOT_PROBED
+        assert skipped.grouped_int4_cpu_kernel == skipped.grouped_int8_cpu_kernel == skipped.fp8_cpu_kernel \
+            == kernel_choice.NOT_PROBED
 
 
 TRITON_QUANT = Loaded(triton_attention=None, triton_grouped_int4=None, triton_grouped_int8=None, triton_fp8=None)

@@ -193,6 +193,22 @@ def test_native_cpu_kernels_serve_the_quantized_checkpoint(fmt, dense, tmp_path,
     _compare_teacher_forced(llm, twin_dir, _prompts(), max_new=12, atol=BF16_LOGIT_ATOL)
 
 
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block128"])
+def test_native_fp8_kernel_serves_the_fp8_checkpoint(fmt, dense, tmp_path, native_fp8):
+    """bfloat16 on cpu_fp8_gemm (e4m3 bytes widened in the kernel; per-channel and 128 x 128 block scales),
+    prefill chunks of 64 rows on its dequantizing path, decode steps on its few-row path: logits within bf16
+    rounding of the float32 twin's on the engine's own greedy tokens. (Token-for-token equality with
+    transformers' greedy tokens, float32 or bf16, was tried and does not hold in bf16 on these random tiny models,
+    whose top logits lie within bf16's rounding: the tokens part after 3 to 8 steps; so, as for the other native
+    kernels, the reference scores the engine's tokens.)"""
+    quant_dir, twin_dir = write_quantized(dense, tmp_path, fmt)
+    llm = _engine(quant_dir, dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=64)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.path == "native" and m.float_values for m in layers)
+    assert all(m.qweight.dtype == torch.uint8 for m in layers)  # one byte per weight, as stored
+    _compare_teacher_forced(llm, twin_dir, _prompts(), max_new=12, atol=BF16_LOGIT_ATOL)
+
+
 BF16_LOGIT_ATOL = 0.75  # the dense model in bf16 differs from float32 by up to 0.38 here (logits O(1-10))
 
 
@@ -293,7 +309,10 @@ def test_fp8_layers_take_the_triton_gemm_the_kernel_choice_names():
     on = KernelChoice(fp8_gemm="triton")
     assert on.fp8_path(256, -1) == on.fp8_path(256, 128) == on.fp8_path(96, 32) == "triton"
     assert on.fp8_path(96, 24) == on.fp8_path(96, 8) == "dequantize"
-    assert KernelChoice().fp8_path(256, 128) == "dequantize"  # CPU: no native FP8 GEMM
+    assert KernelChoice().fp8_path(256, 128) == "dequantize"  # nothing loaded
+    native = KernelChoice(fp8_gemm="native")  # the CPU kernel: inputs and groups multiples of 4
+    assert native.fp8_path(576, -1) == native.fp8_path(576, 128) == native.fp8_path(96, 24) == "native"
+    assert native.fp8_path(98, -1) == native.fp8_path(96, 6) == "dequantize"
     weight = torch.randn(16, 96).to(torch.float8_e4m3fn)
     odd = QuantizedLinear(QuantizedWeight(weight, torch.rand(16, 4), None, 24), 8, "triton")
     assert odd.path == "dequantize"
@@ -317,6 +336,29 @@ def test_an_fp8_checkpoint_loads_onto_the_triton_gemm_when_chosen(fmt, dense, tm
         x = torch.randn(3, layer.in_features, generator=gen)
         expected = x @ layer.dequantized().T + (0 if layer.bias is None else layer.bias)
         torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [5, 50])  # the kernel's few-row and dequantizing paths
+@pytest.mark.parametrize("block", [False, True])
+def test_an_fp8_layer_on_the_native_cpu_path_equals_the_dequantize_path(rows, block, native_fp8):
+    """kernels/cpu_fp8_gemm.py behind QuantizedLinear: per-channel scales, or 128 x 128 blocks over 320 inputs
+    (a last group of 64), a bias; the layer reads its e4m3 values (and rows) back as stored."""
+    n, k = 40, 320
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(n, k, generator=gen) * 8).to(torch.float8_e4m3fn)
+    scale = torch.rand(1, 3, generator=gen) / 10 if block else torch.rand(n, 1, generator=gen) / 10
+    stored, bias = fp8_weight(weight, scale, (128, 128) if block else None), torch.randn(n, generator=gen)
+    native, reference = QuantizedLinear(stored, 8, "native", bias), QuantizedLinear(stored, 8, "dequantize", bias)
+    assert native.path == "native" and native.qweight.dtype == torch.uint8
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    torch.testing.assert_close(native(x).float(), reference(x.float()), atol=0.1, rtol=0.02)  # outputs O(10)
+    assert torch.equal(native.values().view(torch.uint8), weight.view(torch.uint8))
+    torch.testing.assert_close(native.dequantized(), reference.dequantized())
+    if not block:  # row lookups want whole groups, which 320 inputs in 128s are not
+        ids = torch.tensor([[3, 39], [0, 17]])
+        torch.testing.assert_close(native.rows(ids, torch.float32), reference.dequantized()[ids])
+    odd = QuantizedLinear(fp8_weight(weight[:, :318], scale[:, :1], None), 8, "native")  # 318 inputs
+    assert odd.path == "dequantize"
 
 
 def test_act_order_groups_of_unequal_sizes_fall_back_to_the_gather():

@@ -64,13 +64,13 @@ def test_engine_on_quantized_experts_equals_transformers_on_the_dequantized_twin
 
 
 @pytest.mark.parametrize("fmt", ["awq-4bit-g128", "w4a16-group128", "gptq-4bit-sym-desc_act-g32",
-                                 "gptq-8bit-sym-g128"])
+                                 "gptq-8bit-sym-g128", "fp8-channel", "fp8-block128"])
 def test_native_cpu_kernels_serve_quantized_experts(fmt, moe, tmp_path, native_int4, native_grouped_int8,
-                                                     native_moe):
+                                                     native_moe, native_fp8):
     """bfloat16 on the AVX512-BF16 kernels: 4-bit experts without act-order stacked and run by cpu_moe's int4
-    kernel, every hit expert of a layer in one call; act-order 4-bit and 8-bit experts run cpu_int4_gemm /
-    cpu_grouped_int8_gemm over the tokens routed to them (act-order through the load-time column sort), one
-    GEMM per hit expert. Compared on average with the float32 twin on
+    kernel, every hit expert of a layer in one call; act-order 4-bit, 8-bit and FP8 experts run cpu_int4_gemm /
+    cpu_grouped_int8_gemm / cpu_fp8_gemm over the tokens routed to them (act-order through the load-time column
+    sort), one GEMM per hit expert. Compared on average with the float32 twin on
     the engine's own tokens: in bfloat16 a rounding difference can swap a token's 2nd and 3rd expert, which moves
     single logits by up to ~5 on these tiny models whatever the weights (the dense twin in bf16 measured
     0.04-0.42 mean |error| per prompt, 0.11 overall); a wrong kernel moves them all by the logits' own size."""

@@ -80,11 +80,12 @@ class ModelCost:
         cfg = engine.model_config
         model = engine.runner.model
         itemsize = engine.config.dtype.itemsize
-        embed = model.model.embed_tokens.weight
+        # From the shape: a tied embedding packed with the native LM head no longer has a weight of its own.
+        embed_bytes = model.model.embed_tokens.num_embeddings * cfg.hidden_size * itemsize
         head = cfg.vocab_size * cfg.hidden_size
         total = sum(engine.weight_bytes.values())
         # A lookup reads one embedding row; a tied LM head still reads the whole table (counted once in total).
-        self.weight_bytes_per_step = total if cfg.tie_word_embeddings else total - embed.nbytes + cfg.hidden_size * itemsize
+        self.weight_bytes_per_step = total if cfg.tie_word_embeddings else total - embed_bytes + cfg.hidden_size * itemsize
         tp = engine.tp.size
         self.kv_bytes_per_key = 2 * cfg.num_layers * (cfg.num_kv_heads // tp) * cfg.head_dim * itemsize
         linear = sum(m.in_features * m.out_features for name, m in model.named_modules()

@@ -19,25 +19,27 @@ import cpu_targets  # noqa: E402
 from kubellm.runtime.engine import LLM  # noqa: E402
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied embeddings
-def test_bytes_and_flops_follow_the_checkpoint_tensors(arch, tiny_checkpoint_factory):
+# Untied and tied embeddings; in bfloat16 a tied embedding packed with the native LM head has no weight left.
+@pytest.mark.parametrize(("arch", "dtype"), [("llama", "float32"), ("qwen2", "float32"), ("qwen2", "bfloat16")])
+def test_bytes_and_flops_follow_the_checkpoint_tensors(arch, dtype, tiny_checkpoint_factory):
     path = tiny_checkpoint_factory(arch)
     tensors = {}
     for f in path.glob("*.safetensors"):
         tensors |= load_file(f)
-    llm = LLM(str(path), progress=False, dtype="float32", num_kv_blocks=32, block_size=4)
+    llm = LLM(str(path), progress=False, dtype=dtype, num_kv_blocks=32, block_size=4)
+    size = 4 if dtype == "float32" else 2
     cost = cpu_targets.ModelCost(llm.engine)
     cfg = llm.engine.model_config
     embed = tensors["model.embed_tokens.weight"]
     # A step reads every tensor once, the embedding table only by its row unless the LM head is that table.
-    everything = sum(t.numel() for n, t in tensors.items() if n != "lm_head.weight") * 4
-    expected = everything if cfg.tie_word_embeddings else everything - embed.numel() * 4 + embed.shape[1] * 4 + \
-        tensors["lm_head.weight"].numel() * 4
+    everything = sum(t.numel() for n, t in tensors.items() if n != "lm_head.weight") * size
+    expected = everything if cfg.tie_word_embeddings else everything - embed.numel() * size + embed.shape[1] * size + \
+        tensors["lm_head.weight"].numel() * size
     assert cost.weight_bytes_per_step == expected
     projections = sum(t.numel() for n, t in tensors.items() if n.endswith("proj.weight"))
     assert cost.body_flops_per_token == 2 * projections
     assert cost.head_flops_per_row == 2 * embed.numel()
-    assert cost.kv_bytes_per_key == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert cost.kv_bytes_per_key == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
     # 3 prompt tokens and 2 outputs: 4 tokens through the body, 2 LM-head rows, 1 + 2 + 3 + 4 attended keys.
     assert cost.request_flops(3, 2) == 4 * cost.body_flops_per_token + 2 * cost.head_flops_per_row + \
         10 * cost.attn_flops_per_key

@@ -1,4 +1,4 @@
-"""Quantized CPU GEMMs against the bf16 linear they stand in for, at SmolLM2-135M's layer shapes.
+"""Quantized CPU GEMMs against the bf16 linear they stand in for, at SmolLM2-135M's (or Qwen3-0.6B's) layer shapes.
 
 For each weight shape ``N x K`` (output x input) and row count M, the minimum over ``--calls`` timed calls
 (in interleaved rounds after warm-up, same process and threads) of:
@@ -6,6 +6,7 @@ For each weight shape ``N x K`` (output x input) and row count M, the minimum ov
 * ``bf16``: ``F.linear`` on the bf16 weight; ``bf16 packed``: the oneDNN-prepacked linear the engine runs;
 * ``int4 g32``: ``kernels/cpu_int4_gemm.py`` (4-bit, group 32 with zero points: GGUF Q4_1 / Q4_K, AWQ, GPTQ,
   ``--quantization int4``; ``--int4-groups 32 64`` adds other group sizes);
+* ``int8``: ``kernels/cpu_int8_gemm.py`` (``--quantization int8``: int8 with one scale per output channel);
 * ``int8 g32 zp``: ``kernels/cpu_grouped_int8_gemm.py`` with group 32 and zero points (GGUF Q5_K, GPTQ 8-bit);
   ``int8 g32``: group 32, symmetric (GGUF Q8_0: the demo's token embedding, also its tied LM head, the
   49152 x 576 row); ``int8 g16``: group 16, symmetric (GGUF Q6_K); ``int8 ch``: one scale per channel (W8A16);
@@ -18,7 +19,7 @@ kernels took before they read float16, for before/after runs). Ratios are ``best
 (above 1: the kernel is faster than both bf16 paths).
 
     python benchmarks/quantized_gemm_cpu.py [--threads 2] [--calls 200] [--rows 1 8 32] [--scales float16]
-        [--only fp8]
+        [--only fp8] [--model smollm2|qwen3-0.6b]
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ from torch import nn
 from kubellm.kernels import cpu_fp8_gemm as f8
 from kubellm.kernels import cpu_grouped_int8_gemm as g8
 from kubellm.kernels import cpu_int4_gemm as k4
+from kubellm.kernels import cpu_int8_gemm as k8
 from kubellm.runtime import host_malloc
 from kubellm.runtime.layers.linear import PackedLinear, can_pack
 
 # q/o, k/v, qkv, up, gate_up, down, the tied LM head
 SHAPES = ((576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576))
+# Qwen3-0.6B: qkv, o, gate_up, down (its 151936-row LM head is left out: minutes per cell at 256 rows)
+QWEN3_0_6B_SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
+MODELS = {"smollm2": SHAPES, "qwen3-0.6b": QWEN3_0_6B_SHAPES}
 
 
 def best_of(fns: dict, calls: int, rounds: int = 10) -> dict:
@@ -66,6 +71,9 @@ def kernels_for(n: int, k: int, scale_dtype: torch.dtype = torch.float16, int4_g
             s = (torch.rand(k // group, n) * 0.01).to(scale_dtype)
             z = torch.randint(0, 16, (k // group, n)).to(scale_dtype)
             out.append((f"int4 g{group}", lambda x, p=k4.pack(q), s=s, z=z, g=group: k4.int4_gemm(x, p, s, z, g)))
+    if k8.available() and k8.packable(torch.empty(n, k, dtype=torch.int8)):
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        out.append(("int8", lambda x, p=k8.pack(q), s=torch.rand(n) * 0.001: k8.int8_gemm(x, p, s)))
     if g8.available():
         q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
         p = g8.pack(q)
@@ -94,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
                     help="only the kernels whose names start with one of these (e.g. fp8), beside bf16")
     ap.add_argument("--shapes", nargs="+", default=None, metavar="NxK", help="only these weight shapes")
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="whose layer shapes (default SmolLM2)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16
     rows = []
     with torch.inference_mode():
-        shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+        shapes = MODELS[args.model] if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes]
         for n, k in shapes:
             linear = nn.Linear(k, n, bias=False).to(dtype)
             packed = PackedLinear(linear) if can_pack("cpu", dtype) else linear

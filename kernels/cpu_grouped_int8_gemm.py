@@ -14,6 +14,11 @@ inputs sorted by group first (permute ``q``'s columns once, ``x``'s per call).
 The kernel wants the weight packed once by :func:`pack` (``[ceil(N/16), K/2, 16, 2]`` int8, the last block
 padded with zero channels; any ``N``, even ``K``). It exists only in builds for CPUs with AVX512-BF16;
 :func:`available` says whether this process has it.
+
+Few rows (decode) use the weights as stored, widened in registers; from :data:`DEQUANTIZE_ROWS` rows the kernel
+dequantizes each slice of the weight to bf16 once and runs all rows over it, so there the weights are rounded
+to bf16 before the products, as a bf16 model's are (the reference does the same with ``weights_dtype``); one
+scale per channel without zero points stays exact (the scale is applied to the sums).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import torch
 
 from kubellm.kernels.cpu_extension import available as extension_available
 
-__all__ = ["available", "grouped_int8_gemm", "pack", "packable", "reference_grouped_int8_gemm"]
+__all__ = ["DEQUANTIZE_ROWS", "available", "grouped_int8_gemm", "pack", "packable", "reference_grouped_int8_gemm"]
+
+DEQUANTIZE_ROWS = 16  # kDequantMinRowsG8 in csrc/grouped_int8_gemm_cpu.cpp
 
 
 def available() -> bool:
@@ -50,9 +57,12 @@ def grouped_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 
 
 def reference_grouped_int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same product in float32 from the unpacked ``q`` (dequantizes the whole weight: tests and checks)."""
+                                group_size: int, bias: torch.Tensor | None = None,
+                                weights_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The same product in float32 from the unpacked ``q`` (dequantizes the whole weight: tests and checks);
+    ``weights_dtype=torch.bfloat16`` rounds the dequantized weights first, as the kernel does from
+    :data:`DEQUANTIZE_ROWS` rows."""
     g = torch.arange(q.shape[1]) // group_size
     w = q.float() if zeros is None else q.float() - zeros.t()[:, g]
-    y = x.float() @ (w * scales.t()[:, g]).T
+    y = x.float() @ (w * scales.t()[:, g].float()).to(weights_dtype).float().T
     return (y if bias is None else y + bias).to(x.dtype)

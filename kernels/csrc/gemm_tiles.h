@@ -1,7 +1,9 @@
 // Helpers shared by the CPU GEMMs: the bf16 register tile of vdpbf16ps on weights in its operand layout
 // (bf16_gemm_cpu.cpp, int4_gemm_cpu.cpp; int8/fp8 kernels widen into the same layout), how many 16-channel
 // blocks one work item takes; for the weight-only GEMMs with zero points (int4, grouped int8) the per-group sums
-// of x the zero points multiply and the per-group scales and zero points in float32 or float16.
+// of x the zero points multiply and the per-group scales and zero points in float32 or float16; and the
+// many-rows path of the weight-only GEMMs (int4, int8, grouped int8): each work item's weights dequantized
+// once into a bf16 scratch that the bf16 tile runs over (dequantized_gemm).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -10,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -127,6 +130,204 @@ __attribute__((always_inline)) inline void bf16_tile(__m512 (&acc)[MR][NB], cons
     side(kp);
   }
 }
+
+// ---- Many rows: dequantize each work item once, then a plain bf16 GEMM over it ----
+//
+// Widening (or dequantizing) the weights inside the row loop repeats that work for every tile of rows, and a
+// per-group epilogue costs FMAs per row, block and group; from a few dozen rows that left the weight-only
+// kernels 3-23% behind bf16's GEMM. Instead each work item's nb blocks of 16 channels are dequantized once into
+// a bf16 scratch in vdpbf16ps's pair layout, [K/2][nb][16][2], and all rows run over it as a plain bf16 GEMM.
+// The next item's dequantization is spread over the current item's GEMM (a few steps every few pairs of
+// inputs, into a second scratch), so it overlaps the dot products instead of running as a pass of its own;
+// only a thread's first item is dequantized alone.
+//
+// A kernel supplies the dequantization as a "side" type: default-constructible (nothing to do), with fields
+// `scratch` (its item's buffer), `nb` (blocks in the item) and `left` (steps still to do), and `step()` (one
+// step, inlined into the GEMM loop) and `finish()`; one step should be ~32-64 weights.
+
+// 32 int8 = 16 channels' (q[k], q[k+1]) pairs -> 16 lanes of bf16 pairs (exact: |q| <= 128 needs 8 bits).
+// Byte i lands in bf16 element i (channel i / 2, input k + i % 2), the order vdpbf16ps reads.
+__attribute__((always_inline)) inline void widen_int8_pairs(const int8_t* src, __m512& lo, __m512& hi) {
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+}
+__attribute__((always_inline)) inline __m512i widen_int8_pairs(const int8_t* src) {
+  __m512 lo, hi;
+  widen_int8_pairs(src, lo, hi);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// Two per-channel vectors (channel c in lane c) in the lane order of a widened pair slice, where lane i holds
+// channel i / 2 (channels 0-7 in the low half, 8-15 in the high one): out = {a_lo, b_lo, a_hi, b_hi}.
+inline void pair_lane_constants(__m512 a, __m512 b, __m512* out) {
+  const __m512i lanes_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
+  out[0] = _mm512_permutexvar_ps(lanes_lo, a);
+  out[1] = _mm512_permutexvar_ps(lanes_lo, b);
+  out[2] = _mm512_permutexvar_ps(lanes_hi, a);
+  out[3] = _mm512_permutexvar_ps(lanes_hi, b);
+}
+
+// What a tile does with its float32 sums: y = acc * scale (per channel, when given) + bias, for the first
+// `valid` channels of the item (a partial last block is masked).
+struct TileOutput {
+  GroupParams scale;  // [N] from the item's first channel, or no data: 1
+  const float* bias = nullptr;  // the same
+  int64_t valid = 64;
+};
+
+constexpr int kTileRows = 6;  // bf16 tile: 6 x 4 accumulators + 4 weights + 1 broadcast (+ the side's registers)
+
+template <int MR, int NB>
+__attribute__((always_inline)) inline void store_output(__m512 (&acc)[MR][NB], const TileOutput& out,
+                                                        c10::BFloat16* y, int64_t ldy) {
+  if (out.scale.data) {  // scale and bias in one FMA (one rounding, as the few-rows int8 kernel)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t left = out.valid - b * 16;
+      const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+      const __m512 sc = out.scale.load16(b * 16, mask);
+      const __m512 bi = out.bias ? _mm512_maskz_loadu_ps(mask, out.bias + b * 16) : _mm512_setzero_ps();
+      for (int r = 0; r < MR; ++r) acc[r][b] = _mm512_fmadd_ps(acc[r][b], sc, bi);
+    }
+    store_tile<MR, NB>(acc, nullptr, y, ldy, out.valid);
+  } else {
+    store_tile<MR, NB>(acc, out.bias, y, ldy, out.valid);
+  }
+}
+
+// MR rows over an item's dequantized scratch ([K/2][NB][16][2]: lines (1, NB) apart, bf16_tile); every `every`
+// pairs, `burst` steps of `side` (the next item) run beside the products.
+template <int MR, int NB, class Side>
+void dequantized_tile(const int32_t* x_pairs, int64_t x_pair_stride, const __m512i* scratch, int64_t K2,
+                      const TileOutput& out, c10::BFloat16* y, int64_t ldy, Side& side, int64_t side_steps,
+                      int64_t every, int64_t burst) {
+  __m512 acc[MR][NB];
+  const int64_t side_left = std::max<int64_t>(0, side.left - side_steps);  // what this tile leaves
+  int64_t countdown = every;
+  bf16_tile<MR, NB>(acc, x_pairs, x_pair_stride, scratch, 1, NB, K2, [&](int64_t) {
+    if (--countdown == 0) {
+      countdown = every;
+      for (int64_t s = 0; s < burst && side.left > side_left; ++s) side.step();
+    }
+  });
+  store_output<MR, NB>(acc, out, y, ldy);
+}
+
+// All M rows of one item of NB blocks, in tiles of equal size (32 rows: 6 + 6 + 5 + 5 + 5 + 5, not a last tile
+// of 2 that would keep few dot-product chains in flight), running `side` over them.
+template <int NB, class Side>
+void item_rows(int64_t M, const int32_t* x_pairs, int64_t x_pair_stride, const __m512i* scratch, int64_t K2,
+               const TileOutput& out, c10::BFloat16* y, int64_t ldy, Side& side) {
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t side_steps = (side.left + tiles - 1) / tiles;        // per tile
+  const int64_t burst = std::max<int64_t>(1, (side_steps + K2 - 1) / K2);  // per firing
+  const int64_t firings = (side_steps + burst - 1) / burst;
+  const int64_t every = std::max<int64_t>(1, firings ? K2 / firings : K2);
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int mr = static_cast<int>(M / tiles + (t < M % tiles));
+    const int32_t* xr = x_pairs + m * x_pair_stride;
+    c10::BFloat16* yr = y + m * ldy;
+    switch (mr) {
+#define KUBELLM_TILE(R) \
+  case R: dequantized_tile<R, NB>(xr, x_pair_stride, scratch, K2, out, yr, ldy, side, side_steps, every, burst); break;
+      KUBELLM_TILE(1) KUBELLM_TILE(2) KUBELLM_TILE(3) KUBELLM_TILE(4) KUBELLM_TILE(5) KUBELLM_TILE(6)
+#undef KUBELLM_TILE
+      default: TORCH_CHECK(false, "bf16 tile: bad row tile ", mr);
+    }
+    m += mr;
+  }
+  side.finish();
+}
+
+// y[M, N] (row stride ldy) = x[M, K] (as bf16 pairs, K2 = K / 2 of them per row) times the weight, in work
+// items of up to 4 blocks of 16 channels split evenly over the threads; each thread dequantizes item i + 1 into
+// one of its two scratches while it multiplies item i from the other.
+//   make_side(first_block, blocks, scratch, constants) -> Side: item's dequantization, nothing done yet;
+//     `constants` is room for constants_per_block __m512 per block (shared by the thread's items: an item's
+//     are written only once the item before it is fully dequantized).
+//   output_of(first_block, blocks) -> TileOutput of the item.
+template <class Side, class MakeSide, class OutputOf>
+void dequantized_gemm(int64_t M, const int32_t* x_pairs, int64_t x_pair_stride, int64_t K2, int64_t NBLK,
+                      int64_t constants_per_block, const MakeSide& make_side, const OutputOf& output_of,
+                      c10::BFloat16* y, int64_t ldy) {
+  const int nb = blocks_per_item(NBLK, 4);
+  at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
+    const int64_t scratch_vectors = K2 * nb;
+    auto* buffers = static_cast<__m512i*>(
+        std::aligned_alloc(64, (2 * scratch_vectors + constants_per_block * nb) * sizeof(__m512i)));
+    auto* constants = reinterpret_cast<__m512*>(buffers + 2 * scratch_vectors);
+    auto item = [&](int64_t it) {
+      const int64_t blk = it * nb;
+      return make_side(blk, static_cast<int>(std::min<int64_t>(nb, NBLK - blk)),
+                       buffers + (it - begin) % 2 * scratch_vectors, constants);
+    };
+    Side current = item(begin);
+    current.finish();
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t blk = it * nb;
+      const __m512i* scratch = current.scratch;
+      const int n = current.nb;
+      Side next = it + 1 < end ? item(it + 1) : Side{};
+      const TileOutput out = output_of(blk, n);
+#define KUBELLM_ITEM(B) item_rows<B>(M, x_pairs, x_pair_stride, scratch, K2, out, y + blk * 16, ldy, next)
+      switch (n) {
+        case 4: KUBELLM_ITEM(4); break;
+        case 3: KUBELLM_ITEM(3); break;
+        case 2: KUBELLM_ITEM(2); break;
+        default: KUBELLM_ITEM(1); break;
+      }
+#undef KUBELLM_ITEM
+      current = next;
+    }
+    std::free(buffers);
+  });
+}
+
+// The 8-bit weights' dequantization ([N/16][K/2][16][2] int8, the layout both 8-bit kernels pack), one pair of
+// inputs of one block (32 weights) a step, block by block within each pair (counters rather than divisions:
+// this runs inside the GEMM's inner loop). kWiden keeps q as it is (exact; the caller scales per channel in
+// TileOutput); kScale and kScaleZero write the bf16 of q * s and (q - z) * s, computed in float32 as the
+// references do, with s and z per group and block from `sc` (pair_lane_constants of {s, z}).
+enum class Int8Weights { kWiden, kScale, kScaleZero };
+
+template <Int8Weights kMode>
+struct Int8Dequantization {
+  const int8_t* w = nullptr;  // the item's first block
+  int64_t w_block_stride = 0, group_pairs = 1;
+  const __m512* sc = nullptr;
+  __m512i* scratch = nullptr;
+  int nb = 1;
+  int64_t left = 0;  // steps still to do
+  int64_t kp = 0, g = 0, in_group = 0;
+  int b = 0;
+
+  __attribute__((always_inline)) void step() {
+    const int8_t* src = w + b * w_block_stride + kp * 32;
+    __m512i pairs;
+    if constexpr (kMode == Int8Weights::kWiden) {
+      pairs = widen_int8_pairs(src);
+    } else {
+      __m512 lo, hi;
+      widen_int8_pairs(src, lo, hi);
+      const __m512* c = sc + (g * nb + b) * 4;
+      if constexpr (kMode == Int8Weights::kScaleZero) {
+        lo = _mm512_sub_ps(lo, c[1]);
+        hi = _mm512_sub_ps(hi, c[3]);
+      }
+      pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, c[2]), _mm512_mul_ps(lo, c[0]));
+    }
+    _mm512_store_si512(scratch + kp * nb + b, pairs);
+    --left;
+    if (++b == nb) {
+      b = 0;
+      ++kp;
+      if (++in_group == group_pairs) in_group = 0, ++g;
+    }
+  }
+  void finish() {
+    while (left > 0) step();
+  }
+};
 #endif
 
 }  // namespace tiles

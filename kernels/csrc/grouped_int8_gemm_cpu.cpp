@@ -7,7 +7,12 @@
 // Why: the 8-bit formats keep a scale per 16..128 inputs, which the per-channel int8 kernel cannot take. The
 // inner loop is the int8 kernel's (each int8 widened to bf16 in registers, exact; vdpbf16ps products, float32
 // sums) run per group, and the scale and zero point are applied once per group to the group's partial sum,
-// using the row's sum of x over the group (computed once per call, only when there are zero points).
+// using the row's sum of x over the group (computed once per call, only when there are zero points). That is
+// the path for few rows; from kDequantMinRows rows it cost more than the narrower reads save (0.77-0.97x bf16
+// at 64 and 256 rows: the widening repeated per tile of 12 rows, the epilogue per row, block and group), so
+// each work item's weights are dequantized once per call to bf16 (q - z) * s and the rows run a plain bf16
+// GEMM over them (tiles::dequantized_gemm). Those weights are rounded to bf16 before the products, as a bf16
+// model's are; per channel without zero points the scale stays in the epilogue and the result is exact.
 //
 // Layout (kernels/cpu_grouped_int8_gemm.py packs it once): [ceil(N/16)][K/2][16][2] int8, the int8 kernel's
 // order; the last block's missing channels are zero and never stored. Scales and zero points [K/group][N].
@@ -40,14 +45,7 @@ bool grouped_int8_gemm_available() {
 
 #ifdef KUBELLM_GROUPED_INT8_GEMM
 constexpr int kMaxRowsG8 = 12;  // MR x NB group sums + MR x NB outputs + NB weights + a broadcast <= 32 zmm
-
-// 32 int8 = 16 channels' (q[k], q[k+1]) pairs → 16 lanes of bf16 pairs (exact: |q| <= 128 needs 8 bits).
-inline __m512i widen_int8_pairs(const int8_t* src) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-  const __m512 hi =
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
+constexpr int64_t kDequantMinRowsG8 = 16;  // from here on the dequantizing path (benchmarks/README.md)
 
 // MR rows x NB blocks of 16 outputs; `tail` masks the channels of the last block that exist (0xFFFF: all).
 template <int MR, int NB, bool ZP>
@@ -65,7 +63,7 @@ void micro_kernel_g8(const int32_t* x_pairs, int64_t x_pair_stride, const float*
     const int64_t kp1 = std::min(K2, kp0 + group_pairs);
     for (int64_t kp = kp0; kp < kp1; ++kp) {
       __m512i wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = widen_int8_pairs(w + b * w_block_stride + kp * 32);
+      for (int b = 0; b < NB; ++b) wv[b] = tiles::widen_int8_pairs(w + b * w_block_stride + kp * 32);
       for (int r = 0; r < MR; ++r) {
         const __m512i xb = _mm512_set1_epi32(x_pairs[r * x_pair_stride + kp]);
         for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xb, (__m512bh)wv[b]);
@@ -125,6 +123,35 @@ void run_g8(int nb, int mr, const int32_t* xr, int64_t x_pair_stride, const floa
   }
 #undef KUBELLM_NB_G8
 }
+
+// Many rows: y = x @ dequantized weights (tiles::dequantized_gemm), the dequantization as `kMode` says.
+template <tiles::Int8Weights kMode>
+void dequantized_g8(int64_t M, const int32_t* xp, int64_t x_pair_stride, const int8_t* wp, int64_t K2,
+                    int64_t NBLK, int64_t group_pairs, int64_t groups, tiles::GroupParams sp, tiles::GroupParams zpp,
+                    int64_t N, const float* bias_p, __mmask16 last_tail, c10::BFloat16* yp) {
+  using Side = tiles::Int8Dequantization<kMode>;
+  constexpr bool kWiden = kMode == tiles::Int8Weights::kWiden;
+  const int64_t w_block_stride = K2 * 32;
+  auto tail_of = [&](int64_t blk, int n) { return blk + n == NBLK ? last_tail : __mmask16(0xFFFF); };
+  auto make_side = [&](int64_t blk, int n, __m512i* scratch, __m512* sc) {
+    if constexpr (!kWiden) {  // per group and block, {s, z} in the widened lanes' order; missing channels 0
+      for (int64_t g = 0; g < groups; ++g)
+        for (int b = 0; b < n; ++b) {
+          const __mmask16 mask = b == n - 1 ? tail_of(blk, n) : __mmask16(0xFFFF);
+          const int64_t i = g * N + (blk + b) * 16;
+          tiles::pair_lane_constants(sp.load16(i, mask), zpp.data ? zpp.load16(i, mask) : _mm512_setzero_ps(),
+                                     sc + (g * n + b) * 4);
+        }
+    }
+    return Side{wp + blk * w_block_stride, w_block_stride, group_pairs, sc, scratch, n, K2 * n};
+  };
+  auto output_of = [&](int64_t blk, int n) {  // per channel without zero points: the scale applied here
+    return tiles::TileOutput{kWiden ? sp.offset(blk * 16) : tiles::GroupParams{}, bias_p ? bias_p + blk * 16 : nullptr,
+                             std::min<int64_t>(n * 16, N - blk * 16)};
+  };
+  tiles::dequantized_gemm<Side>(M, xp, x_pair_stride, K2, NBLK, kWiden ? 0 : groups * 4, make_side, output_of, yp,
+                                N);
+}
 #endif
 
 at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -159,6 +186,24 @@ at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const c10::BFloat16* xv = x.const_data_ptr<c10::BFloat16>();
+  const auto* xp = reinterpret_cast<const int32_t*>(xv);
+  const int64_t x_pair_stride = x.stride(0) / 2;
+  const int8_t* wp = packed.const_data_ptr<int8_t>();
+  c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
+  const int64_t w_block_stride = K2 * 32, group_pairs = group_size / 2;
+  const __mmask16 last_tail = N % 16 ? __mmask16((1u << (N % 16)) - 1) : __mmask16(0xFFFF);
+  if (M >= kDequantMinRowsG8) {
+    if (groups == 1 && !zp)
+      dequantized_g8<tiles::Int8Weights::kWiden>(M, xp, x_pair_stride, wp, K2, NBLK, group_pairs, groups, sp, zpp, N,
+                                                 bias_p, last_tail, yp);
+    else if (zp)
+      dequantized_g8<tiles::Int8Weights::kScaleZero>(M, xp, x_pair_stride, wp, K2, NBLK, group_pairs, groups, sp, zpp,
+                                                     N, bias_p, last_tail, yp);
+    else
+      dequantized_g8<tiles::Int8Weights::kScale>(M, xp, x_pair_stride, wp, K2, NBLK, group_pairs, groups, sp, zpp, N,
+                                                 bias_p, last_tail, yp);
+    return y;
+  }
   at::Tensor xsum_t;  // per row and group, the sum of x (only the zero points need it)
   if (zp) {
     xsum_t = at::empty({M, groups}, x.options().dtype(at::kFloat));
@@ -168,12 +213,6 @@ at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
     });
   }
   const float* xsum = zp ? xsum_t.const_data_ptr<float>() : nullptr;
-  const auto* xp = reinterpret_cast<const int32_t*>(xv);
-  const int64_t x_pair_stride = x.stride(0) / 2;
-  const int8_t* wp = packed.const_data_ptr<int8_t>();
-  c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
-  const int64_t w_block_stride = K2 * 32, group_pairs = group_size / 2;
-  const __mmask16 last_tail = N % 16 ? __mmask16((1u << (N % 16)) - 1) : __mmask16(0xFFFF);
   // As the int4 kernel: few rows, several 16-channel blocks per tile (independent dot-product chains, as many
   // as split evenly over the threads); many rows, one block and up to kMaxRowsG8 rows per tile, so each weight slice is widened once for them all.
   const int nb = M <= 2 ? tiles::blocks_per_item(NBLK, 4) : M <= 6 ? tiles::blocks_per_item(NBLK, 2) : 1;

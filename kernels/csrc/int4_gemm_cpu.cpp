@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
 #include "gemm_tiles.h"
 #include "int4_tiles.h"
@@ -64,31 +63,21 @@ void micro_kernel4(const int32_t* x_pairs, int64_t x_pair_stride, const float* x
 }
 
 // Many rows: the kernel above pays its per-group epilogue (two FMAs per row, block and group) for every row,
-// which left it ~13% behind bf16's GEMM from 32 rows up. Instead each work item's NB blocks are dequantized
-// once into a bf16 scratch laid out for vdpbf16ps, [K/2][NB][16][2], and the rows run over it as a plain bf16
-// GEMM with nothing left per group or row. The dequantization is then the only extra work; done as a pass of
-// its own it cost ~15% of the GEMM at 32 rows, so the next item's is spread over the current item's GEMM (one
-// 64-weight quad every few steps, into a second scratch), which took ~3 points off that; only a thread's first
-// item is dequantized on its own. The weights are rounded to bf16 before the products, as a bf16 model's are.
+// which left it ~13% behind bf16's GEMM from 32 rows up. Instead each work item's weights are dequantized to
+// bf16 once and the rows run a plain bf16 GEMM over them (tiles::dequantized_gemm); done as a pass of its own
+// the dequantization cost ~15% of the GEMM at 32 rows, spread over the previous item's GEMM ~3 points less.
+// The weights are rounded to bf16 before the products, as a bf16 model's are.
 constexpr int64_t kDequantMinRows = 16;  // from here on the dequantizing path (benchmarks/README.md)
-constexpr int kTileRows = 6;             // bf16 tile: 6 x 4 accumulators + 4 weights + 1 broadcast
 
 // Per group and block, the scale and offset the dequantization multiplies and adds, in the lane order of
-// dequantize_quad (channel i / 2 in lane i, channels 0-7 then 8-15): sc[(g * nb + b) * 4 + {S0, C0, S1, C1}].
+// dequantize_quad: sc[(g * nb + b) * 4 + {S0, C0, S1, C1}] (tiles::pair_lane_constants).
 void dequant_constants(tiles::GroupParams scales, tiles::GroupParams zeros, int64_t N, int64_t groups, int nb,
                        __m512* sc) {
-  const __m512i lanes_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
   for (int64_t g = 0; g < groups; ++g)
     for (int b = 0; b < nb; ++b) {
       const __m512 s = scales.load16(g * N + b * 16);
-      const __m512 s16 = _mm512_mul_ps(s, _mm512_set1_ps(16.f));
       const __m512 c = _mm512_mul_ps(_mm512_sub_ps(_mm512_set1_ps(-16.f), zeros.load16(g * N + b * 16)), s);
-      __m512* out = sc + (g * nb + b) * 4;
-      out[0] = _mm512_permutexvar_ps(lanes_lo, s16);
-      out[1] = _mm512_permutexvar_ps(lanes_lo, c);
-      out[2] = _mm512_permutexvar_ps(lanes_hi, s16);
-      out[3] = _mm512_permutexvar_ps(lanes_hi, c);
+      tiles::pair_lane_constants(_mm512_mul_ps(s, _mm512_set1_ps(16.f)), c, sc + (g * nb + b) * 4);
     }
 }
 
@@ -112,15 +101,16 @@ __attribute__((always_inline)) inline void dequantize_quad(const uint8_t* bytes,
   p23 = (__m512i)_mm512_cvtne2ps_pbh(weight(d1, 15, 1), weight(d0, 15, 0));
 }
 
-// The dequantization of one item into its scratch, a quad (64 weights) at a time, block by block within each
-// quad of inputs (counters rather than divisions: this runs inside the GEMM's inner loop).
+// The dequantization of one item into its scratch (a tiles::dequantized_gemm side), a quad (64 weights) a
+// step, block by block within each quad of inputs (counters rather than divisions: this runs inside the GEMM's
+// inner loop).
 struct Dequantization {
-  const uint8_t* w;  // the item's first block
-  int64_t w_block_stride, group_quads;
-  const __m512* sc;  // dequant_constants of the item
-  __m512i* scratch;
-  int nb;
-  int64_t left;  // quads still to do
+  const uint8_t* w = nullptr;  // the item's first block
+  int64_t w_block_stride = 0, group_quads = 1;
+  const __m512* sc = nullptr;  // dequant_constants of the item
+  __m512i* scratch = nullptr;
+  int nb = 1;
+  int64_t left = 0;  // quads still to do
   int64_t kq = 0, g = 0, in_group = 0;
   int b = 0;
 
@@ -140,47 +130,6 @@ struct Dequantization {
     while (left > 0) step();
   }
 };
-
-// MR rows over the dequantized scratch ([K/2][NB][16][2]: lines (1, NB) apart, tiles::bf16_tile); every `every`
-// pairs, one quad of `side` (the next item) is dequantized beside the products.
-template <int MR, int NB>
-void bf16_tile(const int32_t* x_pairs, int64_t x_pair_stride, const __m512i* scratch, int64_t K2, const float* bias,
-               c10::BFloat16* y, int64_t ldy, Dequantization& side, int64_t side_quads, int64_t every) {
-  __m512 acc[MR][NB];
-  const int64_t side_left = std::max<int64_t>(0, side.left - side_quads);  // what this tile leaves
-  int64_t countdown = every;
-  tiles::bf16_tile<MR, NB>(acc, x_pairs, x_pair_stride, scratch, 1, NB, K2, [&](int64_t) {
-    if (--countdown == 0) {
-      countdown = every;
-      if (side.left > side_left) side.step();
-    }
-  });
-  tiles::store_tile<MR, NB>(acc, bias, y, ldy);
-}
-
-// All M rows of one item of NB blocks, in tiles of equal size (32 rows: 6 + 6 + 5 + 5 + 5 + 5, not a last tile
-// of 2 that would keep few dot-product chains in flight), dequantizing `side` over them.
-template <int NB>
-void item_rows(int64_t M, const int32_t* x_pairs, int64_t x_pair_stride, const __m512i* scratch, int64_t K2,
-               const float* bias, c10::BFloat16* y, int64_t ldy, Dequantization& side) {
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
-  const int64_t side_quads = (side.left + tiles - 1) / tiles;  // per tile
-  const int64_t every = std::max<int64_t>(1, side_quads ? K2 / side_quads : K2);
-  for (int64_t t = 0, m = 0; t < tiles; ++t) {
-    const int mr = static_cast<int>(M / tiles + (t < M % tiles));
-    const int32_t* xr = x_pairs + m * x_pair_stride;
-    c10::BFloat16* yr = y + m * ldy;
-    switch (mr) {
-#define KUBELLM_TILE(R) \
-  case R: bf16_tile<R, NB>(xr, x_pair_stride, scratch, K2, bias, yr, ldy, side, side_quads, every); break;
-      KUBELLM_TILE(1) KUBELLM_TILE(2) KUBELLM_TILE(3) KUBELLM_TILE(4) KUBELLM_TILE(5) KUBELLM_TILE(6)
-#undef KUBELLM_TILE
-      default: TORCH_CHECK(false, "int4_gemm: bad row tile ", mr);
-    }
-    m += mr;
-  }
-  side.finish();
-}
 
 template <int NB>
 void rows_kernel4(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
@@ -233,41 +182,15 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
   const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
   if (M >= kDequantMinRows) {
-    // Items of nb blocks split evenly over the threads; each thread dequantizes item i + 1 into one of its two
-    // scratches while it multiplies item i from the other.
-    const int nb = tiles::blocks_per_item(NBLK, 4);
-    const int64_t K2 = 2 * K4;
-    at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
-      auto* buffers = static_cast<__m512i*>(std::aligned_alloc(64, 2 * K2 * nb * sizeof(__m512i)));
-      auto* sc = static_cast<__m512*>(std::aligned_alloc(64, groups * nb * 4 * sizeof(__m512)));
-      auto item = [&](int64_t it) {  // a Dequantization of item it with nothing done yet
-        const int64_t blk = it * nb;
-        const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
-        dequant_constants(sp.offset(blk * 16), zp.offset(blk * 16), N, groups, n, sc);
-        return Dequantization{wp + blk * w_block_stride, w_block_stride, group_quads, sc,
-                              buffers + (it - begin) % 2 * K2 * nb, n, K4 * n};
-      };
-      Dequantization current = item(begin);
-      current.finish();
-      for (int64_t it = begin; it < end; ++it) {
-        const int64_t blk = it * nb;
-        const __m512i* scratch = current.scratch;
-        const int n = current.nb;
-        Dequantization next = it + 1 < end ? item(it + 1) : Dequantization{nullptr, 0, 1, nullptr, nullptr, 1, 0};
-        const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
-#define KUBELLM_ITEM(B) item_rows<B>(M, xp, x_pair_stride, scratch, K2, bp, yp + blk * 16, N, next)
-        switch (n) {
-          case 4: KUBELLM_ITEM(4); break;
-          case 3: KUBELLM_ITEM(3); break;
-          case 2: KUBELLM_ITEM(2); break;
-          default: KUBELLM_ITEM(1); break;
-        }
-#undef KUBELLM_ITEM
-        current = next;
-      }
-      std::free(buffers);
-      std::free(sc);
-    });
+    auto make_side = [&](int64_t blk, int n, __m512i* scratch, __m512* sc) {
+      dequant_constants(sp.offset(blk * 16), zp.offset(blk * 16), N, groups, n, sc);
+      return Dequantization{wp + blk * w_block_stride, w_block_stride, group_quads, sc, scratch, n, K4 * n};
+    };
+    auto output_of = [&](int64_t blk, int) {
+      return tiles::TileOutput{{}, bias_p ? bias_p + blk * 16 : nullptr};
+    };
+    tiles::dequantized_gemm<Dequantization>(M, xp, x_pair_stride, 2 * K4, NBLK, groups * 4, make_side, output_of,
+                                            yp, N);
     return y;
   }
   // Per row and group, the sum of x (float32 of the bf16 values the products use).

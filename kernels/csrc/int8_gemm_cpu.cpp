@@ -9,7 +9,11 @@
 // Layout: the weight is packed once (kernels/cpu_int8_gemm.py) as [N/16][K/2][16][2]: for each block of 16
 // output channels and each pair of inputs k, 32 bytes = the 16 channels' (q[n, k], q[n, k+1]) pairs, which is
 // the operand order of vdpbf16ps. A micro-kernel keeps MR rows x NB blocks of 16 outputs in registers, widens
-// each 32-byte weight slice once for all MR rows and broadcasts each row's (x[k], x[k+1]) pair.
+// each 32-byte weight slice once for all MR rows and broadcasts each row's (x[k], x[k+1]) pair. From
+// kDequantMinRows rows that widening, repeated for every tile of 12 rows, cost more than the narrower weight
+// reads save (0.96-1.09x bf16 at 64 and 256 rows); each work item's weights are then widened once per call into
+// a bf16 scratch and the rows run a plain bf16 GEMM over it (tiles::dequantized_gemm). Both paths widen exactly
+// and apply the scale to the same float32 sums, so they give the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,9 +22,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include "gemm_tiles.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define KUBELLM_INT8_GEMM 1
 #endif
@@ -38,6 +43,7 @@ bool int8_gemm_available() {
 
 #ifdef KUBELLM_INT8_GEMM
 constexpr int kMaxRows = 12;  // MR x NB accumulators + NB weights + 1 broadcast within the 32 zmm registers
+constexpr int64_t kDequantMinRows = 16;  // from here on the widen-once path (benchmarks/README.md)
 
 template <int MR, int NB>
 void micro_kernel(const int32_t* x_pairs, int64_t x_pair_stride, const int8_t* w, int64_t w_block_stride, int64_t K2,
@@ -47,13 +53,7 @@ void micro_kernel(const int32_t* x_pairs, int64_t x_pair_stride, const int8_t* w
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K2; ++kp) {
     __m512i wv[NB];
-    for (int b = 0; b < NB; ++b) {
-      const int8_t* src = w + b * w_block_stride + kp * 32;
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-      const __m512 hi =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-      wv[b] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // element i = byte i: the (k, k+1) pair of channel i / 2
-    }
+    for (int b = 0; b < NB; ++b) wv[b] = tiles::widen_int8_pairs(w + b * w_block_stride + kp * 32);
     for (int r = 0; r < MR; ++r) {
       const __m512i xb = _mm512_set1_epi32(x_pairs[r * x_pair_stride + kp]);
       for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xb, (__m512bh)wv[b]);
@@ -111,6 +111,17 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const float* sp = scales.const_data_ptr<float>();
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
   const int64_t w_block_stride = K2 * 32;
+  if (M >= kDequantMinRows) {
+    using Widening = tiles::Int8Dequantization<tiles::Int8Weights::kWiden>;
+    auto make_side = [&](int64_t blk, int n, __m512i* scratch, __m512*) {
+      return Widening{wp + blk * w_block_stride, w_block_stride, 1, nullptr, scratch, n, K2 * n};
+    };
+    auto output_of = [&](int64_t blk, int) {
+      return tiles::TileOutput{{sp + blk * 16, false}, bias_p ? bias_p + blk * 16 : nullptr};
+    };
+    tiles::dequantized_gemm<Widening>(M, xp, x_pair_stride, K2, NBLK, 0, make_side, output_of, yp, N);
+    return y;
+  }
   // Work items: pairs of 16-channel blocks (one block for an odd tail), each over all rows, so every thread
   // streams its own slice of the weight once per row tile.
   const int64_t items = (NBLK + 1) / 2;

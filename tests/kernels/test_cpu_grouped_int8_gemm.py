@@ -20,46 +20,88 @@ def _case(m, n, k, group, seed=0, zeros=True, bias=False):
     return x, q, scales, z, b
 
 
+def _reference(x, q, scales, z, group, b=None):
+    """The float32 reference, with the weights rounded to bf16 where the kernel dequantizes them (many rows;
+    not one scale per channel without zero points, which it keeps exact)."""
+    exact = x.shape[0] < g8.DEQUANTIZE_ROWS or (z is None and group == q.shape[1])
+    rounded = torch.float32 if exact else torch.bfloat16
+    return g8.reference_grouped_int8_gemm(x, q, scales, z, group, b, weights_dtype=rounded)
+
+
 def _check(x, q, scales, z, group, b=None):
     out = g8.grouped_int8_gemm(x, g8.pack(q), scales, z, group, b)
-    ref = g8.reference_grouped_int8_gemm(x, q, scales, z, group, b)
+    ref = _reference(x, q, scales, z, group, b)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 13, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 13, 15, 16, 17, 40, 64, 300])
 @pytest.mark.parametrize(("n", "k", "group"), [(16, 128, 16), (48, 256, 32), (576, 576, 64), (80, 1536, 128),
                                                (40, 96, 96)])
 @pytest.mark.parametrize("zeros", [True, False], ids=["zeros", "symmetric"])
 def test_matches_the_reference(m, n, k, group, zeros):
-    """Row tiles of 1..12 and their remainders, odd block counts, groups 16..128 and per channel (group = K)."""
+    """Row tiles of 1..12 and their remainders, odd block counts, groups 16..128 and per channel (group = K);
+    from DEQUANTIZE_ROWS the dequantizing path (uneven row tiles, items of 1-4 blocks, several per thread)."""
     _check(*_case(m, n, k, group, seed=m + n + k, zeros=zeros)[:4], group)
 
 
 @pytest.mark.parametrize("n", [1, 7, 17, 33, 50, 63])
-@pytest.mark.parametrize("m", [1, 5, 14])
+@pytest.mark.parametrize("m", [1, 5, 14, 20])
 def test_output_counts_not_a_multiple_of_16(n, m):
     """The last 16-channel block is padded by pack; its scales, zeros and bias are read masked (N of them)."""
     x, q, scales, z, b = _case(m, n, 64, 32, seed=n, bias=True)
     _check(x, q, scales, z, 32, b)
 
 
-def test_bias_and_strided_rows():
-    x, q, scales, z, b = _case(4, 32, 256, 32, bias=True)
-    wide = torch.zeros(4, 300, dtype=torch.bfloat16)
+@pytest.mark.parametrize("m", [4, 20])  # both paths
+@pytest.mark.parametrize(("group", "zeros"), [(32, True), (256, False)], ids=["g32-zeros", "channel"])
+def test_bias_and_strided_rows(m, group, zeros):
+    x, q, scales, z, b = _case(m, 32, 256, group, zeros=zeros, bias=True)
+    wide = torch.zeros(m, 300, dtype=torch.bfloat16)
     wide[:, :256] = x
-    out = g8.grouped_int8_gemm(wide[:, :256], g8.pack(q), scales, z, 32, b)
-    torch.testing.assert_close(out.float(), g8.reference_grouped_int8_gemm(x, q, scales, z, 32, b).float(),
-                               rtol=1e-2, atol=1e-2)
+    out = g8.grouped_int8_gemm(wide[:, :256], g8.pack(q), scales, z, group, b)
+    torch.testing.assert_close(out.float(), _reference(x, q, scales, z, group, b).float(), rtol=1e-2, atol=1e-2)
 
 
-def test_extreme_values_are_exact():
-    """-128 and 127 widen to bf16 exactly: a one-hot x reads back the weight column times its scale."""
-    q = torch.tensor([[-128, 127] * 16] * 16, dtype=torch.int8)
-    x = torch.zeros(1, 32, dtype=torch.bfloat16)
-    x[0, 1] = 1.0
-    out = g8.grouped_int8_gemm(x, g8.pack(q), torch.full((1, 16), 0.5), None, 32)
-    assert torch.equal(out, torch.full((1, 16), 63.5, dtype=torch.bfloat16))
+@pytest.mark.parametrize("m", [1, 16])  # both paths
+@pytest.mark.parametrize("group", [32, 64], ids=["grouped", "channel"])
+def test_extreme_values_are_exact(m, group):
+    """-128 and 127 widen (and dequantize) to bf16 exactly: a one-hot x reads back the weight column times its
+    scale; with zero point -128 the 255 steps of an unsigned 8-bit format come back exactly too."""
+    q = torch.tensor([[-128, 127] * 32] * 16, dtype=torch.int8)
+    x = torch.zeros(m, 64, dtype=torch.bfloat16)
+    x[:, 1] = 1.0
+    scales = torch.full((64 // group, 16), 0.5)
+    out = g8.grouped_int8_gemm(x, g8.pack(q), scales, None, group)
+    assert torch.equal(out, torch.full((m, 16), 63.5, dtype=torch.bfloat16))
+    out = g8.grouped_int8_gemm(x, g8.pack(q), scales, torch.full_like(scales, -128.0), group)
+    assert torch.equal(out, torch.full((m, 16), 127.5, dtype=torch.bfloat16))
+
+
+def test_the_bf16_rounding_is_the_only_difference_between_the_paths():
+    """Rows alone (weights as stored) and in a batch (dequantized to bf16) against the float32 reference: both
+    within bf16 of it (rtol 2^-7 is 2 bf16 ulps of the output, the batch's weights add ~2^-9 relative each), and the
+    batch closer to the reference that rounds the weights as it does."""
+    x, q, scales, z, _ = _case(24, 96, 576, 32, seed=3)
+    packed = g8.pack(q)
+    batch = g8.grouped_int8_gemm(x, packed, scales, z, 32).float()
+    alone = torch.cat([g8.grouped_int8_gemm(x[i:i + 1], packed, scales, z, 32) for i in range(24)]).float()
+    exact = g8.reference_grouped_int8_gemm(x, q, scales, z, 32).float()
+    rounded = g8.reference_grouped_int8_gemm(x, q, scales, z, 32, weights_dtype=torch.bfloat16).float()
+    for out in (batch, alone):
+        torch.testing.assert_close(out, exact, rtol=2**-7, atol=2e-2)
+    assert (batch - rounded).abs().mean() < (batch - exact).abs().mean()
+
+
+def test_one_scale_per_channel_gives_a_row_the_same_bits_alone_or_in_a_batch():
+    """Per channel without zero points the batch path keeps the int8 weights exact and scales the float32 sums,
+    as the few-rows path does (compressed-tensors W8A16 channel: decode and prefill agree). (With a bias the
+    few-rows path rounds once more, scale then bias; the batch adds it in the same FMA.)"""
+    x, q, scales, _, _ = _case(40, 50, 576, 576, seed=4, zeros=False)
+    packed = g8.pack(q)
+    batch = g8.grouped_int8_gemm(x, packed, scales, None, 576)
+    alone = torch.cat([g8.grouped_int8_gemm(x[i:i + 1], packed, scales, None, 576) for i in range(40)])
+    assert torch.equal(batch, alone)
 
 
 def test_pack_layout():
@@ -71,7 +113,7 @@ def test_pack_layout():
 
 
 @pytest.mark.parametrize("zeros", [True, False], ids=["zeros", "symmetric"])
-@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("m", [1, 7, 20])
 def test_float16_scales_and_zeros_give_the_float32_result_bit_for_bit(m, zeros):
     """float16 scales and zero points (GGUF's d, fp16 checkpoint scales) widened in the kernel give exactly what
     the same values in float32 give, 40 channels included (a masked partial last block)."""

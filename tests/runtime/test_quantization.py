@@ -103,33 +103,6 @@ def test_triton_int8_kernel_and_its_start_up_check(dtype, monkeypatch):
     assert "int8 GEMM differs from its reference" in triton_check.check_int8_gemm(device, dtype)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (12, 64, 16), (13, 576, 3072), (40, 1536, 48), (7, 2, 32)])
-def test_native_int8_kernel_matches_its_reference(native_int8, m, k, n):
-    """Row tiles of 12 plus a remainder, an odd number of 16-channel blocks (48 = 3), a single input pair."""
-    g = torch.Generator().manual_seed(m * n)
-    x = torch.randn(m, k, generator=g).bfloat16()
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scales = torch.rand(n, generator=g) / 50
-    bias = torch.randn(n, generator=g)
-    for b in (None, bias):
-        out = cpu_int8_gemm.int8_gemm(x, cpu_int8_gemm.pack(q), scales, b)
-        ref = cpu_int8_gemm.reference_int8_gemm(x, q, scales, b)
-        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=2**-7)  # one bf16 rounding
-    strided = torch.randn(m, k + 2, generator=g).bfloat16()[:, :k]  # rows of a wider buffer (fused outputs)
-    torch.testing.assert_close(cpu_int8_gemm.int8_gemm(strided, cpu_int8_gemm.pack(q), scales, None).float(),
-                               cpu_int8_gemm.reference_int8_gemm(strided, q, scales).float(), atol=1e-2, rtol=2**-7)
-
-
-def test_native_int8_kernel_refuses_bad_shapes_and_dtypes(native_int8):
-    q = cpu_int8_gemm.pack(torch.zeros(32, 8, dtype=torch.int8))
-    with pytest.raises(RuntimeError, match="x has 6 columns, the weight 8"):
-        cpu_int8_gemm.int8_gemm(torch.zeros(2, 6, dtype=torch.bfloat16), q, torch.ones(32))
-    with pytest.raises(RuntimeError, match="x must be \\[M, K\\] bfloat16"):
-        cpu_int8_gemm.int8_gemm(torch.zeros(2, 8), q, torch.ones(32))
-    with pytest.raises(RuntimeError, match="scales must be \\[N\\] float32"):
-        cpu_int8_gemm.int8_gemm(torch.zeros(2, 8, dtype=torch.bfloat16), q, torch.ones(16))
-
-
 def _dequantized_twin(model_dir, out_dir, method="int8"):
     """A copy of the checkpoint whose decoder linear weights are what ``method`` makes of them."""
     shutil.copytree(model_dir, out_dir)

@@ -213,11 +213,12 @@ class EagleProposer:
 
     def __init__(self, head: EagleHead, head_cfg: ModelConfig, target: LlamaForCausalLM, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: str, num_speculative_tokens: int, vocab_size: int,
-                 max_num_seqs: int, kernels: KernelChoice, give_up_after: int = 2):
+                 max_num_seqs: int, kernels: KernelChoice, max_model_len: int, give_up_after: int = 2):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.k, self.vocab_size, self.block_size, self.num_blocks = (num_speculative_tokens, vocab_size, block_size,
                                                                      num_blocks)
+        self.max_model_len = max_model_len
         # Chained drafts past a sequence's blocks go to scratch blocks after the pool's end, a fixed set per row.
         self.scratch_per_row = max(1, -(-(num_speculative_tokens - 1) // block_size))
         scratch = max_num_seqs * self.scratch_per_row
@@ -262,7 +263,7 @@ class EagleProposer:
             computed = seq.num_computed_tokens  # already advanced by postprocess
             views.append(ScheduledSeq(_HeadView(seq.token_ids[1 : computed + 1], seq.block_table, computed - n), n))
             rows.append(torch.arange(starts[i], starts[i] + n))
-            if len(seq) == computed + 1 and speculable(seq) and not self.backoff.paused(seq):
+            if len(seq) == computed + 1 and speculable(seq) and self._room(seq) > 0 and not self.backoff.paused(seq):
                 drafting.append(i)
         if not views:
             return
@@ -277,29 +278,40 @@ class EagleProposer:
             return
         seqs = [batch[i].seq for i in drafting]
         params = [seq.sampling_params for seq in seqs]
+        wanted = [min(self.k, self._room(seq)) for seq in seqs]  # chained positions stay inside the context
         sel = torch.tensor([last_rows[i] for i in drafting], device=out.device)
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         chain = [ScheduledSeq(self._chain_view(seq, r), 1) for r, seq in enumerate(seqs)]
-        for step in range(self.k):
+        active = list(range(len(seqs)))  # rows still drafting, in the order of out's selected rows
+        while True:
             h = out.index_select(0, sel)
-            drawn, q = draw_drafts(self.target.compute_logits(h), params, self.vocab_size)
-            for r, t in enumerate(drawn):
-                tokens[r].append(t)
-                if q is not None and q[r] is not None:
-                    probs[r].append(q[r])
-            if step == self.k - 1:
+            drawn, q = draw_drafts(self.target.compute_logits(h), [params[r] for r in active], self.vocab_size)
+            for j, r in enumerate(active):
+                tokens[r].append(drawn[j])
+                if q is not None and q[j] is not None:
+                    probs[r].append(q[j])
+            going = [j for j, r in enumerate(active) if len(tokens[r]) < wanted[r]]
+            if not going:
                 break
-            for r, c in enumerate(chain):  # the next pair: (the draft, the head's own hidden state)
-                v = c.seq
-                v.num_computed_tokens = batch[drafting[r]].seq.num_computed_tokens + step
+            active = [active[j] for j in going]
+            for r in active:  # the next pair: (the draft, the head's own hidden state)
+                v = chain[r].seq
+                v.num_computed_tokens = seqs[r].num_computed_tokens + len(tokens[r]) - 1
                 del v.token_ids[v.num_computed_tokens :]
-                v.token_ids.append(drawn[r])
-            input_ids, positions, meta, last_rows = self.runner.prepare(chain)
-            out = self.head(input_ids, positions, meta, h)
+                v.token_ids.append(tokens[r][-1])
+            input_ids, positions, meta, last_rows = self.runner.prepare([chain[r] for r in active])
+            out = self.head(input_ids, positions, meta, h.index_select(0, torch.tensor(going, device=h.device)))
             sel = torch.tensor(last_rows, device=out.device)
         for seq, t, p in zip(seqs, tokens, probs, strict=True):
             self._drafts[seq.seq_id] = Draft(t, torch.stack(p) if p else None)
+
+    def _room(self, seq: Sequence) -> int:
+        """Draft tokens ``seq`` can still take (its context length and max_tokens, as the Speculator counts)."""
+        room = self.max_model_len - len(seq) - 1
+        if seq.sampling_params.max_tokens is not None:
+            room = min(room, seq.sampling_params.max_tokens - seq.num_output_tokens - 1)
+        return room
 
     def _chain_view(self, seq: Sequence, row: int) -> _HeadView:
         """The view chained drafts run on: the sequence's blocks, then this row's scratch blocks as needed."""

@@ -174,7 +174,7 @@ class LLMEngine:
         elif head is not None:
             proposer = EagleProposer(head[0], head[1], model, num_blocks, config.block_size, config.dtype,
                                      self.tp.device, config.num_speculative_tokens, self.model_config.vocab_size,
-                                     config.max_num_seqs, self.kernels)
+                                     config.max_num_seqs, self.kernels, self.max_model_len)
             self.speculator = Speculator(proposer, self.block_manager, self.max_model_len)
             self.runner.keep_hidden = True
         self.eagle = proposer if head is not None else None

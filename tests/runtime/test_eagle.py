@@ -145,3 +145,14 @@ def test_a_head_with_a_wrongly_shaped_layer_is_refused_with_the_tensors_name(cyc
 def test_eagle_needs_a_head():
     with pytest.raises(ValueError, match="--speculative-method eagle needs --speculative-model PATH"):
         EngineConfig(model="m", speculative_method="eagle")
+
+
+def test_drafts_stop_at_the_context_length(cycle_model, echo_head):
+    """Chained drafts near max_model_len would run past the rotary table: each row drafts only its room."""
+    prompt = (CYCLE * 9)[:240]
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    plain = _llm(cycle_model).generate([prompt], params, use_tqdm=False)[0]
+    spec = _llm(cycle_model, echo_head)
+    fast = spec.generate([prompt], params, use_tqdm=False)[0]
+    assert fast.token_ids == plain.token_ids and len(fast.token_ids) == 256 - 240
+    assert spec.engine.stats().speculation.num_accepted_tokens > 0

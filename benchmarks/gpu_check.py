@@ -1,7 +1,8 @@
 """One-command GPU verification: `make gpu-check` (or `python benchmarks/gpu_check.py`) on a CUDA machine.
 
-1. Kernels: every Triton kernel (paged decode and prefill attention, int8 and int4 weight-only GEMMs)
-   against its PyTorch reference at Llama-3-8B / Qwen3-8B layer shapes (benchmarks/gpu_check_kernels.py).
+1. Kernels: every Triton kernel (paged decode and prefill attention, the int8 GEMM, the grouped 4/8-bit GEMM
+   on --quantization int4's weights and on pre-quantized forms, FP8) against its PyTorch reference at
+   Llama-3-8B / Qwen3-8B layer shapes (benchmarks/gpu_check_kernels.py).
 2. Kernel timing: decode GB/s against the device's peak bandwidth, prefill TFLOP/s against torch SDPA (and
    FlashAttention when installed), the GEMMs against cuBLAS bf16.
 3. Engine: greedy parity of the demo model (smollm2) and a random ~1B Llama on the device against the CPU

@@ -15,7 +15,9 @@ speed and reported only to exercise the code):
   against the device's peak memory bandwidth (:func:`peak_bandwidth`);
 * prefill: causal attention FLOP/s (4 · heads · head_dim · visible (query, key) pairs) against torch SDPA
   over the same tensors, and FlashAttention's ``flash_attn_func`` when it imports;
-* int8 / int4 weight-only GEMMs: time against cuBLAS ``torch.matmul`` on the bf16 weight they quantize;
+* ``--quantization int8`` / ``int4`` GEMMs (the int8 kernel; int4 is the grouped 4-bit GEMM on the runtime's own
+  int4 weights, groups of 32 with float zero points): time against cuBLAS ``torch.matmul`` on the bf16 weight
+  they quantize;
 * pre-quantized GEMMs (grouped 4-bit asymmetric g128 as AWQ/GPTQ store it, the same with act-order, grouped
   8-bit g128, FP8 per channel and per 128x128 block): likewise, from the same bf16 weight quantized by
   :func:`prequantized_weights` into each format's form.
@@ -33,17 +35,11 @@ import torch
 import torch.nn.functional as F
 from gpu_check_report import Check, Section, Table
 
-from kubellm.kernels import (
-    int4_weights,
-    triton_fp8_gemm,
-    triton_grouped_gemm,
-    triton_int4_gemm,
-    triton_int8_gemm,
-)
+from kubellm.kernels import triton_fp8_gemm, triton_grouped_gemm, triton_int8_gemm
 from kubellm.kernels import triton_paged_attention as decode
 from kubellm.kernels import triton_prefill_attention as prefill
 from kubellm.runtime.prequantized import QuantizedWeight
-from kubellm.runtime.quantization import int4_group, quantize_int8
+from kubellm.runtime.quantization import int4_group, quantize_int4, quantize_int8
 
 # (atol, rtol) per activation dtype: float32 to accumulation-order noise; bf16/fp16 to a few ulps of the
 # output's own rounding (the kernels write their dtype, the reference stays float32).
@@ -210,34 +206,34 @@ def prefill_case(queries: int, keys: int, shape: AttentionShape, dtype: torch.dt
 
 @dataclass
 class GemmWeights:
-    """One layer's weight ``[N, K]`` in bf16 and in the two weight-only forms the runtime serves."""
+    """One layer's weight ``[N, K]`` in bf16 and in the two weight-only forms the runtime computes from it."""
 
     bf16: torch.Tensor
     q8: torch.Tensor  # int8 [N, K]
     s8: torch.Tensor  # float32 [N]
-    p4: torch.Tensor  # uint8 [N, K/2], two signed nibbles per byte
-    s4: torch.Tensor  # float32 [N, K/group]
-    group: int
+    int4: triton_grouped_gemm.GroupedWeight  # 4-bit, groups of 32, float zero points
 
 
 def gemm_weights(shape: GemmShape, device: str, seed: int = 0) -> GemmWeights:
-    """A bf16 weight with a trained layer's scale (std 0.02): int8 by the runtime's own quantizer (what
-    ``--quantization int8`` serves), int4 in ``triton_int4_gemm``'s symmetric form (``--quantization int4`` now
-    runs the grouped 4-bit GEMM of :func:`prequantized_weights` instead)."""
+    """A bf16 weight with a trained layer's scale (std 0.02), quantized by the runtime's own quantizers: what
+    ``--quantization int8`` serves, and what ``--quantization int4`` serves through the grouped 4-bit GEMM."""
     torch.manual_seed(seed)
     w = (0.02 * torch.randn(shape.n, shape.k, device=device)).to(torch.bfloat16)
-    group = 128 if shape.k % 128 == 0 else 64
-    return GemmWeights(w, *quantize_int8(w), *_symmetric_int4(w, group), group)
+    int4 = triton_grouped_gemm.pack(quantize_int4(w, int4_group(shape.k)), 4)
+    return GemmWeights(w, *quantize_int8(w), int4)
 
 
-def _symmetric_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Signed 4-bit values with one ``max|w| / 7`` scale per (output, group), packed two per byte."""
-    n, k = w.shape
-    g = w.float().view(n, k // group, group)
-    scales = g.abs().amax(dim=2) / 7.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(g / scales[:, :, None]).clamp_(-8, 7).view(n, k)
-    return int4_weights.pack_int4(q), scales
+def _int4_call(x: torch.Tensor, w: triton_grouped_gemm.GroupedWeight) -> torch.Tensor:
+    return triton_grouped_gemm.grouped_gemm(x, w.packed, w.scales, w.zeros, w.perm, None, w.group, w.bits)
+
+
+def _int4_reference(x: torch.Tensor, w: triton_grouped_gemm.GroupedWeight) -> torch.Tensor:
+    return triton_grouped_gemm.reference_grouped_gemm(x, w.packed, w.scales, w.zeros, w.perm, None, w.group, w.bits)
+
+
+def _int4_bytes(w: triton_grouped_gemm.GroupedWeight) -> int:
+    """What one call reads: packed words, scales and zero points."""
+    return sum(t.numel() * t.element_size() for t in (w.packed, w.scales, w.zeros) if t is not None)
 
 
 def quantize_grouped(w: torch.Tensor, bits: int, group: int, act_order: bool = False,
@@ -364,9 +360,8 @@ def check_kernels(section: Section, sweep: Sweep, device: str) -> None:
                 "int8 GEMM", case, dtype, partial(triton_int8_gemm.int8_gemm, x, w.q8, w.s8),
                 partial(triton_int8_gemm.reference_int8_gemm, x.float(), w.q8, w.s8)))
             section.checks.append(compare(
-                "int4 GEMM", f"{case}, group {w.group}", dtype,
-                partial(triton_int4_gemm.int4_gemm, x, w.p4, w.s4, w.group),
-                partial(triton_int4_gemm.reference_int4_gemm, x.float(), w.p4, w.s4, w.group)))
+                "int4 GEMM", f"{case}, grouped 4-bit GEMM, group {w.int4.group}, zeros", dtype,
+                partial(_int4_call, x, w.int4), partial(_int4_reference, x.float(), w.int4)))
         prequantized = prequantized_weights(w.bf16)
         for rows, dtype in _dtype_cases(sweep, sweep.gemm_rows):
             x = _activations(rows, g.k, dtype, device)
@@ -486,15 +481,16 @@ def time_gemms(section: Section, sweep: Sweep, device: str) -> None:
                   ["layer", "M", "bf16 matmul (us)", "int8 (us)", "int4 (us)", "int8 speed-up", "int4 speed-up",
                    "int4 weight GB/s"],
                   notes=["speed-up: bf16 time / kernel time (> 1: faster than cuBLAS on the unquantized weight)",
-                         "int4 weight GB/s: packed weight bytes + scales per call (the floor at small M)"])
+                         "int4: the grouped 4-bit GEMM on --quantization int4's weights (groups of 32, zero points)",
+                         "int4 weight GB/s: packed weight + scales + zeros per call (the floor at small M)"])
     for g in sweep.gemms:
         w = gemm_weights(g, device)
         for rows in sweep.gemm_rows:
             x = _activations(rows, g.k, dtype, device)
             bf16 = measure_ms(partial(torch.matmul, x, w.bf16.T), device)
             i8 = measure_ms(partial(triton_int8_gemm.int8_gemm, x, w.q8, w.s8), device)
-            i4 = measure_ms(partial(triton_int4_gemm.int4_gemm, x, w.p4, w.s4, w.group), device)
-            i4_bytes = w.p4.numel() + 4 * w.s4.numel()
+            i4 = measure_ms(partial(_int4_call, x, w.int4), device)
+            i4_bytes = _int4_bytes(w.int4)
             table.rows.append([g.name, str(rows), _fmt(bf16 * 1e3), _fmt(i8 * 1e3), _fmt(i4 * 1e3),
                                _fmt(bf16 / i8, 2), _fmt(bf16 / i4, 2), _fmt(i4_bytes / (i4 * 1e-3) / 1e9)])
         del w

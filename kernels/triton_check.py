@@ -1,8 +1,7 @@
 """Start-up self-checks for the Triton kernels: compile them for the model's shapes and dtype on the serving
 device, run each once on a small random case and compare with its PyTorch reference (:func:`check` for
 attention, :func:`check_int8_gemm` for ``--quantization int8``, :func:`check_grouped_gemm` for 4/8-bit
-checkpoints and ``--quantization int4``, :func:`check_fp8_gemm` for FP8; :func:`check_int4_gemm` covers the
-symmetric int4 kernel only the GPU kit still measures).
+checkpoints and ``--quantization int4``, :func:`check_fp8_gemm` for FP8).
 
 It costs one compile and a few milliseconds, and turns a kernel that fails to build or computes wrong on this
 GPU / driver / Triton version into a logged fallback to the reference backend (``auto``) or a clear start-up
@@ -88,20 +87,6 @@ def check_int8_gemm(device: str, dtype: torch.dtype) -> str | None:
     return _compare("int8 GEMM", device, dtype,
                     lambda: triton_int8_gemm.int8_gemm(*(t.to(device) for t in (x, q, scales, bias))),
                     lambda: triton_int8_gemm.reference_int8_gemm(x, q, scales, bias), relative=True)
-
-
-def check_int4_gemm(device: str, dtype: torch.dtype) -> str | None:
-    """The weight-only int4 GEMM kernel against its reference on ``device``; None when it matches."""
-    from kubellm.kernels import triton_int4_gemm
-
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(20, 256, generator=gen).to(dtype)  # two groups of 128, partial row and column tiles
-    packed = torch.randint(0, 256, (72, 128), generator=gen, dtype=torch.uint8)
-    scales, bias = torch.rand(72, 2, generator=gen) / 10, torch.randn(72, generator=gen)
-    return _compare("int4 GEMM", device, dtype,
-                    lambda: triton_int4_gemm.int4_gemm(*(t.to(device) for t in (x, packed, scales)), 128,
-                                                       bias.to(device)),
-                    lambda: triton_int4_gemm.reference_int4_gemm(x, packed, scales, 128, bias), relative=True)
 
 
 def check_grouped_gemm(device: str, dtype: torch.dtype, bits: int) -> str | None:

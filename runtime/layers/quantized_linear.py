@@ -269,5 +269,5 @@ def _narrow(t: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """``int4_weights.pack_int4``'s bytes back to unsigned 0..15 (its ``unpack_int4`` sign-extends)."""
+    """``int4_weights.pack_int4``'s bytes back to unsigned 0..15."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)

@@ -24,7 +24,7 @@ import gpu_check_kernels as kernels  # noqa: E402
 from cuda_graph_stand_ins import RecordingCapture, StaleCapture  # noqa: E402
 from gpu_check_report import Report  # noqa: E402
 
-from kubellm.kernels import triton_fp8_gemm, triton_grouped_gemm, triton_int4_gemm  # noqa: E402
+from kubellm.kernels import triton_fp8_gemm, triton_grouped_gemm, triton_int8_gemm  # noqa: E402
 from kubellm.kernels import triton_paged_attention as tpa  # noqa: E402
 
 
@@ -73,22 +73,24 @@ def test_a_kernel_that_raises_fails_its_check_with_the_exception(tmp_path, monke
     def broken(*args, **kwargs):
         raise RuntimeError("PTX assembly aborted")
 
-    monkeypatch.setattr(triton_int4_gemm, "int4_gemm", broken)
+    monkeypatch.setattr(triton_int8_gemm, "int8_gemm", broken)
     argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs"]
     assert gpu_check.main(argv) == 1
     failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
-    assert failures.count("int4 GEMM") == 2  # float32 and bfloat16
+    assert failures.count("int8 GEMM") == 2  # float32 and bfloat16
     assert "the kernel raised RuntimeError: PTX assembly aborted" in failures
 
 
 @pytest.mark.parametrize("module,function,failing,form", [
-    (triton_grouped_gemm, "grouped_gemm", {"grouped 4-bit GEMM": 2, "grouped 8-bit GEMM": 1}, "act-order"),
+    (triton_grouped_gemm, "grouped_gemm", {"grouped 4-bit GEMM": 2, "grouped 8-bit GEMM": 1, "int4 GEMM": 1},
+     "act-order"),
     (triton_fp8_gemm, "fp8_gemm", {"FP8 GEMM": 2}, "128x128 blocks"),
 ])
 def test_a_wrong_pre_quantized_gemm_fails_each_of_its_forms_and_nothing_else(module, function, failing, form,
                                                                             tmp_path, monkeypatch):
-    """1% off: every form the kernel serves fails in float32 (act-order and plain 4-bit, 8-bit; FP8 per channel
-    and per block) with its error, and nothing else does (1% is inside bfloat16's tolerance)."""
+    """1% off: every form the kernel serves fails in float32 (act-order and plain 4-bit, 8-bit, and the int4
+    check, which is the grouped 4-bit GEMM on --quantization int4's weights; FP8 per channel and per block) with
+    its error, and nothing else does (1% is inside bfloat16's tolerance)."""
     sound = getattr(module, function)
     monkeypatch.setattr(module, function, lambda *a, **k: sound(*a, **k) * 1.01)
     argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs"]

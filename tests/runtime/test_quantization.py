@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from test_engine_parity import _engine, _prompts, _run_and_compare, tiny_mixtral  # noqa: F401 (fixture)
 from torch import nn
 
-from kubellm.kernels import cpu_int8_gemm, int4_weights
+from kubellm.kernels import cpu_int8_gemm
 from kubellm.runtime.config import EngineConfig
 from kubellm.runtime.quantization import (
     Int8Linear,
@@ -235,26 +235,6 @@ def test_int4_layer_on_cuda_runs_the_triton_grouped_gemm_on_the_same_weights(dty
     expected = nn.functional.linear(x.float(), weight, linear.bias.detach().float().cpu())
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.02, "rtol": 1.6e-2}
     torch.testing.assert_close(layer(x.to(device)).float().cpu(), expected, **tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_triton_int4_kernel_and_its_start_up_check(dtype, monkeypatch):
-    from kubellm.kernels import triton_check, triton_int4_gemm
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(19, 128, generator=g).to(dtype)
-    packed = torch.randint(0, 256, (33, 64), generator=g, dtype=torch.uint8)
-    scales, bias = torch.rand(33, 4, generator=g) / 10, torch.randn(33, generator=g)
-    for b in (None, bias):
-        out = triton_int4_gemm.int4_gemm(*(t.to(device) for t in (x, packed, scales)), 32,
-                                         None if b is None else b.to(device), block_n=16, block_k=32).cpu()
-        ref = int4_weights.reference_int4_gemm(x, packed, scales, 32, b)
-        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=2**-7)
-    assert triton_check.check_int4_gemm(device, dtype) is None
-    sound = triton_int4_gemm.int4_gemm
-    monkeypatch.setattr(triton_int4_gemm, "int4_gemm", lambda *a, **k: sound(*a, **k) * 1.05)
-    assert "int4 GEMM differs from its reference" in triton_check.check_int4_gemm(device, dtype)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_mixtral"])

@@ -11,13 +11,15 @@ Proposers (one engine each, built side by side from the same folder, plus one wi
                 tokenizer (a draft that is almost never right: what a useless draft costs after back-off)
   draft-same    the target itself as its own draft: every draft right (the upper bound of what acceptance buys
                 when the draft costs as much as the target)
+  eagle         an EAGLE-1 head (--speculative-method eagle) from --eagle-head PATH, e.g. the one
+                benchmarks/train_eagle_head.py self-distils for the demo model
 
 Each request runs alone (batch 1: one at a time, sequentially), greedy, the same max_tokens. In float32 greedy
 output must be identical (checked: exit 1 otherwise); in bf16 it is not even batch-invariant without
 speculation. The table gives output tok/s, the ratio, and the draft acceptance rate. Run:
 
   .venv/bin/python benchmarks/speculative.py [--model smollm2] [--ngram 3] [--k 4] [--max-tokens 128]
-      [--proposers ngram,draft-random,draft-same] [--draft-layers 2]
+      [--proposers ngram,draft-random,draft-same,eagle] [--draft-layers 2] [--eagle-head PATH]
 """
 
 from __future__ import annotations
@@ -116,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeat", type=int, default=3, help="timed passes per workload and side (median reported)")
     p.add_argument("--proposers", default="ngram,draft-random,draft-same",
-                   help="comma-separated: ngram, draft-random, draft-same (default all)")
+                   help="comma-separated: ngram, draft-random, draft-same, eagle (default: the first three)")
     p.add_argument("--draft-layers", type=int, default=2, help="layers of the random draft (default 2)")
+    p.add_argument("--eagle-head", type=Path, default=None, help="the EAGLE head folder for the eagle proposer")
     args = p.parse_args(argv)
 
     import tempfile
@@ -142,8 +145,13 @@ def main(argv: list[str] | None = None) -> int:
             draft = folder if name == "draft-same" else random_draft(
                 folder, Path(tempfile.mkdtemp(prefix="kubellm-draft-")), args.draft_layers)
             engines[name] = LLM(str(folder), speculative_model=str(draft), num_speculative_tokens=args.k, **kw)
+        elif name == "eagle":
+            if args.eagle_head is None:
+                p.error("the eagle proposer needs --eagle-head PATH (benchmarks/train_eagle_head.py writes one)")
+            engines[name] = LLM(str(folder), speculative_model=str(args.eagle_head), speculative_method="eagle",
+                                num_speculative_tokens=args.k, **kw)
         else:
-            p.error(f"unknown proposer {name!r}; use ngram, draft-random, draft-same")
+            p.error(f"unknown proposer {name!r}; use ngram, draft-random, draft-same, eagle")
     for llm in (plain, *engines.values()):
         llm.engine.warmup()
     workloads = {"repetitive": [plain.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in REPETITIVE],

@@ -42,7 +42,7 @@ from kubellm.runtime.models.loader import build_model, read_checkpoint
 from kubellm.runtime.sampler import Sampler
 from kubellm.runtime.scheduler import ScheduledSeq
 from kubellm.runtime.sequence import Sequence, SequenceStatus
-from kubellm.runtime.speculative import BackOffTracker, Draft, SpeculationStats, draw_drafts
+from kubellm.runtime.speculative import BackingOffProposer, Draft, draw_drafts
 from kubellm.runtime.tokenizer import Tokenizer
 from kubellm.runtime.tp_group import Group
 
@@ -102,7 +102,7 @@ class _Shadow:
     verified: int  # tokens of the real sequence known verified at the last sync
 
 
-class DraftModelProposer:
+class DraftModelProposer(BackingOffProposer):
     """Proposes ``k`` tokens per sequence with a draft model, all sequences batched in each of ``k`` forwards."""
 
     def __init__(self, draft: DraftModel, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
@@ -114,18 +114,11 @@ class DraftModelProposer:
                                   draft.kernels)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.k, self.vocab_size, self.token_budget = num_speculative_tokens, vocab_size, max_num_batched_tokens
-        self.backoff = BackOffTracker(give_up_after)
+        super().__init__(give_up_after)
         self._shadows: dict[int, _Shadow] = {}
 
-    @property
-    def stats(self) -> SpeculationStats:
-        return self.backoff.stats
-
-    def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        self.backoff.record(seq, num_drafted, num_accepted)
-
     def forget(self, seq: Sequence) -> None:
-        self.backoff.forget(seq)
+        super().forget(seq)
         self._free(seq.seq_id)
 
     # ---- proposing ----------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from kubellm.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RM
 from kubellm.runtime.sampler import Sampler
 from kubellm.runtime.scheduler import ScheduledSeq
 from kubellm.runtime.sequence import Sequence
-from kubellm.runtime.speculative import BackOffTracker, Draft, SpeculationStats, draw_drafts, speculable
+from kubellm.runtime.speculative import BackingOffProposer, Draft, draw_drafts, speculable
 from kubellm.runtime.tp_group import Group
 
 log = logging.getLogger("kubellm.eagle")
@@ -205,7 +205,7 @@ class _HeadView:
         return len(self.token_ids)
 
 
-class EagleProposer:
+class EagleProposer(BackingOffProposer):
     """Keeps the head's KV pool in step with the served model's and drafts ``k`` tokens per decoding sequence.
 
     The engine calls :meth:`observe` after each step's postprocess (the served model's hidden states in hand)
@@ -225,18 +225,11 @@ class EagleProposer:
         self.head, self.target = head, target
         self.runner = ModelRunner(head, head_cfg, num_blocks + scratch, block_size, dtype, device, Sampler(()),
                                   kernels)
-        self.backoff = BackOffTracker(give_up_after)
+        super().__init__(give_up_after)
         self._drafts: dict[int, Draft] = {}
 
-    @property
-    def stats(self) -> SpeculationStats:
-        return self.backoff.stats
-
-    def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        self.backoff.record(seq, num_drafted, num_accepted)
-
     def forget(self, seq: Sequence) -> None:
-        self.backoff.forget(seq)
+        super().forget(seq)
         self._drafts.pop(seq.seq_id, None)
 
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[Draft]:

@@ -120,18 +120,32 @@ class BackOffTracker:
         self._state.pop(seq.seq_id, None)
 
 
-class NgramProposer:
-    def __init__(self, max_ngram: int, num_speculative_tokens: int, min_ngram: int = 1,
-                 give_up_after: int = 2):
-        if max_ngram < min_ngram or min_ngram < 1 or num_speculative_tokens < 1:
-            raise ValueError(f"speculative n-gram sizes {min_ngram}..{max_ngram} and "
-                             f"{num_speculative_tokens} tokens: need 1 <= min <= max and tokens >= 1")
-        self.max_ngram, self.min_ngram, self.k = max_ngram, min_ngram, num_speculative_tokens
+class BackingOffProposer:
+    """What every proposer shares: the verification outcomes it is told (``record``), the counters they add up
+    to (``stats``) and the back-off they drive; ``forget`` drops a finished sequence's state."""
+
+    def __init__(self, give_up_after: int = 2):
         self.backoff = BackOffTracker(give_up_after)
 
     @property
     def stats(self) -> SpeculationStats:
         return self.backoff.stats
+
+    def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        self.backoff.record(seq, num_drafted, num_accepted)
+
+    def forget(self, seq: Sequence) -> None:
+        self.backoff.forget(seq)
+
+
+class NgramProposer(BackingOffProposer):
+    def __init__(self, max_ngram: int, num_speculative_tokens: int, min_ngram: int = 1,
+                 give_up_after: int = 2):
+        if max_ngram < min_ngram or min_ngram < 1 or num_speculative_tokens < 1:
+            raise ValueError(f"speculative n-gram sizes {min_ngram}..{max_ngram} and "
+                             f"{num_speculative_tokens} tokens: need 1 <= min <= max and tokens >= 1")
+        super().__init__(give_up_after)
+        self.max_ngram, self.min_ngram, self.k = max_ngram, min_ngram, num_speculative_tokens
 
     def propose_one(self, seq: Sequence, room: int) -> list[int]:
         """Draft tokens for ``seq`` (at most ``room``), or [] when it is backing off or nothing matches."""
@@ -145,12 +159,6 @@ class NgramProposer:
 
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[Draft]:
         return [Draft(self.propose_one(seq, room)) for seq, room in zip(seqs, rooms, strict=True)]
-
-    def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        self.backoff.record(seq, num_drafted, num_accepted)
-
-    def forget(self, seq: Sequence) -> None:
-        self.backoff.forget(seq)
 
 
 def accept(drafts: list[int], sampled: list[int]) -> list[int]:

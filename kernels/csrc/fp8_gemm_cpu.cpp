@@ -17,8 +17,7 @@
 // whatever MXCSR's DAZ says); the 2^8 goes into the scale. NaN (0x7f, 0xff) is not kept.
 //
 // From kDequantMinRows rows each work item's weights are dequantized to bf16 once (w * s rounded to bf16, as
-// a bf16 model's weights are) and the rows run over them as a plain bf16 GEMM (tiles::dequantized_gemm, the
-// next item's dequantization spread over the current item's GEMM), like the int4 and 8-bit kernels.
+// a bf16 model's weights are) and the rows run over them as a plain bf16 GEMM, like int4_gemm_cpu.cpp.
 //
 // Layout (kernels/cpu_fp8_gemm.py packs it once): [ceil(N/16)][K/4][64] bytes; for block n0 and inputs k..k+3
 // (k % 4 == 0), byte 16 l + 8 p + i holds w[n0 + c, k + 2 p + j] with 2 c + j = 8 l + i (l 0..3, p 0..1, i 0..7):
@@ -60,6 +59,7 @@ constexpr int kMaxRowsF8 = 12;           // MR x NB group sums + MR x NB outputs
 // From here on the dequantizing path: below it the cheap widening costs less than a dequantization pass (1 thread,
 // SmolLM2 shapes: streaming 1.0-1.2x bf16 at 16-32 rows where dequantizing gave 0.8-1.0x; from 64 the reverse).
 constexpr int64_t kDequantMinRows = 48;
+constexpr int kTileRows = 6;             // bf16 tile: 6 x 4 accumulators + 4 weights + 1 broadcast
 
 #ifdef __AVX512VBMI__
 constexpr float kScaleFold = 1.f;  // the words are the bf16 of w
@@ -196,57 +196,55 @@ inline __m512i scale_pairs(__m512i p, __m512 s_lo, __m512 s_hi) {
   return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo));
 }
 
-// Many rows: the dequantization of one work item for tiles::dequantized_gemm, into its scratch [K/2][nb][16][2]
-// bf16 of w * s (the operand order of vdpbf16ps), one quad of inputs of one block (64 weights, two pair lines) a
-// step, block by block within each quad (counters rather than divisions: this runs inside the GEMM's inner
-// loop). `sc` holds per group and block the scale in the lanes' order (tiles::pair_lane_constants: lo, -, hi, -).
-struct Fp8Dequantization {
-  const uint8_t* w = nullptr;  // the item's first block
-  int64_t w_block_stride = 0, group_quads = 1;
-  const __m512* sc = nullptr;
-  __m512i* scratch = nullptr;
-  int nb = 1;
-  int64_t left = 0;  // steps still to do
-  int64_t kq = 0, g = 0, in_group = 0;
-  int b = 0;
-
-  __attribute__((always_inline)) void step() {
-    const Widen widen;
-    __m512i p0, p1;
-    widen(w + b * w_block_stride + kq * 64, p0, p1);
-    const __m512* c = sc + (g * nb + b) * 4;
-    _mm512_store_si512(scratch + (2 * kq) * nb + b, scale_pairs(p0, c[0], c[2]));
-    _mm512_store_si512(scratch + (2 * kq + 1) * nb + b, scale_pairs(p1, c[0], c[2]));
-    --left;
-    if (++b == nb) {
-      b = 0;
-      ++kq;
-      if (++in_group == group_quads) in_group = 0, ++g;
+// Many rows: one item's nb blocks dequantized into `scratch`, [K/2][nb][16][2] bf16 of w * s (the operand order
+// of vdpbf16ps), group by group so each scale is widened once. Missing channels of the last block are zero.
+void dequantize_item(const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads,
+                     tiles::GroupParams scales, int64_t N, int nb, int64_t valid, __m512i* scratch) {
+  const Widen widen;
+  // Word t of a pair vector is channel t / 2: its low 16 words hold channels 0..7, its high 16 words 8..15.
+  const __m512i lanes_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * w_block_stride;
+    for (int64_t g = 0, kq0 = 0; kq0 < K4; ++g, kq0 += group_quads) {
+      const __m512 s = group_scale(scales, g * N + b * 16, block_mask(valid, b));
+      const __m512 s_lo = _mm512_permutexvar_ps(lanes_lo, s), s_hi = _mm512_permutexvar_ps(lanes_hi, s);
+      const int64_t kq1 = std::min(K4, kq0 + group_quads);
+      for (int64_t kq = kq0; kq < kq1; ++kq) {
+        __m512i p0, p1;
+        widen(wb + kq * 64, p0, p1);
+        _mm512_store_si512(scratch + (2 * kq) * nb + b, scale_pairs(p0, s_lo, s_hi));
+        _mm512_store_si512(scratch + (2 * kq + 1) * nb + b, scale_pairs(p1, s_lo, s_hi));
+      }
     }
   }
-  void finish() {
-    while (left > 0) step();
-  }
-};
+}
 
-void dequantized_f8(int64_t M, const int32_t* xp, int64_t x_pair_stride, const uint8_t* wp, int64_t K4, int64_t NBLK,
-                    int64_t group_quads, int64_t groups, tiles::GroupParams sp, int64_t N, const float* bias_p,
-                    c10::BFloat16* yp) {
-  const int64_t w_block_stride = K4 * 64;
-  auto make_side = [&](int64_t blk, int n, __m512i* scratch, __m512* sc) {
-    for (int64_t g = 0; g < groups; ++g)  // per group and block, the scale in the widened lanes' order
-      for (int b = 0; b < n; ++b) {
-        const __m512 s = group_scale(sp, g * N + (blk + b) * 16, block_mask(N - blk * 16, b));
-        tiles::pair_lane_constants(s, s, sc + (g * n + b) * 4);
-      }
-    return Fp8Dequantization{wp + blk * w_block_stride, w_block_stride, group_quads, sc, scratch, n, K4 * n};
-  };
-  auto output_of = [&](int64_t blk, int n) {
-    return tiles::TileOutput{tiles::GroupParams{}, bias_p ? bias_p + blk * 16 : nullptr,
-                             std::min<int64_t>(n * 16, N - blk * 16)};
-  };
-  tiles::dequantized_gemm<Fp8Dequantization>(M, xp, x_pair_stride, 2 * K4, NBLK, groups * 4, make_side, output_of,
-                                             yp, N);
+// All M rows of one dequantized item, in tiles of equal size (32 rows: 6 + 6 + 5 + 5 + 5 + 5, not a last tile
+// of 2 that would keep few dot-product chains in flight), on the shared bf16 tile.
+template <int NB>
+void item_rows_f8(int64_t M, const int32_t* x_pairs, int64_t x_pair_stride, const __m512i* scratch, int64_t K2,
+                  const float* bias, int64_t valid, c10::BFloat16* y, int64_t ldy) {
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int mr = static_cast<int>(M / tiles + (t < M % tiles));
+    const int32_t* xr = x_pairs + m * x_pair_stride;
+    c10::BFloat16* yr = y + m * ldy;
+    switch (mr) {
+#define KUBELLM_TILE_F8(R)                                                                   \
+  case R: {                                                                                  \
+    __m512 acc[R][NB];                                                                       \
+    tiles::bf16_tile<R, NB>(acc, xr, x_pair_stride, scratch, 1, NB, K2, [](int64_t) {});     \
+    tiles::store_tile<R, NB>(acc, bias, yr, ldy, valid);                                     \
+    break;                                                                                   \
+  }
+      KUBELLM_TILE_F8(1) KUBELLM_TILE_F8(2) KUBELLM_TILE_F8(3) KUBELLM_TILE_F8(4) KUBELLM_TILE_F8(5)
+      KUBELLM_TILE_F8(6)
+#undef KUBELLM_TILE_F8
+      default: TORCH_CHECK(false, "fp8_gemm: bad row tile ", mr);
+    }
+    m += mr;
+  }
 }
 #endif
 
@@ -282,7 +280,29 @@ at::Tensor fp8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
   const int64_t w_block_stride = K4 * 64, group_quads = group_size / 4;
   if (M >= kDequantMinRows) {
-    dequantized_f8(M, xp, x_pair_stride, wp, K4, NBLK, group_quads, groups, sp, N, bias_p, yp);
+    // Items of nb blocks split evenly over the threads; each item is dequantized once for all M rows.
+    const int nb = tiles::blocks_per_item(NBLK, 4);
+    const int64_t K2 = 2 * K4;
+    at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
+      auto* scratch = static_cast<__m512i*>(std::aligned_alloc(64, K2 * nb * sizeof(__m512i)));
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t blk = it * nb;
+        const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
+        const int64_t valid = N - blk * 16;
+        dequantize_item(wp + blk * w_block_stride, w_block_stride, K4, group_quads, sp.offset(blk * 16), N, n, valid,
+                        scratch);
+        const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
+#define KUBELLM_ITEM_F8(B) item_rows_f8<B>(M, xp, x_pair_stride, scratch, K2, bp, valid, yp + blk * 16, N)
+        switch (n) {
+          case 4: KUBELLM_ITEM_F8(4); break;
+          case 3: KUBELLM_ITEM_F8(3); break;
+          case 2: KUBELLM_ITEM_F8(2); break;
+          default: KUBELLM_ITEM_F8(1); break;
+        }
+#undef KUBELLM_ITEM_F8
+      }
+      std::free(scratch);
+    });
     return y;
   }
   // As the grouped int8 kernel: few rows, several 16-channel blocks per tile (independent dot-product chains, as

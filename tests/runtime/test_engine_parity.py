@@ -14,7 +14,7 @@ import torch
 
 from kubellm.runtime.engine import LLM
 from kubellm.runtime.sampling_params import SamplingParams
-from tiny_checkpoints import hf_greedy
+from tiny_checkpoints import hf_greedy, load_hf_model
 
 LOGIT_ATOL = 1e-4  # fp32; logits here are O(1-10)
 MAX_NEW = 24
@@ -40,6 +40,22 @@ class LogitRecorder:
         for row, seq in zip(logits, seqs, strict=True):
             self.rows.setdefault(seq.request_id, []).append(row.clone())
         return self.sampler.sample(logits, seqs, *args)
+
+
+def mean_logit_errors(llm: LLM, reference_dir, prompts, max_new: int = 12) -> list[float]:
+    """Greedy-generate ``prompts`` and return, per prompt, the mean |logit error| of every sampled row against
+    transformers (float32) on ``reference_dir`` fed the engine's own tokens: for bf16 kernels, whose tokens may
+    part from float32's after a few steps when the top logits are closer than bf16 rounding."""
+    recorder = llm.engine.runner.sampler = LogitRecorder(llm.engine.runner.sampler)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True),
+                        use_tqdm=False)
+    model = load_hf_model(reference_dir, torch.float32)
+    errors = []
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outs, strict=True):
+            ref = model(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
+            errors.append((torch.stack(recorder.rows[out.request_id]) - ref).abs().mean().item())
+    return errors
 
 
 def _engine(model_dir, **kw) -> LLM:

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_engine_parity import LogitRecorder, _engine, _prompts, _run_and_compare
+from test_engine_parity import _engine, _prompts, _run_and_compare, mean_logit_errors
 from test_prequantized_loading import write_quantized
 
 from kubellm.kernels import cpu_moe
@@ -23,9 +23,7 @@ from kubellm.runtime.layers.moe import FusedMoE, pack_experts
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.prequantized import QuantizedWeight
-from kubellm.runtime.sampling_params import SamplingParams
 from kubellm.runtime.tp_group import Group
-from tiny_checkpoints import load_hf_model
 
 # Experts 128 wide (groups of 128 on down_proj's inputs; native int4 wants outputs in multiples of 16).
 SHAPE = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, head_dim=32)
@@ -77,16 +75,7 @@ def test_native_cpu_kernels_serve_quantized_experts(fmt, moe, tmp_path, native_i
     quant_dir, twin_dir = write_quantized(moe, tmp_path, fmt)
     llm = _engine(quant_dir, dtype="bfloat16")
     _check_layers(llm.engine.runner.model, "native", fused=fmt in ("awq-4bit-g128", "w4a16-group128"))
-    recorder = LogitRecorder(llm.engine.runner.sampler)
-    llm.engine.runner.sampler = recorder
-    prompts = _prompts()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    model = load_hf_model(twin_dir, torch.float32)
-    errors = []
-    with torch.inference_mode():
-        for prompt, out in zip(prompts, outs, strict=True):
-            ref = model(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
-            errors.append((torch.stack(recorder.rows[out.request_id]) - ref).abs().mean().item())
+    errors = mean_logit_errors(llm, twin_dir, _prompts())
     assert sum(errors) / len(errors) < 0.25, f"mean |logit error| per prompt {errors}"
 
 

@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from test_engine_parity import LOGIT_ATOL, MAX_NEW, LogitRecorder, _engine, _prompts, _run_and_compare
+from test_engine_parity import (
+    LOGIT_ATOL,
+    MAX_NEW,
+    LogitRecorder,
+    _engine,
+    _prompts,
+    _run_and_compare,
+    mean_logit_errors,
+)
 from test_prequantized_loading import write_quantized
 
 from kubellm.kernels import cpu_moe, gguf_blocks
@@ -27,7 +35,6 @@ from kubellm.runtime.models.loader import build_model, read_checkpoint
 from kubellm.runtime.prequantized import QuantizedWeight
 from kubellm.runtime.sampling_params import SamplingParams
 from kubellm.runtime.tp_group import Group
-from tiny_checkpoints import load_hf_model
 
 TP_SHAPE = dict(hidden_size=128, intermediate_size=512, head_dim=32, num_attention_heads=8)
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -249,15 +256,7 @@ def test_tp2_runs_the_fused_int4_expert_kernel_on_each_ranks_slices(tiny_checkpo
     try:
         moes = _moes(llm.engine.runner.model)
         assert moes and all(isinstance(m.packed, cpu_moe.Int4Experts) and m.inter == 128 for m in moes)
-        recorder = llm.engine.runner.sampler = LogitRecorder(llm.engine.runner.sampler)
-        prompts = _prompts()
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        errors = mean_logit_errors(llm, twin_dir, _prompts())
     finally:
         llm.close()
-    model = load_hf_model(twin_dir, torch.float32)
-    errors = []
-    with torch.inference_mode():
-        for prompt, out in zip(prompts, outs, strict=True):
-            ref = model(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
-            errors.append((torch.stack(recorder.rows[out.request_id]) - ref).abs().mean().item())
     assert sum(errors) / len(errors) < 0.25, f"mean |logit error| per prompt {errors}"

@@ -284,26 +284,15 @@ def test_int4_experts_on_bf16_cpu_run_the_fused_int4_moe_kernel(request, native_
     on the dequantized twin. On average: in bfloat16 a rounding difference can swap a token's 2nd and 3rd expert,
     which moves single logits a lot on these tiny models (test_prequantized_moe's native test measures it); a
     wrong kernel moves them all by the logits' own size."""
-    from test_engine_parity import LogitRecorder
+    from test_engine_parity import mean_logit_errors
 
     from kubellm.kernels import cpu_moe
     from kubellm.runtime.layers.moe import FusedMoE
-    from kubellm.runtime.sampling_params import SamplingParams
-    from tiny_checkpoints import load_hf_model
 
     model_dir = request.getfixturevalue("tiny_mixtral")
     twin = _dequantized_twin(model_dir, tmp_path / "twin", method="int4")
     llm = _engine(model_dir, quantization="int4", dtype="bfloat16")
     moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
     assert moes and all(isinstance(m.packed, cpu_moe.Int4Experts) and not m.experts for m in moes)
-    recorder = LogitRecorder(llm.engine.runner.sampler)
-    llm.engine.runner.sampler = recorder
-    prompts = _prompts()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    model = load_hf_model(twin, torch.float32)
-    errors = []
-    with torch.inference_mode():
-        for prompt, out in zip(prompts, outs, strict=True):
-            ref = model(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
-            errors.append((torch.stack(recorder.rows[out.request_id]) - ref).abs().mean().item())
+    errors = mean_logit_errors(llm, twin, _prompts())
     assert sum(errors) / len(errors) < 0.25, f"mean |logit error| per prompt {errors}"

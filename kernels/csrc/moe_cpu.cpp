@@ -112,6 +112,23 @@ void dynamic_for(int64_t n, const Body& body) {
   });
 }
 
+// The down projection's epilogue, shared by the bf16 and int4 kernels: each of mr rows (pairs) of acc, rounded
+// to bf16 as the PyTorch path rounds the expert's output, times its pair's routing weight into its token's sums.
+inline void add_weighted_rows(int mr, const float* acc, const float* weights, const int64_t* tokens, int width,
+                              float* sums) {
+  for (int r = 0; r < mr; ++r) {
+    const float scale = round_as<BF16>(weights[r]);
+    float* dst = sums + tokens[r] * width;
+    for (int c = 0; c < width; ++c) dst[c] += round_as<BF16>(acc[r * width + c]) * scale;
+  }
+}
+
+// Each token's sums over one output slice of `width` channels into its row of the output (row stride ldo).
+inline void store_sums(const float* sums, int64_t T, int width, BF16* out, int64_t ldo) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int c = 0; c < width; ++c) out[t * ldo + c] = from_f<BF16>(sums[t * width + c]);
+}
+
 // The router's choice, as the PyTorch path makes it: softmax over the E logits of a token in float32, the top_k
 // probabilities (ties to the lower expert id), rescaled to sum to 1 when renormalize; then the T * top_k
 // (token, choice) pairs counted and placed by expert, each expert's pairs in token order. In C++ because the
@@ -304,15 +321,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& logits, const at::
           dot_rows<2>(mr, rows, w, w2_block, I2, acc);
         else
           dot_rows<1>(mr, rows, w, w2_block, I2, acc);
-        for (int r = 0; r < mr; ++r) {
-          const float scale = round_as<BF16>(wt[p0 + r]);
-          float* dst = sums.data() + tok[p0 + r] * width;
-          for (int c = 0; c < width; ++c) dst[c] += round_as<BF16>(acc[r * width + c]) * scale;
-        }
+        add_weighted_rows(mr, acc, wt + p0, tok + p0, width, sums.data());
       }
     }
-    for (int64_t t = 0; t < T; ++t)
-      for (int c = 0; c < width; ++c) op[t * H + blk * 16 + c] = from_f<BF16>(sums[t * width + c]);
+    store_sums(sums.data(), T, width, op + blk * 16, H);
   });
   return out;
 #endif
@@ -406,15 +418,10 @@ at::Tensor moe_int4_experts(const at::Tensor& x, const at::Tensor& logits, const
         else
           int4_rows<1>(mr, hp + p0 * (I / 2), I / 2, hsum + p0 * G2, G2, w, w2_block, I4, group2 / 4,
                        sp2.offset(params), zp2.offset(params), H, 16, acc);
-        for (int r = 0; r < mr; ++r) {
-          const float scale = round_as<BF16>(wt[p0 + r]);
-          float* dst = sums.data() + tok[p0 + r] * width;
-          for (int c = 0; c < width; ++c) dst[c] += round_as<BF16>(acc[r * width + c]) * scale;
-        }
+        add_weighted_rows(mr, acc, wt + p0, tok + p0, width, sums.data());
       }
     }
-    for (int64_t t = 0; t < T; ++t)
-      for (int c = 0; c < width; ++c) op[t * H + blk * 16 + c] = from_f<BF16>(sums[t * width + c]);
+    store_sums(sums.data(), T, width, op + blk * 16, H);
   });
   return out;
 #endif

@@ -17,7 +17,7 @@ from kubellm.runtime.layers.attention import AttentionMetadata, PrefillSpan, att
 from kubellm.runtime.layers.linear import pack_linears
 from kubellm.runtime.layers.moe import pack_experts
 from kubellm.runtime.models.config import ModelConfig
-from kubellm.runtime.models.llama import LlamaForCausalLM, use_native_ops
+from kubellm.runtime.models.llama import LlamaForCausalLM, use_fused_decode, use_native_ops
 from kubellm.runtime.sampler import token_logprobs
 from kubellm.runtime.scheduler import ScheduledSeq
 from kubellm.runtime.speculative import verify_sampled_drafts
@@ -93,6 +93,8 @@ class ModelRunner:
             log.info("packed the experts of %d layers for the CPU kernel", pack_experts(model))
         if kernels.prepack != "off":  # weights packed once for the GEMM instead of reordered inside every call
             log.info("packed %d linear layers for the %s", pack_linears(model, kernels.prepack), kernels.dense_linears)
+        if use_fused_decode(model):
+            log.info("decode steps run one native call per layer")
 
     # ---- batch → tensors -----------------------------------------------------------------------
     def prepare(self, batch: list[ScheduledSeq]):

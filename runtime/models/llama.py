@@ -9,6 +9,7 @@ The embedding and the LM head are vocabulary-parallel (runtime/layers/vocab_para
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -16,7 +17,14 @@ import torch
 from torch import nn
 
 from kubellm.kernels import cpu_layer_ops as ops
-from kubellm.runtime.layers.attention import Attention, AttentionMetadata, LayerOptions
+from kubellm.kernels.cpu_decode_layer import decode_layer_
+from kubellm.runtime.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    LayerOptions,
+    NativeCpuAttentionBackend,
+)
+from kubellm.runtime.layers.linear import NativeLinear
 from kubellm.runtime.layers.parallel_linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -140,6 +148,26 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def fused_decode_args(self) -> tuple | None:
+        """This layer's constant arguments of :func:`kubellm.kernels.cpu_decode_layer.decode_layer_` (norms,
+        packed weights, rotary tables, cache, attention shape), or None unless it is a plain Llama layer
+        running entirely on the native CPU kernels (other families' layers add norms, scales or experts)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if type(mlp) is LlamaMLP else ()
+        if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or not linears
+                or attn.tp.size > 1 or not all(isinstance(m, NativeLinear) for m in linears)
+                or any(m.bias is not None for m in linears[1:]) or not (attn.native and mlp.native)
+                or not all(type(n) is RMSNorm and n.native for n in (self.input_layernorm, self.post_attention_layernorm))
+                or not isinstance(attn.attn.backend, NativeCpuAttentionBackend)
+                or attn.attn.k_cache.dtype != torch.bfloat16):
+            return None
+        opts = attn.attn.opts
+        return (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+                attn.qkv_proj.packed_weight, attn.qkv_proj.bias, attn.o_proj.packed_weight,
+                mlp.gate_up_proj.packed_weight, mlp.down_proj.packed_weight, mlp.intermediate, attn.rotary.cos,
+                attn.rotary.sin, attn.attn.k_cache, attn.attn.v_cache, attn.num_heads, attn.num_kv_heads,
+                attn.attn.backend.scale, opts.window or 0, opts.softcap or 0.0)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, tp: Group,
@@ -151,9 +179,17 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, tp, attention_cls, mlp_factory(cfg, tp, i))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused_layers: list[tuple] | None = None  # each layer's fused_decode_args, set by use_fused_decode
 
     def forward(self, input_ids, positions, meta):
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.fused_layers is not None and meta.num_decodes == hidden.shape[0] and not meta.prefills:
+            # A pure decode step: one native call per layer (zeros make the first add a copy).
+            residual = torch.zeros_like(hidden)
+            for args in self.fused_layers:
+                hidden = decode_layer_(hidden, residual, positions, meta.slot_mapping, meta.decode_block_tables,
+                                       meta.decode_context_lens, *args)
+            return self.norm(hidden, residual)[0]
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
         return self.norm(hidden, residual)[0]
@@ -239,6 +275,21 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5])
             raise CheckpointError(f"{source} is missing {len(missing)} tensors, e.g. {shown}")
+
+
+FUSED_DECODE_ENV = "KUBELLM_FUSED_DECODE"  # 0: decode steps run the module tree (A/B benchmarks)
+
+
+def use_fused_decode(model: nn.Module) -> bool:
+    """Run pure decode steps one native call per layer (:func:`LlamaDecoderLayer.fused_decode_args`) when every
+    layer can; call after the caches, backend, native ops and packed weights are in place. Returns whether it
+    does (never with ``KUBELLM_FUSED_DECODE=0``)."""
+    body = getattr(model, "model", None)
+    if not isinstance(body, LlamaModel) or os.environ.get(FUSED_DECODE_ENV, "1") == "0":
+        return False
+    args = [layer.fused_decode_args() for layer in body.layers]
+    body.fused_layers = args if args and all(a is not None for a in args) else None
+    return body.fused_layers is not None
 
 
 def use_native_ops(model: nn.Module, enabled: bool) -> None:

@@ -286,6 +286,34 @@ def test_native_bf16_linears_in_a_bfloat16_engine_match_transformers(arch, tp, t
     assert errors["native"] < 2 * errors["onednn"] + 1e-3, errors
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_window", "qwen3"])
+def test_fused_decode_layers_give_the_module_trees_logits_bit_for_bit(arch, tiny_checkpoint_factory, monkeypatch,
+                                                                     native_bf16_gemm):
+    """bfloat16 on the native kernels: pure decode steps (one or several rows) run one native call per layer
+    (kernels/cpu_decode_layer.py), which calls the module tree's own kernels in its order, so every sampled row's
+    logits are the same bits as with ``KUBELLM_FUSED_DECODE=0``; Qwen2's qkv bias and Mistral's window included.
+    Qwen3's q/k norms are not in the fused layer: it keeps the module tree."""
+    from kubellm.runtime.models.llama import FUSED_DECODE_ENV
+
+    model_dir = (tiny_checkpoint_factory("mistral", dtype=torch.bfloat16, sliding_window=12) if arch == "mistral_window"
+                 else tiny_checkpoint_factory(arch, dtype=torch.bfloat16))
+    prompts = _prompts()[:4]
+    rows, tokens = {}, {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv(FUSED_DECODE_ENV, fused)
+        llm = _engine(model_dir, dtype="bfloat16", prepack_weights="native")
+        assert (llm.engine.runner.model.model.fused_layers is not None) == (fused == "1" and arch != "qwen3")
+        recorder = LogitRecorder(llm.engine.runner.sampler)
+        llm.engine.runner.sampler = recorder
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+        llm.close()
+        tokens[fused] = [o.token_ids for o in outs]
+        rows[fused] = [torch.stack(recorder.rows[o.request_id]) for o in outs]
+    assert tokens["1"] == tokens["0"]
+    for fused_rows, tree_rows in zip(rows["1"], rows["0"], strict=True):
+        assert torch.equal(fused_rows, tree_rows)
+
+
 _BACKENDS = {"auto": {}, "torch": {"attention_backend": "torch", "layer_ops": "torch", "prepack_weights": "off"},
              "triton": {"attention_backend": "triton", "device": "cuda" if torch.cuda.is_available() else "cpu"}}
 

@@ -1,0 +1,155 @@
+"""Where a batch-1 decode step's time goes (issue 14): one request decodes alone, and each step is split into
+
+* the engine step (``LLM.engine.step``) end to end,
+* the model runner's forward pass (``ModelRunner._forward``), the LM head + logits (``_logits``) and the
+  sampler, by wrapping those methods with ``time.perf_counter``; what is left is the scheduler, ``prepare``
+  and the engine's bookkeeping (Python),
+* inside the forward, per op, from ``torch.profiler`` (self CPU time of each ATen / kubellm_cpu op, summed over
+  the profiled steps and divided by them): the bf16 GEMMs against the bytes they read, and everything else.
+
+Run: ``python benchmarks/decode_profile.py --threads 2`` (SmolLM2-135M bf16, as ``cpu_targets.py``). With
+``--ab`` it alternates engines with and without the fused decode layer (``KUBELLM_FUSED_DECODE``) in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # safe-path mode leaves this folder off sys.path
+from offline import prepare_model  # noqa: E402
+
+
+class Splits:
+    """Wraps ``obj.name`` so each call adds its wall time to ``self.seconds[label]``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a, **k):
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+
+def decode_steps(engine, prompt_len: int, tokens: int, seed: int, after_prefill=None) -> tuple[int, float]:
+    """One request alone: its prefill step untimed (then ``after_prefill()``), then ``tokens`` decode steps;
+    (steps, seconds)."""
+    import random
+
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(engine.model_config.vocab_size) for _ in range(prompt_len)]
+    engine.add_request(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True, temperature=0.0))
+    engine.step()
+    if after_prefill is not None:
+        after_prefill()
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps, time.perf_counter() - start
+
+
+def make_llm(model_dir: Path, threads: int):
+    from kubellm.runtime.engine import LLM
+
+    llm = LLM(str(model_dir), dtype="bfloat16", progress=False, num_threads=threads, kv_cache_memory="256MiB",
+              max_model_len=512)
+    llm.engine.warmup()
+    return llm
+
+
+def profile(llm, args) -> None:
+    engine = llm.engine
+    runner = engine.runner
+    splits = Splits()
+    splits.wrap(runner, "_forward", "forward (30 layers + final norm)")
+    splits.wrap(runner, "_logits", "LM head + logits")
+    splits.wrap(runner.sampler, "sample", "sampler")
+    splits.wrap(runner, "prepare", "prepare (batch -> tensors)")
+    steps, seconds = decode_steps(engine, args.prompt, args.tokens, 0, splits.seconds.clear)
+    step_ms = 1e3 * seconds / steps
+    print(f"\n{steps} decode steps, {step_ms:.2f} ms/step ({steps / seconds:.1f} tok/s), load {os.getloadavg()[0]:.1f}")
+    rest = step_ms
+    for label, s in splits.seconds.items():
+        ms = 1e3 * s / steps
+        rest -= ms
+        print(f"  {label:40s} {ms:7.3f} ms  {100 * ms / step_ms:5.1f}%")
+    print(f"  {'engine/scheduler/detokenizer (rest)':40s} {rest:7.3f} ms  {100 * rest / step_ms:5.1f}%")
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        steps, seconds = decode_steps(engine, args.prompt, args.tokens, 1)
+    per_op: dict[str, tuple[float, int]] = {}
+    for e in prof.key_averages():
+        per_op[e.key] = (e.self_cpu_time_total / 1e3 / steps, e.count / steps)
+    total = sum(ms for ms, _ in per_op.values())
+    print(f"\ntorch.profiler, {steps} steps (profiled: {1e3 * seconds / steps:.2f} ms/step), self CPU time per step "
+          f"(ops sum {total:.2f} ms):")
+    for key, (ms, calls) in sorted(per_op.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        print(f"  {key:45s} {ms:7.3f} ms  {calls:6.1f} calls/step")
+    cfg = engine.model_config
+    weight = sum(engine.weight_bytes.values())
+    gemm_ms = per_op.get("kubellm_cpu::bf16_linear", (0.0, 0))[0]
+    print(f"\nweights {weight / 2**20:.1f} MiB (embedding table = tied LM head {cfg.tie_word_embeddings}); bf16_linear "
+          f"{gemm_ms:.2f} ms/step -> {weight / gemm_ms / 1e6:.1f} GB/s while in the GEMMs")
+
+
+def ab(args, model_dir: Path) -> None:
+    """Engines with and without the fused decode layer, alternated; median tok/s of each."""
+    llms = {}
+    for fused in (False, True):
+        os.environ["KUBELLM_FUSED_DECODE"] = "1" if fused else "0"
+        llms[fused] = make_llm(model_dir, args.threads)
+        assert (llms[fused].engine.runner.model.model.fused_layers is not None) == fused
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(args.rounds):
+        for fused in (False, True) if r % 2 == 0 else (True, False):
+            steps, seconds = decode_steps(llms[fused].engine, args.prompt, args.tokens, r)
+            rates[fused].append(steps / seconds)
+    base, new = statistics.median(rates[False]), statistics.median(rates[True])
+    print(f"A/B over {args.rounds} rounds, load {os.getloadavg()[0]:.1f}: unfused {base:.1f} tok/s "
+          f"{[round(x, 1) for x in rates[False]]}, fused {new:.1f} tok/s {[round(x, 1) for x in rates[True]]}: "
+          f"{new / base:.2f}x")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--ab", action="store_true", help="alternate the fused decode layer on and off")
+    p.add_argument("--rounds", type=int, default=6)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = prepare_model(args.model, "bfloat16")
+    print(f"load average {os.getloadavg()}")
+    if args.ab:
+        ab(args, model_dir)
+    else:
+        profile(make_llm(model_dir, args.threads), args)
+    print(f"load average after {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""One Llama decoder layer of a pure decode step in one native call (``csrc/decode_layer_cpu.cpp``) beside its
+plain-PyTorch reference.
+
+Contract (bfloat16 activations and pool; the weights packed by :func:`kubellm.kernels.cpu_bf16_gemm.pack`), for
+``T`` decode rows (one query token each, e.g. a batch-1 step's single token):
+
+* ``hidden`` ``[T, hidden]``: the previous layer's MLP output (the embedding before the first layer);
+  ``residual`` ``[T, hidden]``: the residual stream before it (zeros before the first layer). On return
+  ``residual`` holds ``residual + hidden`` after attention, i.e. what the next layer adds the returned MLP
+  output to; ``hidden`` is overwritten (it held the normed input).
+* ``positions``, ``slots`` ``[T]`` int64; ``block_tables`` ``[T, max_blocks]`` and ``context_lens`` ``[T]``
+  int32 (the context including this token), as :mod:`kubellm.kernels.cpu_paged_attention` takes them.
+* ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``: this token's K/V are written at
+  ``slots`` before attention reads the pool.
+* The layer: ``x = norm1(residual += hidden)``; ``q, k, v = qkv(x)`` (+ bias), rotate q and k
+  (``cos``/``sin`` ``[max_positions, head_dim]``); write k, v; ``a = attention(q)``; ``y = norm2(residual +=
+  o(a))``; returns ``down(silu(gate(y)) * up(y))``.
+
+The kernel calls the same native kernels the unfused model runs (bf16 linear, add + RMSNorm, rotary, paged
+decode attention, SiLU-and-mul), in the same order on the same inputs, so its output equals the unfused path's
+bit for bit; against the reference below (float32 GEMM sums in another order) it agrees to bfloat16 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kubellm.kernels import cpu_bf16_gemm, cpu_layer_ops
+from kubellm.kernels.cpu_paged_attention import reference_paged_decode_attention
+
+__all__ = ["decode_layer_", "reference_decode_layer_"]
+
+
+def decode_layer_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
+                  eps: float, qkv, qkv_bias, o, gate_up, down, intermediate: int, cos, sin, k_cache, v_cache,
+                  num_heads: int, num_kv_heads: int, scale: float, window: int = 0, softcap: float = 0.0):
+    """The native layer (see the module docstring); ``window``/``softcap`` 0 mean off."""
+    return torch.ops.kubellm_cpu.decode_layer_(hidden, residual, positions, slots, block_tables, context_lens,
+                                              input_norm, post_norm, eps, qkv, qkv_bias, o, gate_up, down,
+                                              intermediate, cos, sin, k_cache, v_cache, num_heads, num_kv_heads,
+                                              scale, window, softcap)
+
+
+def reference_decode_layer_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
+                            eps: float, qkv, qkv_bias, o, gate_up, down, intermediate: int, cos, sin, k_cache,
+                            v_cache, num_heads: int, num_kv_heads: int, scale: float, window: int = 0,
+                            softcap: float = 0.0):
+    """The same layer from the plain-PyTorch references (weights unpacked on every call)."""
+    t, size = hidden.shape
+    d = k_cache.shape[-1]
+    q_size, kv_size = num_heads * d, num_kv_heads * d
+
+    def linear(x, packed, n, bias=None):
+        return cpu_bf16_gemm.reference_bf16_linear(x, cpu_bf16_gemm.unpack(packed, n, x.shape[1]), bias)
+
+    cpu_layer_ops.reference_add_rms_norm_(hidden, residual, input_norm, eps)
+    q, k, v = linear(hidden, qkv, q_size + 2 * kv_size, qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = q.reshape(t, num_heads, d), k.reshape(t, num_kv_heads, d), v.reshape(t, num_kv_heads, d)
+    cpu_layer_ops.reference_rotary_embedding_(positions, q, k, cos, sin)
+    k_cache.view(-1, num_kv_heads, d).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, d).index_copy_(0, slots, v)
+    attn = reference_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                            window=window or None, softcap=softcap or None)
+    out = linear(attn.reshape(t, q_size), o, size)
+    cpu_layer_ops.reference_add_rms_norm_(out, residual, post_norm, eps)
+    return linear(cpu_layer_ops.reference_silu_and_mul(linear(out, gate_up, 2 * intermediate)), down, size)

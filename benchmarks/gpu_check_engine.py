@@ -25,6 +25,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 from gpu_check_report import Check, Section, Table
+from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [
@@ -147,6 +149,53 @@ def random_llama(folder: Path, tiny: bool) -> Path:
                                  num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                                  max_position_embeddings=4096, rope_theta=500000.0, initializer_range=0.03)
     return tiny_checkpoints.build_checkpoint(folder, "llama", dtype=torch.bfloat16, **shape)
+
+
+# SmolLM2-135M's decoder (config.json of HuggingFaceTB/SmolLM2-135M-Instruct) over the tests' small vocabulary.
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, rope_theta=100000.0,
+                     max_position_embeddings=8192, initializer_range=0.04)
+
+
+def _demo_cached() -> bool:
+    """Whether the demo GGUF is already in kubellm's model cache. Never ``pull`` here: on a GPU machine without a
+    package index pip would retry its download for minutes before failing."""
+    from kubellm.runtime import model_store
+
+    return model_store.model_path("smollm2").is_file()
+
+
+def demo_model(work_dir: Path, demo_files: Path | None = None) -> tuple[str, str]:
+    """(label, model) of the demo-model checks: the real SmolLM2 GGUF when cached (`kubellm models pull smollm2`).
+    Else random weights: for the config.json and tokenizer in ``demo_files`` (the demo's own, exported where pip
+    works: the real model's shapes, vocabulary and tokenizer, so serve.py's word prompts tokenize as they would),
+    or at its decoder's shape over the tests' 512-token vocabulary."""
+    if _demo_cached():
+        return "smollm2 (SmolLM2-135M Q4_1 GGUF)", "smollm2"
+    if str(REPO / "tests") not in sys.path:
+        sys.path.insert(0, str(REPO / "tests"))
+    import tiny_checkpoints
+
+    if demo_files is not None:
+        folder = work_dir / "smollm2-random"
+        if not (folder / "model.safetensors").is_file():
+            shutil.copytree(demo_files, folder, dirs_exist_ok=True)
+            config = json.loads((folder / "config.json").read_text())
+            save_file(tiny_checkpoints.random_tensors(config, dtype=torch.bfloat16), str(folder / "model.safetensors"),
+                      metadata={"format": "pt"})
+        return "SmolLM2-135M config and tokenizer, random weights (demo GGUF not cached here)", str(folder)
+    folder = work_dir / "smollm2-shape"
+    if not (folder / "config.json").is_file():
+        tiny_checkpoints.build_checkpoint(folder, "llama", dtype=torch.bfloat16, **SMOLLM2_SHAPE)
+    return "random SmolLM2-135M-shaped, vocabulary 512 (demo GGUF not cached here)", str(folder)
+
+
+def demo_hf_folder(work_dir: Path, dtype: torch.dtype, demo_files: Path | None = None) -> Path:
+    """A Hugging Face folder of the demo model for serve.py (and vLLM beside it)."""
+    from kubellm.runtime import model_store
+
+    _, model = demo_model(work_dir, demo_files)
+    return model_store.cached_hf_export(model, dtype) if model == "smollm2" else Path(model)
 
 
 def check_parity(section: Section, label: str, model: str, device: str, new_tokens: int,

@@ -328,6 +328,13 @@ def arch_config(arch: str, vocab_size: int, **overrides) -> dict:
     return cfg
 
 
+def random_tensors(cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Deterministic random weights for every parameter transformers' model for ``cfg`` (a config.json dict) has."""
+    std = float(cfg.get("initializer_range", 0.02))
+    return {name: _init_tensor(cfg["model_type"], name, shape, seed, std).to(dtype).contiguous()
+            for name, shape in _param_names_and_shapes(cfg)}
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -405,10 +412,7 @@ def build_checkpoint(
     cfg = arch_config(arch, tok.get_vocab_size(), **overrides)
     cfg["torch_dtype"] = _dtype_name(dtype)
 
-    std = float(cfg["initializer_range"])
-    tensors: dict[str, torch.Tensor] = {}
-    for name, shape in _param_names_and_shapes(cfg):
-        tensors[name] = _init_tensor(cfg["model_type"], name, shape, seed, std).to(dtype).contiguous()
+    tensors = random_tensors(cfg, seed, dtype)
 
     # Weights.
     for old in [*out_dir.glob("model*.safetensors"), out_dir / "model.safetensors.index.json"]:

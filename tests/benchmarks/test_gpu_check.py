@@ -7,6 +7,7 @@ What only a GPU can show (real shapes, timings, NCCL, vLLM) is not tested here.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -112,6 +113,52 @@ def test_a_crash_in_a_part_of_the_kit_fails_the_run_and_is_named(tmp_path, monke
     text = _report(tmp_path)
     assert "2. Kernel timing / prefill timing (crashed)" in text and "KeyError" in text
     assert "### Paged decode attention" in text  # the other timings still ran
+
+
+def test_a_time_limit_keeps_what_ran_and_fails_naming_the_interruption(tmp_path, monkeypatch):
+    """`timeout` sends SIGTERM mid-run: the report holds the parts that finished and the run exits 1."""
+    import signal
+
+    def killed(*args):
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(kernels, "time_prefill", killed)
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput,graphs"]
+    try:
+        assert gpu_check.main(argv) == 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    text = _report(tmp_path)
+    assert "### Paged decode attention" in text  # decode timing ran before the signal
+    assert "Interrupted / run completed" in text and "signal 15" in text
+    assert "Weight-only GEMMs (bf16 activations)" not in text  # after the signal nothing else ran
+
+
+def test_without_the_demo_download_the_demo_checks_use_a_random_checkpoint_of_its_shape(tmp_path, monkeypatch):
+    """No package index on a GPU machine: the kit never calls pull there; it builds SmolLM2's decoder shape."""
+    monkeypatch.setattr(engine, "_demo_cached", lambda: False)
+    monkeypatch.setattr(engine, "SMOLLM2_SHAPE", {**engine.SMOLLM2_SHAPE, "num_hidden_layers": 2})
+    label, model = engine.demo_model(tmp_path)
+    assert label.startswith("random SmolLM2-135M-shaped")
+    config = json.loads((Path(model) / "config.json").read_text())
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (576, 9, 3)
+    assert config["tie_word_embeddings"] is True
+    assert engine.demo_hf_folder(tmp_path, torch.bfloat16) == Path(model)
+    # With the demo's own config and tokenizer: random weights of exactly that config, its tokenizer beside them.
+    files = tmp_path / "demo-files"
+    files.mkdir()
+    (files / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, "vocab_size": 600}))
+    (files / "tokenizer.json").write_text((Path(model) / "tokenizer.json").read_text())
+    label, random_model = engine.demo_model(tmp_path, files)
+    assert label.startswith("SmolLM2-135M config and tokenizer, random weights")
+    from safetensors import safe_open
+
+    with safe_open(str(Path(random_model) / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_shape() == [600, 576]
+        assert not any(".layers.1." in k for k in f.keys())  # noqa: SIM118 - safe_open is not iterable
+    assert (Path(random_model) / "tokenizer.json").read_text() == (files / "tokenizer.json").read_text()
+    monkeypatch.setattr(engine, "_demo_cached", lambda: True)
+    assert engine.demo_model(tmp_path, files) == ("smollm2 (SmolLM2-135M Q4_1 GGUF)", "smollm2")
 
 
 GRAPHS_ONLY = ["--device", "cpu", "--tiny", "--skip", "kernels,timing,engine,throughput,tp"]

@@ -82,7 +82,9 @@ class GemmShape:
 class Sweep:
     """Which shapes each kernel runs at. ``decode``: (batch, context lengths) cases; ``prefill``: (queries,
     keys) cases, keys >= queries (a later chunk when greater); ``*_timing_only``: too big for the reference's
-    memory, timed but not compared; ``gemm_rows``: M (tokens per step) for every GEMM shape."""
+    memory, timed but not compared; ``gemm_rows``: M (tokens per step) for every GEMM shape;
+    ``decode_partition``: also check the first decode case split into partitions of this many tokens (the
+    CPU self-test, where the launcher never splits unasked; on a GPU it splits small batches by itself)."""
 
     attention: AttentionShape
     block_size: int
@@ -93,6 +95,7 @@ class Sweep:
     gemm_rows: list[int]
     dtypes: list[torch.dtype]  # every case
     extra_dtypes: list[torch.dtype]  # the first case of each kernel only
+    decode_partition: int = 0
 
 
 def _lengths(batch: int, low: int, high: int, seed: int) -> list[int]:
@@ -105,7 +108,8 @@ def _lengths(batch: int, low: int, high: int, seed: int) -> list[int]:
 FULL = Sweep(
     attention=AttentionShape(32, 8, 128),
     block_size=16,
-    decode=[("batch 1, ctx 128", [128]), ("batch 1, ctx 32768", [32768]), ("batch 32, ctx 4096", [4096] * 32),
+    decode=[("batch 1, ctx 128", [128]), ("batch 1, ctx 32768", [32768]), ("batch 4, ctx 8192", [8192] * 4),
+            ("batch 32, ctx 4096", [4096] * 32),
             ("batch 256, ctx 128-2048", _lengths(256, 128, 2048, seed=0)), ("batch 256, ctx 4096", [4096] * 256)],
     prefill=[(128, 128), (1024, 1024), (4096, 4096), (512, 8192)],
     prefill_timing_only=[(8192, 8192), (16384, 16384)],
@@ -128,6 +132,7 @@ TINY = Sweep(
     gemm_rows=[3],
     dtypes=[torch.float32],
     extra_dtypes=[torch.bfloat16],
+    decode_partition=16,
 )
 
 
@@ -337,11 +342,16 @@ def _dtype_cases(sweep: Sweep, cases: list) -> list[tuple[object, torch.dtype]]:
 def check_kernels(section: Section, sweep: Sweep, device: str) -> None:
     shape, bs = sweep.attention, sweep.block_size
     scale = shape.head_dim**-0.5
-    for (label, lens), dtype in _dtype_cases(sweep, sweep.decode):
+    cases = [(c, d, None) for c, d in _dtype_cases(sweep, sweep.decode)]
+    if sweep.decode_partition:  # the split path where the launcher would not choose it
+        cases += [(c, d, sweep.decode_partition) for c, d in _dtype_cases(sweep, sweep.decode[:1])]
+    for (label, lens), dtype, partition in cases:
         q, kc, vc, bt, cl = decode_case(lens, shape, bs, dtype, device)
+        path = _decode_path(q, kc, bt, partition)
         section.checks.append(compare(
-            "paged decode attention", f"{shape}, block {bs}, {label}, {_dtype_name(dtype)}", dtype,
-            partial(decode.paged_decode_attention, q, kc, vc, bt, cl, scale),
+            "paged decode attention", f"{shape}, block {bs}, {label}, {path}, {_dtype_name(dtype)}", dtype,
+            partial(decode.paged_decode_attention, q, kc, vc, bt, cl, scale, block_n=16 if partition else 64,
+                    partition=partition),
             partial(decode.reference_paged_decode_attention, q.float(), kc.float(), vc.float(), bt, cl, scale)))
         del q, kc, vc
     for (t, s), dtype in _dtype_cases(sweep, sweep.prefill):
@@ -413,20 +423,39 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None or math.isnan(x) else f"{x:,.{digits}f}"
 
 
+def _decode_path(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                 partition: int | None = None) -> str:
+    """Which kernel path a decode call takes: the launcher's choice unless ``partition`` forces one."""
+    partition = decode.chosen_partition(q, k_cache, block_tables) if partition is None else partition
+    if not partition:
+        return "single pass"
+    parts = -(-block_tables.shape[1] * k_cache.shape[1] // partition)
+    return f"split KV {parts} x {partition} tokens"
+
+
 def time_decode(section: Section, sweep: Sweep, device: str) -> None:
     shape, bs = sweep.attention, sweep.block_size
     peak, source = peak_bandwidth(device)
     table = Table("Paged decode attention (bf16)" if sweep is FULL else "Paged decode attention",
-                  ["case", "time (us)", "GB/s read", "% of peak"], notes=[f"peak: {source}",
-                  "bytes: the context's K and V (every token, every kv head) plus q and the output, per call"])
+                  ["case", "path", "time (us)", "GB/s read", "% of peak", "single pass (us)", "split speed-up"],
+                  notes=[f"peak: {source}",
+                         "bytes: the context's K and V (every token, every kv head) plus q and the output, per call "
+                         "(not the split path's float32 partials, a few hundred KB)",
+                         "path: the launcher's own choice (partition_tokens: split KV when batch x kv heads "
+                         "programs leave SMs idle); single pass: the same call forced to partition=0"])
     dtype = sweep.dtypes[0]
     for label, lens in sweep.decode:
         q, kc, vc, bt, cl = decode_case(lens, shape, bs, dtype, device)
         kv_bytes = 2 * sum(lens) * shape.kv_heads * shape.head_dim * kc.element_size()
         total = kv_bytes + 2 * q.numel() * q.element_size() + bt.numel() * 4
-        ms = measure_ms(partial(decode.paged_decode_attention, q, kc, vc, bt, cl, shape.head_dim**-0.5), device)
+        call = partial(decode.paged_decode_attention, q, kc, vc, bt, cl, shape.head_dim**-0.5)
+        ms = measure_ms(call, device)
         gbs = total / (ms * 1e-3) / 1e9
-        table.rows.append([f"{label}, {shape}", _fmt(ms * 1e3), _fmt(gbs), _fmt(100 * gbs / peak) if peak else "-"])
+        path = _decode_path(q, kc, bt)
+        single = measure_ms(partial(call, partition=0), device) if path != "single pass" else None
+        table.rows.append([f"{label}, {shape}", path, _fmt(ms * 1e3), _fmt(gbs),
+                           _fmt(100 * gbs / peak) if peak else "-", _fmt(single and single * 1e3),
+                           _fmt(single and single / ms, 2) + ("x" if single else "")])
         del q, kc, vc
     section.tables.append(table)
 

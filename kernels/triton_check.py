@@ -50,6 +50,10 @@ def check(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, he
             *(t.to(device) for t in (q, k_cache, v_cache, tables, context)), scale, window=21, softcap=5.0),
          lambda: decode.reference_paged_decode_attention(q, k_cache, v_cache, tables, context, scale, window=21,
                                                          softcap=5.0)),
+        # Split KV (small batches on a big GPU): partitions of one tile; the short sequences' second is empty.
+        ("paged decode kernel (split KV)", lambda: decode.paged_decode_attention(
+            *(t.to(device) for t in (q, k_cache, v_cache, tables, context)), scale, partition=64),
+         lambda: decode.reference_paged_decode_attention(q, k_cache, v_cache, tables, context, scale)),
         ("prefill kernel (window, soft cap)", lambda: prefill.prefill_attention(
             *(t.to(device) for t in (pq, pk, pv)), scale, window=21, softcap=5.0),
          lambda: prefill.reference_prefill_attention(pq, pk, pv, scale, window=21, softcap=5.0)),

@@ -145,6 +145,83 @@ def test_prefill_window_and_softcap_match_the_reference(dtype, tokens, context, 
         assert not torch.allclose(plain[-1], ref[-1].float(), atol=1e-3)
 
 
+# --------------------------------------------------------------------------------------------- split KV
+
+
+@pytest.mark.parametrize(("batch", "kv_heads", "max_context", "sms", "expected"), [
+    (1, 8, 32768, 132, 1024),  # 8 programs: 32 partitions, about two waves
+    (4, 8, 8192, 132, 1024),
+    (16, 8, 4096, 132, 2048),  # 128 programs: just short of one wave, two partitions
+    (32, 8, 4096, 132, 0),  # 256 programs fill the GPU: single pass
+    (1, 8, 256, 132, 0),  # one minimum partition covers the context
+    (1, 8, 300, 132, 256),
+    (1, 1, 2**20, 132, 8192),  # partitions capped at MAX_PARTITIONS, so longer than MAX_PARTITION
+    (1, 8, 32768, 1, 0),  # CPU (the interpreter): never unasked
+])  # fmt: skip
+def test_partition_tokens_splits_only_when_programs_leave_sms_idle(batch, kv_heads, max_context, sms, expected):
+    size = tpa.partition_tokens(batch, kv_heads, max_context, sms)
+    assert size == expected
+    if size:
+        assert size & (size - 1) == 0 and size % 64 == 0 and -(-max_context // size) <= tpa.MAX_PARTITIONS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 24), (6, 1, 32)],
+                         ids=["mha-d16", "gqa4-d24", "mqa-d32"])
+@pytest.mark.parametrize(("block_size", "partition"), [(16, 16), (3, 32)])
+def test_split_decode_matches_the_single_pass_and_the_reference(dtype, heads, kv_heads, head_dim, block_size,
+                                                                partition):
+    """Partitions of one and two 16-token tiles, over 16-token blocks and 3-token ones (a partition's edge
+    inside a block); contexts of one token and shorter than one partition leave later partitions empty. The
+    same inputs give the same bits twice (no atomics)."""
+    lens = [1, 11, 70, 33]
+    q, kc, vc, bt, cl, _, _ = make_case(lens, heads, kv_heads, head_dim, block_size, dtype, seed=7)
+    args = (*_to(DEVICE, q, kc, vc, bt, cl), head_dim**-0.5)
+    split = tpa.paged_decode_attention(*args, block_n=16, partition=partition).cpu()
+    assert torch.isfinite(split.float()).all(), "an empty partition made NaN, or a read left the contexts"
+    ref = tpa.reference_paged_decode_attention(q, kc, vc, bt, cl, head_dim**-0.5)
+    torch.testing.assert_close(split.float(), ref.float(), **TOL[dtype])
+    single = tpa.paged_decode_attention(*args, block_n=16, partition=0).cpu()
+    torch.testing.assert_close(split.float(), single.float(), **TOL[dtype])
+    assert torch.equal(split, tpa.paged_decode_attention(*args, block_n=16, partition=partition).cpu())
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(1, None), (5, 2.0), (20, None), (40, 1.5), (None, 1.5)])
+def test_split_decode_with_windows_and_softcap_matches_the_reference(window, softcap):
+    """16-token partitions: a window of 1 or 5 leaves every partition but the last one or two wholly before
+    it (max -inf, sum 0, never read: NaN and garbage block ids there), 20 and 40 start inside a partition."""
+    lens = [70, 1, 17, 40]
+    q, kc, vc, bt, cl, _, _ = make_case(lens, 6, 2, 16, 4, torch.float32, seed=5)
+    q = q * 3  # scores large enough for the caps to bite
+    ref = tpa.reference_paged_decode_attention(q, kc, vc, bt, cl, 0.25, window=window, softcap=softcap)
+    if window is not None:
+        kc, vc, bt = _forget_before_windows(kc, vc, bt, cl, window)
+    out = tpa.paged_decode_attention(*_to(DEVICE, q, kc, vc, bt, cl), 0.25, block_n=16, window=window,
+                                     softcap=softcap, partition=16).cpu()
+    assert torch.isfinite(out).all(), "an empty partition made NaN, or the kernel read before the window"
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_split_is_chosen_from_the_table_width_and_the_sm_count(monkeypatch):
+    """On a device with SMs to spare the launcher splits by the block table's width in tokens (static under
+    a CUDA graph), whatever the context lengths; contexts far shorter than the table are still right."""
+    chosen = []
+    sound = tpa.partition_tokens
+    monkeypatch.setattr(tpa, "_sm_count", lambda device: 64)
+    monkeypatch.setattr(tpa, "partition_tokens", lambda *a, **k: chosen.append((a, sound(*a, **k))) or chosen[-1][1])
+    q, kc, vc, bt, cl, _, _ = make_case([300, 5], 4, 2, 16, 16, torch.float32, seed=3)
+    out = tpa.paged_decode_attention(*_to(DEVICE, q, kc, vc, bt, cl), 0.25).cpu()
+    assert chosen == [((2, 2, bt.shape[1] * 16, 64, 64), 256)]
+    torch.testing.assert_close(out, tpa.reference_paged_decode_attention(q, kc, vc, bt, cl, 0.25),
+                               **TOL[torch.float32])
+
+
+def test_split_refuses_a_partition_that_is_not_whole_tiles():
+    q, kc, vc, bt, cl, _, _ = make_case([20], 4, 2, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="partition=24 must be a power of two >= block_n=16"):
+        tpa.paged_decode_attention(q, kc, vc, bt, cl, 0.25, block_n=16, partition=24)
+
+
 # ------------------------------------------------------------------------------------------ start-up check
 
 

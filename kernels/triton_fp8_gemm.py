@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kubellm.kernels import triton_gemm_tiles as gemm_tiles
 from kubellm.kernels.triton_dot import dot_options
 
 __all__ = ["decode_e4m3", "fp8_gemm", "reference_fp8_gemm"]
@@ -65,17 +66,19 @@ def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _fp8_gemm_kernel(
-    y_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
+    y_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_ys, stride_ym,
     SCALING: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)  # this program's K range (split-K: kernels/triton_gemm_tiles.py)
     rows_ok, cols_ok = rows < M, cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # with block scales, BLOCK_K divides SCALE_COLS: one block column per tile
+    # With block scales BLOCK_K divides SCALE_COLS and a split holds whole block columns: one per tile.
+    for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         ks_ok = ks < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :],
@@ -94,9 +97,10 @@ def _fp8_gemm_kernel(
         acc = acc * tl.load(scale_ptr).to(tl.float32)
     elif SCALING == 1:
         acc = acc * tl.load(scale_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+    if HAS_BIAS:  # noqa: SIM102 - a constexpr test, then a runtime one: Triton keeps them apart
+        if split == 0:  # once, not once per split
+            acc = acc + tl.load(bias_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rows_ok[:, None] & cols_ok[None, :])
 
 
@@ -118,9 +122,9 @@ def _scaling(scale: torch.Tensor, n: int, k: int, block: tuple[int, int] | None)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-             block: tuple[int, int] | None = None, *, block_m: int = 16, block_n: int = 64,
-             block_k: int = 64) -> torch.Tensor:
-    """``x [M, K]`` times the e4m3 ``weight [N, K]`` with its ``scale`` (layouts in the module docstring)."""
+             block: tuple[int, int] | None = None, **tiling: int) -> torch.Tensor:
+    """``x [M, K]`` times the e4m3 ``weight [N, K]`` with its ``scale`` (layouts in the module docstring).
+    ``tiling``: overrides of :func:`gemm_tiles.choose` (block_m, block_n, block_k, split)."""
     m, k = x.shape
     n, k_w = weight.shape
     if k != k_w:
@@ -132,21 +136,21 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     scale = scale.contiguous()
     weight = weight.contiguous().view(torch.uint8)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return y
-    tile_k = max(16, block_k)
-    if block is not None:
-        tile_k = min(tile_k, block[1])
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _fp8_gemm_kernel[grid](
-        y, x, weight, scale, scale if bias is None else bias, m, n, k,
-        x.stride(0), weight.stride(0), scale.stride(0) if scaling == PER_BLOCK else 0, y.stride(0),
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cols = block[1] if block else 16
+    tiles = gemm_tiles.choose(m, n, k, sms=gemm_tiles.sm_count(x.device), max_block_k=min(128, cols),
+                              k_multiple=cols, **tiling)
+    buf, stride_split = gemm_tiles.partials(m, n, tiles, x.dtype, x.device)
+    _fp8_gemm_kernel[tiles.grid(m, n)](
+        buf, x, weight, scale, scale if bias is None else bias, m, n, k, tiles.k_split,
+        x.stride(0), weight.stride(0), scale.stride(0) if scaling == PER_BLOCK else 0, stride_split, buf.stride(-2),
         SCALING=scaling, SCALE_ROWS=block[0] if block else 1, SCALE_COLS=block[1] if block else 1,
         HAS_BIAS=bias is not None, **dot_options(x),
-        BLOCK_M=max(16, block_m), BLOCK_N=max(16, block_n), BLOCK_K=tile_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return y
+    return gemm_tiles.finish(buf, tiles, x.dtype)
 
 
 def reference_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,

@@ -25,9 +25,11 @@ Entry point, for the loader through runtime/kernel_choice.py (``grouped_int4_gem
     y = grouped_gemm(x, w.packed, w.scales, w.zeros, w.perm, bias, w.group, w.bits)
 
 ``x`` ``[M, K]`` bf16, fp16 or fp32 (rows may be strided), ``bias`` ``[N]`` (any float dtype), ``y`` ``[M, N]``
-in ``x``'s dtype with float32 accumulation. Each program computes a BLOCK_M x BLOCK_N tile of ``y``; per K tile
-(inside one group) it loads the words, shifts each input's value out, subtracts the zero point (exact in bf16
-for integer zeros: |q - z| <= 255), runs ``tl.dot`` against ``x``'s tile and scales the partial sum once.
+in ``x``'s dtype with float32 accumulation. Each program computes a BLOCK_M x BLOCK_N tile of ``y`` over its
+share of K (split-K and tile sizes: kernels/triton_gemm_tiles.py); per K tile it loads the words, shifts each
+input's value out and subtracts the zero point. A tile inside one group (groups of 32 inputs and more) runs
+``tl.dot`` on ``q - z`` (exact in bf16 for integer zeros: |q - z| <= 255) and scales the partial sum once;
+shorter groups dequantize each input with its own scale before the dot, so the K tile stays 128 wide.
 Under ``TRITON_INTERPRET=1`` (CPU tensors: the tests) every tile is float32.
 """
 
@@ -39,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kubellm.kernels import triton_gemm_tiles as gemm_tiles
 from kubellm.kernels.triton_dot import dot_options
 
 __all__ = ["GroupedWeight", "grouped_gemm", "pack", "packable", "reference_grouped_gemm", "unpack"]
@@ -132,58 +135,68 @@ def reference_grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.
 
 @triton.jit
 def _grouped_gemm_kernel(
-    y_ptr, x_ptr, p_ptr, scales_ptr, zeros_ptr, bias_ptr, M, N, K,
-    stride_xm, stride_ym,
+    y_ptr, x_ptr, p_ptr, scales_ptr, zeros_ptr, bias_ptr, M, N, K, K_SPLIT,
+    stride_xm, stride_ys, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
+    # Groups shorter than the K tile: each input is dequantized with its own group's scale before the dot.
+    # Otherwise a tile lies inside one group (BLOCK_K divides GROUP) and its partial sum is scaled once.
+    SCALE_IN_TILE: tl.constexpr = GROUP < BLOCK_K
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)  # this program's K range (split-K: kernels/triton_gemm_tiles.py)
     rows_ok, cols_ok = rows < M, cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides GROUP (or GROUP == K): a tile lies inside one group
+    for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         ks_ok = ks < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :],
                     other=0.0)
         # Every input of a word loads the same word (from cache); its shift picks the input's bits.
-        words = tl.load(p_ptr + (ks // PER)[:, None] * N + cols[None, :], mask=ks_ok[:, None] & cols_ok[None, :],
-                        other=0)
-        q = (words >> ((ks % PER) * BITS)[:, None]) & ((1 << BITS) - 1)
-        g = k0 // GROUP
-        if HAS_ZEROS:
-            z = tl.load(zeros_ptr + g * N + cols, mask=cols_ok, other=0.0)
-        else:
-            z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
+        tile_ok = ks_ok[:, None] & cols_ok[None, :]
+        words = tl.load(p_ptr + (ks // PER)[:, None] * N + cols[None, :], mask=tile_ok, other=0)
+        q = ((words >> ((ks % PER) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
         if UPCAST:
             x = x.to(tl.float32)
-        w = (q.to(tl.float32) - z[None, :]).to(x.dtype)
-        part = tl.dot(x, w, input_precision=PRECISION)
-        acc += part * tl.load(scales_ptr + g * N + cols, mask=cols_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+        if SCALE_IN_TILE:
+            at = (ks // GROUP)[:, None] * N + cols[None, :]
+            if HAS_ZEROS:
+                q = q - tl.load(zeros_ptr + at, mask=tile_ok, other=0.0)
+            else:
+                q = q - (1 << (BITS - 1))
+            w = (q * tl.load(scales_ptr + at, mask=tile_ok, other=0.0)).to(x.dtype)
+            acc += tl.dot(x, w, input_precision=PRECISION)
+        else:
+            g = k0 // GROUP
+            if HAS_ZEROS:
+                q = q - tl.load(zeros_ptr + g * N + cols, mask=cols_ok, other=0.0)[None, :]
+            else:
+                q = q - (1 << (BITS - 1))
+            part = tl.dot(x, q.to(x.dtype), input_precision=PRECISION)  # exact in bf16: |q - z| <= 255
+            acc += part * tl.load(scales_ptr + g * N + cols, mask=cols_ok, other=0.0)[None, :]
+    if HAS_BIAS:  # noqa: SIM102 - a constexpr test, then a runtime one: Triton keeps them apart
+        if split == 0:  # once, not once per split
+            acc = acc + tl.load(bias_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-def _k_tile(group: int, k: int, block_k: int) -> int:
-    """The K tile: ``block_k`` (>= 16, a power of two) shrunk to divide the group unless per channel."""
-    block_k = max(16, block_k)
-    if group == k:
-        return block_k
-    while group % block_k:
-        block_k //= 2
-    if block_k < 16:
-        raise ValueError(f"group {group} is not a multiple of 16")
-    return block_k
+def _max_k_tile(group: int, k: int) -> int:
+    """The largest K tile: 128 (per channel, groups of a multiple of 128, and groups shorter than 128, which
+    dequantize inside the tile), else the largest power of two dividing the group (scaled after the dot)."""
+    if group == k or group % 128 == 0 or group < 128:
+        return 128
+    return group & -group
 
 
 def grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 perm: torch.Tensor | None, bias: torch.Tensor | None, group: int, bits: int, *,
-                 block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
-    """``x [M, K]`` times the packed weight (layouts in the module docstring) ``(+ bias)``; ``[M, N]``."""
+                 perm: torch.Tensor | None, bias: torch.Tensor | None, group: int, bits: int,
+                 **tiling: int) -> torch.Tensor:
+    """``x [M, K]`` times the packed weight (layouts in the module docstring) ``(+ bias)``; ``[M, N]``.
+    ``tiling``: overrides of :func:`gemm_tiles.choose` (block_m, block_n, block_k, split)."""
     m, k = x.shape
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
@@ -195,18 +208,23 @@ def grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     if k % group or scales.shape != (k // group, n) or (zeros is not None and zeros.shape != scales.shape):
         raise ValueError(f"scales (and zeros) must be [K / group, N] = [{k // max(group, 1)}, {n}] with group {group} "
                          f"dividing K = {k}, got {tuple(scales.shape)}")
+    if group != k and group % 16:
+        raise ValueError(f"group {group} is not a multiple of 16")
     if perm is not None:
         x = x.index_select(1, perm)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return y
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _grouped_gemm_kernel[grid](
-        y, x, packed.contiguous(), scales.float().contiguous(),
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # A split's K range holds whole groups, so a tile scaled after its dot never straddles two.
+    tiles = gemm_tiles.choose(m, n, k, sms=gemm_tiles.sm_count(x.device), max_block_k=_max_k_tile(group, k),
+                              k_multiple=16 if group == k else group, **tiling)
+    buf, stride_split = gemm_tiles.partials(m, n, tiles, x.dtype, x.device)
+    _grouped_gemm_kernel[tiles.grid(m, n)](
+        buf, x, packed.contiguous(), scales.float().contiguous(),
         scales if zeros is None else zeros.float().contiguous(), scales if bias is None else bias, m, n, k,
-        x.stride(0), y.stride(0),
+        tiles.k_split, x.stride(0), stride_split, buf.stride(-2),
         BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, **dot_options(x),
-        BLOCK_M=max(16, block_m), BLOCK_N=max(16, block_n), BLOCK_K=_k_tile(group, k, block_k),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return y
+    return gemm_tiles.finish(buf, tiles, x.dtype)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kubellm.kernels import triton_gemm_tiles as gemm_tiles
 from kubellm.kernels.cpu_int8_gemm import reference_int8_gemm
 from kubellm.kernels.triton_dot import dot_options
 
@@ -22,16 +23,17 @@ __all__ = ["int8_gemm", "reference_int8_gemm"]
 
 @triton.jit
 def _int8_gemm_kernel(
-    y_ptr, x_ptr, q_ptr, scales_ptr, bias_ptr, M, N, K,
-    stride_xm, stride_qn, stride_ym,
+    y_ptr, x_ptr, q_ptr, scales_ptr, bias_ptr, M, N, K, K_SPLIT,
+    stride_xm, stride_qn, stride_ys, stride_ym,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)  # this program's K range (split-K: kernels/triton_gemm_tiles.py)
     rows_ok, cols_ok = rows < M, cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         ks_ok = ks < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :],
@@ -43,15 +45,17 @@ def _int8_gemm_kernel(
         w = q.to(x.dtype)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     acc = acc * tl.load(scales_ptr + cols, mask=cols_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + cols, mask=cols_ok, other=0.0)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+    if HAS_BIAS:  # noqa: SIM102 - a constexpr test, then a runtime one: Triton keeps them apart
+        if split == 0:  # once, not once per split
+            acc = acc + tl.load(bias_ptr + cols, mask=cols_ok, other=0.0)[None, :]
+    tl.store(y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
-              block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
-    """``x [M, K]`` times the int8 weight ``q [N, K]``, per-channel ``scales`` (and ``bias``) in float32."""
+def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+              **tiling: int) -> torch.Tensor:
+    """``x [M, K]`` times the int8 weight ``q [N, K]``, per-channel ``scales`` (and ``bias``) in float32.
+    ``tiling``: overrides of :func:`gemm_tiles.choose` (block_m, block_n, block_k, split)."""
     m, k = x.shape
     n, k_q = q.shape
     if k != k_q:
@@ -60,14 +64,15 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
         raise ValueError("q must be int8 [N, K] and scales float32 [N]")
     x = x if x.stride(-1) == 1 else x.contiguous()
     q = q.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return y
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _int8_gemm_kernel[grid](
-        y, x, q, scales, bias if bias is not None else scales, m, n, k,
-        x.stride(0), q.stride(0), y.stride(0),
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = gemm_tiles.choose(m, n, k, sms=gemm_tiles.sm_count(x.device), **tiling)
+    buf, stride_split = gemm_tiles.partials(m, n, tiles, x.dtype, x.device)
+    _int8_gemm_kernel[tiles.grid(m, n)](
+        buf, x, q, scales, bias if bias is not None else scales, m, n, k, tiles.k_split,
+        x.stride(0), q.stride(0), stride_split, buf.stride(-2),
         HAS_BIAS=bias is not None, **dot_options(x),
-        BLOCK_M=max(16, block_m), BLOCK_N=max(16, block_n), BLOCK_K=max(16, block_k),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return y
+    return gemm_tiles.finish(buf, tiles, x.dtype)

@@ -1,0 +1,95 @@
+"""How kubellm's Triton weight-only GEMMs (int8, grouped 4/8-bit, FP8) tile their work, decided in one place.
+
+A decode GEMM (a few rows) is bound by the weight's bytes, so every SM needs several programs streaming their own
+slice of the weight at once. Output tiles alone give too few: ``N / 64`` programs for one row block (96 for
+Llama-3-8B's qkv on a 132-SM GPU, each walking all of K), which read an int4 weight at 3% of an H200's bandwidth in
+the first GPU run. Then K is split across programs too (split-K): each writes float32 partial sums of its K range
+into ``[split, M, N]`` and one ``torch.sum`` over the splits adds them in a fixed order (deterministic: no atomics;
+graph-capturable: sizes depend only on shapes). A batched GEMM is bound by the tensor cores and the
+dequantization instead: taller row tiles reuse each dequantized weight tile for more rows.
+
+:func:`choose` is pure (shapes and an SM count in, :class:`Tiles` out) and unit-tested; :func:`partials` and
+:func:`finish` are the split-K buffer around a launch. Under Triton's interpreter (CPU tensors: the tests) the
+"device" has :data:`INTERPRETER_SMS` SMs, few enough that small test shapes take the split-K path too.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+INTERPRETER_SMS = 4
+MIN_K_PER_SPLIT = 256  # a split walks at least this many inputs: fewer and its fixed costs dominate
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int  # programs along K
+    k_split: int  # inputs per split, a multiple of block_k (the last split may be shorter)
+    num_warps: int
+    num_stages: int
+
+    def grid(self, m: int, n: int) -> tuple[int, int, int]:
+        return (_cdiv(m, self.block_m), _cdiv(n, self.block_n), self.split)
+
+
+def choose(m: int, n: int, k: int, *, sms: int, max_block_k: int = 128, k_multiple: int = 16,
+           block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+           split: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> Tiles:
+    """Tiles for ``[m, k] x [k, n]``. ``max_block_k``: the largest K tile the kernel's scales allow (a power of two,
+    >= 16); ``k_multiple``: what each split's K range must be a multiple of (a scale group, so no K tile straddles
+    two groups in kernels that scale after the dot). The keyword arguments after those override the choice (tests,
+benchmarks/gpu_gemm_tiles.py)."""
+    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128)
+    block_n = block_n or (64 if m <= 64 else 128)
+    block_k = min(max_block_k, block_k or (128 if m <= 64 else 64))
+    num_warps = num_warps or (4 if block_m * block_n <= 64 * 64 else 8)
+    num_stages = num_stages or (4 if m <= 64 else 3)
+    unit = block_k * k_multiple // _gcd(block_k, k_multiple)  # a split's K range: whole tiles and whole groups
+    if split is None:
+        programs = _cdiv(m, block_m) * _cdiv(n, block_n)
+        split = 1
+        # Decode GEMMs want two programs per SM; batched ones (tensor-core bound) one wave: partials cost traffic.
+        waves = 2 if m <= 64 else 1
+        while programs * split < waves * sms and k // (split * 2) >= max(MIN_K_PER_SPLIT, unit):
+            split *= 2
+    k_split = _cdiv(_cdiv(k, split), unit) * unit
+    return Tiles(block_m, block_n, block_k, _cdiv(k, k_split), k_split, num_warps, num_stages)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def sm_count(device: torch.device) -> int:
+    return _cuda_sms(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def partials(m: int, n: int, tiles: Tiles, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Where a launch stores: ``y [m, n]`` itself when K is not split, else float32 ``[split, m, n]``; and the
+    stride between splits (0 without split-K)."""
+    if tiles.split == 1:
+        return torch.empty((m, n), dtype=dtype, device=device), 0
+    buf = torch.empty((tiles.split, m, n), dtype=torch.float32, device=device)
+    return buf, buf.stride(0)
+
+
+def finish(buf: torch.Tensor, tiles: Tiles, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` from what :func:`partials` gave the launch."""
+    return buf if tiles.split == 1 else buf.sum(0).to(dtype)

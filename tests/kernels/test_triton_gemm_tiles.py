@@ -1,0 +1,96 @@
+"""kernels/triton_gemm_tiles.py: how the Triton weight-only GEMMs tile and split their work (pure Python), and
+split-K through each kernel (Triton's interpreter, tiny shapes): every split count gives the unsplit product,
+the bias is added once, K tiles never straddle a scale group, and short groups dequantize inside a wide K tile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_grouped_gemm import _expected, _weight
+
+from kubellm.kernels import triton_fp8_gemm as tf
+from kubellm.kernels import triton_gemm_tiles as tiles_mod
+from kubellm.kernels import triton_grouped_gemm as tg
+from kubellm.kernels import triton_int8_gemm as ti
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H200_SMS = 132
+LAYERS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # Llama-3-8B: qkv, o, gate_up, down
+
+
+def _covers_k(t: tiles_mod.Tiles, k: int) -> bool:
+    return t.split * t.k_split >= k > (t.split - 1) * t.k_split
+
+
+@pytest.mark.parametrize(("n", "k"), LAYERS)
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_decode_gemms_split_k_until_every_sm_has_two_programs(m, n, k):
+    t = tiles_mod.choose(m, n, k, sms=H200_SMS, k_multiple=32)
+    programs = -(-m // t.block_m) * -(-n // t.block_n)
+    assert programs * t.split >= 2 * H200_SMS or t.k_split <= 2 * tiles_mod.MIN_K_PER_SPLIT
+    assert _covers_k(t, k) and t.k_split % t.block_k == 0 and t.k_split % 32 == 0
+    if (m, n, k) == (1, 6144, 4096):  # 96 column tiles: 4 splits of 1024 inputs
+        assert (t.block_m, t.block_n, t.block_k, t.split, t.k_split) == (16, 64, 128, 4, 1024)
+
+
+def test_batched_gemms_take_tall_tiles_and_split_only_to_fill_one_wave():
+    t = tiles_mod.choose(256, 6144, 4096, sms=H200_SMS)
+    assert (t.block_m, t.block_n, t.num_warps) == (128, 128, 8)
+    assert t.split == 2 and 2 * 48 * t.split >= H200_SMS  # 2 x 48 tiles, one wave
+    assert tiles_mod.choose(256, 28672, 4096, sms=H200_SMS).split == 1  # 448 tiles fill the GPU alone
+
+
+def test_short_k_is_never_split_and_groups_bound_the_split_size():
+    assert tiles_mod.choose(1, 64, 256, sms=H200_SMS).split == 1  # a split walks >= 256 inputs
+    t = tiles_mod.choose(1, 64, 4096, sms=H200_SMS, max_block_k=64, k_multiple=192)
+    assert t.block_k == 64 and t.k_split % 192 == 0 and _covers_k(t, 4096)
+    forced = tiles_mod.choose(3, 40, 384, sms=H200_SMS, split=3, block_n=16)
+    assert (forced.split, forced.k_split, forced.block_n) == (3, 128, 16)
+
+
+def _x_bias(m, k, n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, generator=gen)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+@pytest.mark.parametrize("group", [16, 32, 64, 128, -1])
+def test_grouped_gemm_split_k_and_in_tile_scales_equal_the_dequantized_weight(group, split):
+    """K 384: three K tiles of 128; groups of 16-64 dequantize inside the tile, 128 and per channel scale after."""
+    m, n, k = 3, 24, 384
+    qw = _weight(n, k, 4, group, "asym", seed=group + 7)
+    x, bias = _x_bias(m, k, n, torch.float32, seed=split)
+    w = tg.pack(qw, 4)
+    on = [None if t is None else t.to(DEVICE) for t in (x, w.packed, w.scales, w.zeros, w.perm, bias)]
+    out = tg.grouped_gemm(*on, w.group, w.bits, split=split, block_n=16, block_k=128).cpu()
+    torch.testing.assert_close(out, _expected(x, qw, bias), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_gemm_split_k_adds_the_bias_once(dtype):
+    m, n, k = 5, 24, 512
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) / 100
+    x, bias = _x_bias(m, k, n, dtype, seed=4)
+    ref = ti.reference_int8_gemm(x, q, scales, bias).float()
+    for split in (1, 2, 4):
+        out = ti.int8_gemm(*(t.to(DEVICE) for t in (x, q, scales, bias)), split=split, block_n=16).cpu()
+        torch.testing.assert_close(out.float(), ref, **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32
+                                                       else {"atol": 1e-2, "rtol": 2**-7}))
+
+
+@pytest.mark.parametrize("block", [None, (16, 32)])
+def test_fp8_gemm_split_k_keeps_block_scales_aligned(block):
+    """Splits of whole 32-input scale columns (block 16 x 32) and per-channel scales: equal to the reference."""
+    m, n, k = 3, 40, 320
+    gen = torch.Generator().manual_seed(9)
+    weight = (torch.randn(n, k, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+    scale = (torch.rand(n, generator=gen) + 0.5 if block is None
+             else torch.rand(-(-n // 16), k // 32, generator=gen) + 0.5)
+    x, bias = _x_bias(m, k, n, torch.float32, seed=10)
+    ref = tf.reference_fp8_gemm(x, weight, scale, bias, block)
+    for split in (2, 3):
+        out = tf.fp8_gemm(*(t.to(DEVICE) for t in (x, weight, scale, bias)), block, split=split, block_n=16).cpu()
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)

@@ -21,6 +21,8 @@ namespace int4 {
 // blocks are I channels apart).
 // Nibbles widen to bf16 in registers: a nibble v OR'd into the bits 0x4300 is the bf16 of 128 + v (exact), so
 // the products sum x * (q + 128) and the group's epilogue subtracts (z + 128) * sum(x).
+// At 1-2 rows the two products of a quad go to two accumulator sets, so the additions into one do not wait on
+// each other (as the bf16 kernel's stream does): 6-10% at one row on cache-resident layers (benchmarks/README.md).
 // (Inlined by force so the accumulators stay in registers in the caller's tile loop.)
 template <int MR, int NB>
 __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, int64_t x_pair_stride,
@@ -34,9 +36,11 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, in
   for (int r = 0; r < MR; ++r)
     for (int b = 0; b < NB; ++b) out[r][b] = _mm512_setzero_ps();
   for (int64_t g = 0, kq0 = 0; kq0 < K4; ++g, kq0 += group_quads) {
-    __m512 acc[MR][NB];
-    for (int r = 0; r < MR; ++r)
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    constexpr int KC = MR <= 2 ? 2 : 1;  // accumulator sets
+    __m512 acc[KC][MR][NB];
+    for (int c = 0; c < KC; ++c)
+      for (int r = 0; r < MR; ++r)
+        for (int b = 0; b < NB; ++b) acc[c][r][b] = _mm512_setzero_ps();
     const int64_t kq1 = std::min(K4, kq0 + group_quads);
     for (int64_t kq = kq0; kq < kq1; ++kq) {
       __m512i lo[NB], hi[NB];
@@ -50,18 +54,21 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, in
         const __m512i x0 = _mm512_set1_epi32(x_pairs[r * x_pair_stride + 2 * kq]);
         const __m512i x1 = _mm512_set1_epi32(x_pairs[r * x_pair_stride + 2 * kq + 1]);
         for (int b = 0; b < NB; ++b) {
-          acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)x0, (__m512bh)lo[b]);
-          acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)x1, (__m512bh)hi[b]);
+          acc[0][r][b] = _mm512_dpbf16_ps(acc[0][r][b], (__m512bh)x0, (__m512bh)lo[b]);
+          acc[KC - 1][r][b] = _mm512_dpbf16_ps(acc[KC - 1][r][b], (__m512bh)x1, (__m512bh)hi[b]);
         }
       }
     }
+    if constexpr (KC == 2)
+      for (int r = 0; r < MR; ++r)
+        for (int b = 0; b < NB; ++b) acc[0][r][b] = _mm512_add_ps(acc[0][r][b], acc[1][r][b]);
     // out += s * (acc - (z + 128) * sum(x over the group))
     for (int b = 0; b < NB; ++b) {
       const int64_t at = g * param_row + b * param_block_stride;
       const __m512 s = scales.load16(at);
       const __m512 z = _mm512_add_ps(zeros.load16(at), _mm512_set1_ps(128.f));
       for (int r = 0; r < MR; ++r) {
-        const __m512 centred = _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[r][b]);
+        const __m512 centred = _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[0][r][b]);
         out[r][b] = _mm512_fmadd_ps(centred, s, out[r][b]);
       }
     }

@@ -140,7 +140,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
     cols = block[1] if block else 16
     tiles = gemm_tiles.choose(m, n, k, sms=gemm_tiles.sm_count(x.device), max_block_k=min(128, cols),
-                              k_multiple=cols, **tiling)
+                              k_multiple=cols, x_bytes=x.element_size(), **tiling)
     buf, stride_split = gemm_tiles.partials(m, n, tiles, x.dtype, x.device)
     _fp8_gemm_kernel[tiles.grid(m, n)](
         buf, x, weight, scale, scale if bias is None else bias, m, n, k, tiles.k_split,

@@ -22,6 +22,7 @@ import torch
 
 INTERPRETER_SMS = 4
 MIN_K_PER_SPLIT = 256  # a split walks at least this many inputs: fewer and its fixed costs dominate
+SHARED_BYTES = 160 * 1024  # pipelined tiles' budget: an H100/H200 has 227 KB per block, Ampere 163 KB
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,24 @@ class Tiles:
 
 def choose(m: int, n: int, k: int, *, sms: int, max_block_k: int = 128, k_multiple: int = 16,
            block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-           split: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> Tiles:
+           split: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+           x_bytes: int = 2, w_bytes: int = 1) -> Tiles:
     """Tiles for ``[m, k] x [k, n]``. ``max_block_k``: the largest K tile the kernel's scales allow (a power of two,
     >= 16); ``k_multiple``: what each split's K range must be a multiple of (a scale group, so no K tile straddles
-    two groups in kernels that scale after the dot). The keyword arguments after those override the choice (tests,
-benchmarks/gpu_gemm_tiles.py)."""
+    two groups in kernels that scale after the dot). ``block_*``, ``split``, ``num_warps`` and ``num_stages``
+override the choice (tests, benchmarks/gpu_gemm_tiles.py); ``x_bytes`` and ``w_bytes`` size the shared memory."""
     block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128)
     block_n = block_n or (64 if m <= 64 else 128)
     block_k = min(max_block_k, block_k or (128 if m <= 64 else 64))
     num_warps = num_warps or (4 if block_m * block_n <= 64 * 64 else 8)
-    num_stages = num_stages or (4 if m <= 64 else 3)
+    if num_stages is None:
+        # Software pipelining keeps one x tile and one weight tile per stage in shared memory (x_bytes and w_bytes
+        # per element as loaded: a grouped kernel loads int32 words per input): stay under SHARED_BYTES.
+        num_stages = 4 if m <= 64 else 3
+        while num_stages > 2 and num_stages * block_k * (block_m * x_bytes + block_n * w_bytes) > SHARED_BYTES:
+            num_stages -= 1
+        while block_k > 16 and num_stages * block_k * (block_m * x_bytes + block_n * w_bytes) > SHARED_BYTES:
+            block_k //= 2
     unit = block_k * k_multiple // _gcd(block_k, k_multiple)  # a split's K range: whole tiles and whole groups
     if split is None:
         programs = _cdiv(m, block_m) * _cdiv(n, block_n)

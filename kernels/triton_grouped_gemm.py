@@ -26,10 +26,10 @@ Entry point, for the loader through runtime/kernel_choice.py (``grouped_int4_gem
 
 ``x`` ``[M, K]`` bf16, fp16 or fp32 (rows may be strided), ``bias`` ``[N]`` (any float dtype), ``y`` ``[M, N]``
 in ``x``'s dtype with float32 accumulation. Each program computes a BLOCK_M x BLOCK_N tile of ``y`` over its
-share of K (split-K and tile sizes: kernels/triton_gemm_tiles.py); per K tile it loads the words, shifts each
-input's value out and subtracts the zero point. A tile inside one group (groups of 32 inputs and more) runs
-``tl.dot`` on ``q - z`` (exact in bf16 for integer zeros: |q - z| <= 255) and scales the partial sum once;
-shorter groups dequantize each input with its own scale before the dot, so the K tile stays 128 wide.
+share of K (split-K and tile sizes: kernels/triton_gemm_tiles.py); per K tile (inside one group) it loads the
+words, shifts each input's value out, subtracts the zero point (exact in bf16 for integer zeros: |q - z| <= 255),
+runs ``tl.dot`` against ``x``'s tile and scales the partial sum once. (Dequantizing inside wider K tiles, with a
+scale and zero tile per input, needed 260-350 KB of shared memory per program on an H200: more than it has.)
 Under ``TRITON_INTERPRET=1`` (CPU tensors: the tests) every tile is float32.
 """
 
@@ -142,41 +142,31 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
-    # Groups shorter than the K tile: each input is dequantized with its own group's scale before the dot.
-    # Otherwise a tile lies inside one group (BLOCK_K divides GROUP) and its partial sum is scaled once.
-    SCALE_IN_TILE: tl.constexpr = GROUP < BLOCK_K
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)  # this program's K range (split-K: kernels/triton_gemm_tiles.py)
     rows_ok, cols_ok = rows < M, cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # BLOCK_K divides GROUP (or GROUP == K) and a split holds whole groups: a tile lies inside one group.
     for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         ks_ok = ks < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :],
                     other=0.0)
         # Every input of a word loads the same word (from cache); its shift picks the input's bits.
-        tile_ok = ks_ok[:, None] & cols_ok[None, :]
-        words = tl.load(p_ptr + (ks // PER)[:, None] * N + cols[None, :], mask=tile_ok, other=0)
-        q = ((words >> ((ks % PER) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
+        words = tl.load(p_ptr + (ks // PER)[:, None] * N + cols[None, :], mask=ks_ok[:, None] & cols_ok[None, :],
+                        other=0)
+        q = (words >> ((ks % PER) * BITS)[:, None]) & ((1 << BITS) - 1)
+        g = k0 // GROUP
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + g * N + cols, mask=cols_ok, other=0.0)
+        else:
+            z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
         if UPCAST:
             x = x.to(tl.float32)
-        if SCALE_IN_TILE:
-            at = (ks // GROUP)[:, None] * N + cols[None, :]
-            if HAS_ZEROS:
-                q = q - tl.load(zeros_ptr + at, mask=tile_ok, other=0.0)
-            else:
-                q = q - (1 << (BITS - 1))
-            w = (q * tl.load(scales_ptr + at, mask=tile_ok, other=0.0)).to(x.dtype)
-            acc += tl.dot(x, w, input_precision=PRECISION)
-        else:
-            g = k0 // GROUP
-            if HAS_ZEROS:
-                q = q - tl.load(zeros_ptr + g * N + cols, mask=cols_ok, other=0.0)[None, :]
-            else:
-                q = q - (1 << (BITS - 1))
-            part = tl.dot(x, q.to(x.dtype), input_precision=PRECISION)  # exact in bf16: |q - z| <= 255
-            acc += part * tl.load(scales_ptr + g * N + cols, mask=cols_ok, other=0.0)[None, :]
+        w = (q.to(tl.float32) - z[None, :]).to(x.dtype)
+        part = tl.dot(x, w, input_precision=PRECISION)
+        acc += part * tl.load(scales_ptr + g * N + cols, mask=cols_ok, other=0.0)[None, :]
     if HAS_BIAS:  # noqa: SIM102 - a constexpr test, then a runtime one: Triton keeps them apart
         if split == 0:  # once, not once per split
             acc = acc + tl.load(bias_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
@@ -185,11 +175,8 @@ def _grouped_gemm_kernel(
 
 
 def _max_k_tile(group: int, k: int) -> int:
-    """The largest K tile: 128 (per channel, groups of a multiple of 128, and groups shorter than 128, which
-    dequantize inside the tile), else the largest power of two dividing the group (scaled after the dot)."""
-    if group == k or group % 128 == 0 or group < 128:
-        return 128
-    return group & -group
+    """The largest K tile: 128 per channel, else the largest power of two (<= 128) dividing the group."""
+    return 128 if group == k else min(128, group & -group)
 
 
 def grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -217,7 +204,8 @@ def grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
     # A split's K range holds whole groups, so a tile scaled after its dot never straddles two.
     tiles = gemm_tiles.choose(m, n, k, sms=gemm_tiles.sm_count(x.device), max_block_k=_max_k_tile(group, k),
-                              k_multiple=16 if group == k else group, **tiling)
+                              k_multiple=16 if group == k else group, x_bytes=x.element_size(), w_bytes=4,
+                              **tiling)
     buf, stride_split = gemm_tiles.partials(m, n, tiles, x.dtype, x.device)
     _grouped_gemm_kernel[tiles.grid(m, n)](
         buf, x, packed.contiguous(), scales.float().contiguous(),

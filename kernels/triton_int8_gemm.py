@@ -66,7 +66,7 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     q = q.contiguous()
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles = gemm_tiles.choose(m, n, k, sms=gemm_tiles.sm_count(x.device), **tiling)
+    tiles = gemm_tiles.choose(m, n, k, sms=gemm_tiles.sm_count(x.device), x_bytes=x.element_size(), **tiling)
     buf, stride_split = gemm_tiles.partials(m, n, tiles, x.dtype, x.device)
     _int8_gemm_kernel[tiles.grid(m, n)](
         buf, x, q, scales, bias if bias is not None else scales, m, n, k, tiles.k_split,

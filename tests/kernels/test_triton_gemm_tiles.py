@@ -1,6 +1,6 @@
 """kernels/triton_gemm_tiles.py: how the Triton weight-only GEMMs tile and split their work (pure Python), and
 split-K through each kernel (Triton's interpreter, tiny shapes): every split count gives the unsplit product,
-the bias is added once, K tiles never straddle a scale group, and short groups dequantize inside a wide K tile.
+the bias is added once, K tiles never straddle a scale group, and the pipelined tiles fit in shared memory.
 """
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ def test_short_k_is_never_split_and_groups_bound_the_split_size():
     assert (forced.split, forced.k_split, forced.block_n) == (3, 128, 16)
 
 
+@pytest.mark.parametrize(("m", "x_bytes", "w_bytes"), [(1, 2, 4), (64, 4, 4), (256, 4, 4), (256, 2, 1)])
+def test_pipelined_tiles_fit_the_shared_memory_budget(m, x_bytes, w_bytes):
+    """The first H200 run asked for 262-352 KB per program (the limit is 227 KB): stages, then K tiles, shrink."""
+    t = tiles_mod.choose(m, 6144, 4096, sms=H200_SMS, x_bytes=x_bytes, w_bytes=w_bytes)
+    assert t.num_stages * t.block_k * (t.block_m * x_bytes + t.block_n * w_bytes) <= tiles_mod.SHARED_BYTES
+    assert t.num_stages >= 2 and t.block_k >= 16 and _covers_k(t, 4096)
+
+
 def _x_bias(m, k, n, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, generator=gen)
@@ -57,7 +65,7 @@ def _x_bias(m, k, n, dtype, seed):
 @pytest.mark.parametrize("split", [1, 2, 3])
 @pytest.mark.parametrize("group", [16, 32, 64, 128, -1])
 def test_grouped_gemm_split_k_and_in_tile_scales_equal_the_dequantized_weight(group, split):
-    """K 384: three K tiles of 128; groups of 16-64 dequantize inside the tile, 128 and per channel scale after."""
+    """K 384 in splits of whole groups: K tiles of 16-128 inputs (the group's), 128 per channel."""
     m, n, k = 3, 24, 384
     qw = _weight(n, k, 4, group, "asym", seed=group + 7)
     x, bias = _x_bias(m, k, n, torch.float32, seed=split)

@@ -24,7 +24,8 @@ kernel combines the partitions with a log-sum-exp rescale. A partition past the 
 window reads nothing and contributes nothing (max -inf, sum 0). How many partitions comes from static sizes
 only (the batch, the block table's width, the device's SM count: :func:`partition_tokens`), never from
 ``context_lens``, so a CUDA graph captured at one step replays correctly at any other; no atomics, so results
-are the same run to run.
+are the same run to run. A context within the first partition gets the single pass's bits: a graph's table is
+max_model_len wide (split), eager's as wide as the longest context, and both must decode the same tokens.
 """
 
 from __future__ import annotations

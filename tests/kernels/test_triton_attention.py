@@ -202,6 +202,18 @@ def test_split_decode_with_windows_and_softcap_matches_the_reference(window, sof
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_of_contexts_within_the_first_partition_equals_the_single_pass_bitwise(dtype):
+    """A CUDA graph's block table is max_model_len wide (split), eager's only as wide as the longest context
+    (single pass): while every context fits in the first partition, both give the same bits, so graphs and
+    eager decode the same tokens."""
+    q, kc, vc, bt, cl, _, _ = make_case([1, 11, 16], 4, 2, 16, 4, dtype, seed=2)
+    args = (*_to(DEVICE, q, kc, vc, bt, cl), 0.25)
+    split = tpa.paged_decode_attention(*args, block_n=16, partition=16)
+    assert bt.shape[1] * 4 > 16  # two partitions, the second empty
+    assert torch.equal(split, tpa.paged_decode_attention(*args, block_n=16, partition=0))
+
+
 def test_split_is_chosen_from_the_table_width_and_the_sm_count(monkeypatch):
     """On a device with SMs to spare the launcher splits by the block table's width in tokens (static under
     a CUDA graph), whatever the context lengths; contexts far shorter than the table are still right."""

@@ -45,9 +45,10 @@ class Splits:
         setattr(obj, name, timed)
 
 
-def decode_steps(engine, prompt_len: int, tokens: int, seed: int, after_prefill=None) -> tuple[int, float]:
+def decode_steps(engine, prompt_len: int, tokens: int, seed: int, after_prefill=None,
+                 cpu_seconds: list | None = None) -> tuple[int, float]:
     """One request alone: its prefill step untimed (then ``after_prefill()``), then ``tokens`` decode steps;
-    (steps, seconds)."""
+    (steps, wall seconds); appends the calling thread's CPU seconds of those steps to ``cpu_seconds``."""
     import random
 
     from kubellm.runtime.sampling_params import SamplingParams
@@ -58,10 +59,12 @@ def decode_steps(engine, prompt_len: int, tokens: int, seed: int, after_prefill=
     engine.step()
     if after_prefill is not None:
         after_prefill()
-    start, steps = time.perf_counter(), 0
+    start, cpu, steps = time.perf_counter(), time.thread_time(), 0
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
+    if cpu_seconds is not None:
+        cpu_seconds.append(time.thread_time() - cpu)
     return steps, time.perf_counter() - start
 
 
@@ -120,14 +123,21 @@ def ab(args, model_dir: Path) -> None:
         llms[fused] = make_llm(model_dir, args.threads)
         assert (llms[fused].engine.runner.model.model.fused_layers is not None) == fused
     rates: dict[bool, list[float]] = {False: [], True: []}
+    cpu_ms: dict[bool, list[float]] = {False: [], True: []}  # the engine thread's CPU time per step
     for r in range(args.rounds):
         for fused in (False, True) if r % 2 == 0 else (True, False):
-            steps, seconds = decode_steps(llms[fused].engine, args.prompt, args.tokens, r)
+            cpu: list[float] = []
+            steps, seconds = decode_steps(llms[fused].engine, args.prompt, args.tokens, r, cpu_seconds=cpu)
             rates[fused].append(steps / seconds)
+            cpu_ms[fused].append(1e3 * cpu[0] / steps)
     base, new = statistics.median(rates[False]), statistics.median(rates[True])
     print(f"A/B over {args.rounds} rounds, load {os.getloadavg()[0]:.1f}: unfused {base:.1f} tok/s "
           f"{[round(x, 1) for x in rates[False]]}, fused {new:.1f} tok/s {[round(x, 1) for x in rates[True]]}: "
           f"{new / base:.2f}x")
+    # With one thread, CPU time is the step's own work, whatever else the host runs (wall time is not).
+    base, new = statistics.median(cpu_ms[False]), statistics.median(cpu_ms[True])
+    print(f"engine thread CPU ms/step: unfused {base:.2f} {[round(x, 2) for x in cpu_ms[False]]}, fused {new:.2f} "
+          f"{[round(x, 2) for x in cpu_ms[True]]}: {base / new:.2f}x")
 
 
 def main() -> int:

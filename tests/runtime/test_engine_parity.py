@@ -326,9 +326,25 @@ def test_windows_hold_for_prompts_far_longer_than_the_window(fixture, backend, r
     """Long prompts (5-8 windows) beside short ones in one batch, chunked across many steps: a position outside
     its layer's window must never be attended, whichever step or block it sits in."""
     model_dir = request.getfixturevalue(fixture)
+    _run_and_compare(_engine(model_dir, num_kv_blocks=96, **_BACKENDS[backend]), model_dir, _long_prompts())
+
+
+def _long_prompts() -> list[list[int]]:
     rng = random.Random(7)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (90, 3, 61, 14)]
-    _run_and_compare(_engine(model_dir, num_kv_blocks=96, **_BACKENDS[backend]), model_dir, prompts)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in (90, 3, 61, 14)]
+
+
+def test_triton_split_kv_decode_holds_windows_and_equals_transformers(tiny_phi3_window, monkeypatch):
+    """Split KV forced as a GPU with SMs to spare would choose it (64-token partitions once a block table spans
+    more): through the engine, partitions wholly before a window or past a context must contribute nothing."""
+    from kubellm.kernels import triton_paged_attention as tpa
+
+    widths = []
+    monkeypatch.setattr(tpa, "partition_tokens", lambda batch, kv_heads, max_context, sms, block_n:
+                        widths.append(max_context) or (64 if max_context > 64 else 0))
+    _run_and_compare(_engine(tiny_phi3_window, num_kv_blocks=96, **_BACKENDS["triton"]), tiny_phi3_window,
+                     _long_prompts())
+    assert max(widths) > 64  # some decode steps really split
 
 
 def test_gemma3_with_two_tensor_parallel_ranks_equals_transformers(tiny_gemma3):

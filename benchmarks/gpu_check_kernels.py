@@ -399,6 +399,16 @@ def measure_ms(fn: Callable[[], object], device: str) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def measure_replayed_ms(fn: Callable[[], object], device: str) -> float | None:
+    """Median milliseconds per call replayed from a CUDA graph (triton's do_bench_cudagraph): the GPU's time
+    without the host's launch cost, as graph-served decode runs (L2 not flushed between calls); None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
 def peak_bandwidth(device: str) -> tuple[float | None, str]:
     """(peak GB/s, where it came from): memory clock x bus width x 2 (double data rate) from torch's device
     properties when it exposes them, else PEAK_BANDWIDTH_GBS by device name, else unknown."""
@@ -437,12 +447,16 @@ def time_decode(section: Section, sweep: Sweep, device: str) -> None:
     shape, bs = sweep.attention, sweep.block_size
     peak, source = peak_bandwidth(device)
     table = Table("Paged decode attention (bf16)" if sweep is FULL else "Paged decode attention",
-                  ["case", "path", "time (us)", "GB/s read", "% of peak", "single pass (us)", "split speed-up"],
+                  ["case", "path", "time (us)", "GB/s read", "% of peak", "single pass (us)", "split speed-up",
+                   "replayed (us)", "single pass replayed (us)"],
                   notes=[f"peak: {source}",
                          "bytes: the context's K and V (every token, every kv head) plus q and the output, per call "
                          "(not the split path's float32 partials, a few hundred KB)",
                          "path: the launcher's own choice (partition_tokens: split KV when batch x kv heads "
-                         "programs leave SMs idle); single pass: the same call forced to partition=0"])
+                         "programs leave SMs idle); single pass: the same call forced to partition=0",
+                         "time: do_bench, L2 flushed, includes the host's launch cost where it outlasts the flush; "
+                         "replayed: calls replayed from a CUDA graph (no launch cost, L2 warm), as graphs serve "
+                         "decode"])
     dtype = sweep.dtypes[0]
     for label, lens in sweep.decode:
         q, kc, vc, bt, cl = decode_case(lens, shape, bs, dtype, device)
@@ -453,9 +467,16 @@ def time_decode(section: Section, sweep: Sweep, device: str) -> None:
         gbs = total / (ms * 1e-3) / 1e9
         path = _decode_path(q, kc, bt)
         single = measure_ms(partial(call, partition=0), device) if path != "single pass" else None
+        replayed = single_replayed = None
+        try:
+            replayed = measure_replayed_ms(call, device)
+            single_replayed = measure_replayed_ms(partial(call, partition=0), device) if single else None
+        except Exception as e:  # noqa: BLE001 - the launch-bound times above still stand
+            table.notes.append(f"{label}: graph replay failed: {type(e).__name__}: {e}")
         table.rows.append([f"{label}, {shape}", path, _fmt(ms * 1e3), _fmt(gbs),
                            _fmt(100 * gbs / peak) if peak else "-", _fmt(single and single * 1e3),
-                           _fmt(single and single / ms, 2) + ("x" if single else "")])
+                           _fmt(single and single / ms, 2) + ("x" if single else ""),
+                           _fmt(replayed and replayed * 1e3), _fmt(single_replayed and single_replayed * 1e3)])
         del q, kc, vc
     section.tables.append(table)
 

@@ -23,6 +23,9 @@ namespace int4 {
 // the products sum x * (q + 128) and the group's epilogue subtracts (z + 128) * sum(x).
 // At 1-2 rows the two products of a quad go to two accumulator sets, so the additions into one do not wait on
 // each other (as the bf16 kernel's stream does): 6-10% at one row on cache-resident layers (benchmarks/README.md).
+// prefetch_bytes > 0: from 2 rows, every quad prefetches that far ahead in each block's stream (the bf16 kernel
+// does the same): with weights coming from memory, 2 rows went 1.3-1.4x -> 1.5-1.8x bf16 and 4 rows 0.8-1.05x ->
+// 1.1-1.4x; at one row it helped one shape and slowed the LM head by 16%, so one row leaves it to the hardware.
 // (Inlined by force so the accumulators stay in registers in the caller's tile loop.)
 template <int MR, int NB>
 __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, int64_t x_pair_stride,
@@ -30,7 +33,7 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, in
                                                       int64_t w_block_stride, int64_t K4, int64_t group_quads,
                                                       tiles::GroupParams scales, tiles::GroupParams zeros,
                                                       int64_t param_row, int64_t param_block_stride,
-                                                      __m512 (&out)[MR][NB]) {
+                                                      __m512 (&out)[MR][NB], int64_t prefetch_bytes = 0) {
   const __m512i nibble = _mm512_set1_epi32(0x000F000F);
   const __m512i magic = _mm512_set1_epi32(0x43004300);  // bf16 128.0 in both halves
   for (int r = 0; r < MR; ++r)
@@ -44,6 +47,9 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, in
     const int64_t kq1 = std::min(K4, kq0 + group_quads);
     for (int64_t kq = kq0; kq < kq1; ++kq) {
       __m512i lo[NB], hi[NB];
+      if (MR >= 2 && prefetch_bytes > 0)
+        for (int b = 0; b < NB; ++b)
+          _mm_prefetch(reinterpret_cast<const char*>(w + b * w_block_stride + kq * 32) + prefetch_bytes, _MM_HINT_T0);
       for (int b = 0; b < NB; ++b) {
         const __m512i words =
             _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * w_block_stride + kq * 32)));

@@ -12,8 +12,10 @@ the runtime never needs to know which format a model came in:
 
 ``packed_tensors()`` yields the same names with the decoder linears kept in their blocks
 (``kernels/gguf_blocks.BlockForm``, q/k rows unpermuted) when every one of them is Q8_0, Q4_0, Q4_1, Q4_K, Q5_K
-or Q6_K in a dense model, and the token embedding too when it is of one of those types
-(``Checkpoint.packed_embedding``); the loader (runtime/models/quantized_loading.py) keeps them packed.
+or Q6_K, a mixture of experts' stacked experts included (each expert's slice of the blocks becomes its own
+BlockForm, as ``tensors()`` splits them), and the token embedding too when it is of one of those types
+(``Checkpoint.packed_embedding``); the loader (runtime/models/quantized_loading.py) keeps them packed. Routers
+(``ffn_gate_inp``) stay float.
 """
 
 from __future__ import annotations
@@ -135,18 +137,18 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
         for tensor in reader.tensors:
             if tensor.name in _NON_PARAMETER_TENSORS:
                 continue
-            if packed and (form := _blocks(tensor, arch, config)) is not None:
-                yield _hf_name(tensor.name, arch), form
-                continue
-            name, value = _hf_name(tensor.name, arch), _decode(tensor, arch, config, dtype, path)
             if (m := _LAYER_NAME.fullmatch(tensor.name)) and m[2] in _EXPERT_TENSORS:  # [experts, out, in]
                 part = arch.expert_parts[_EXPERT_TENSORS.index(m[2])]
-                for e, expert in enumerate(value):
+                experts = (_expert_blocks(tensor) if packed and _packable_type(tensor)
+                           else _decode(tensor, arch, config, dtype, path))
+                for e, expert in enumerate(experts):
                     yield f"model.layers.{m[1]}.{arch.expert_block}.experts.{e}.{part}.weight", expert
+            elif packed and (form := _blocks(tensor, arch, config)) is not None:
+                yield _hf_name(tensor.name, arch), form
             else:
-                yield name, value
+                yield _hf_name(tensor.name, arch), _decode(tensor, arch, config, dtype, path)
 
-    packable = _all_linears_packable(reader, config)
+    packable = _all_linears_packable(reader)
     return Checkpoint(
         config=config,
         tensors=tensors,
@@ -159,7 +161,7 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
     )
 
 
-# Decoder linears kept packed (GGUF names); experts are not (their blocks are stacked per layer).
+# Decoder linears kept packed (GGUF names); stacked experts too, cut into one BlockForm per expert.
 _PACKED_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "ffn_gate", "ffn_up", "ffn_down"}
 _EMBEDDING = "token_embd.weight"  # kept packed too, where its type has a packed form
 
@@ -170,16 +172,25 @@ def _packable_type(tensor) -> bool:
     return tensor.tensor_type.name in gguf_blocks.BLOCKS
 
 
-def _all_linears_packable(reader, config: dict) -> bool:
-    """Whether every decoder linear is in a type kernels/gguf_blocks.py reads (a file with some in F16 or an
-    unread type is dequantized whole), in a dense model (stacked experts are not kept packed)."""
+def _all_linears_packable(reader) -> bool:
+    """Whether every decoder linear, experts included, is in a type kernels/gguf_blocks.py reads (a file with
+    some in F16 or an unread type is dequantized whole)."""
     from kubellm.kernels import gguf_blocks
 
-    if config.get("num_experts") or config.get("num_local_experts"):
-        return False
+    linears = _PACKED_LINEARS.union(_EXPERT_TENSORS)
     types = [t.tensor_type.name for t in reader.tensors
-             if (m := _LAYER_NAME.fullmatch(t.name)) and m[2] in _PACKED_LINEARS and m[3] == "weight"]
+             if (m := _LAYER_NAME.fullmatch(t.name)) and m[2] in linears and m[3] == "weight"]
     return bool(types) and all(t in gguf_blocks.BLOCKS for t in types)
+
+
+def _expert_blocks(tensor) -> Iterator:
+    """A stacked expert tensor (``[experts, out, row bytes]`` as the reader maps it) as one BlockForm per expert,
+    cut along the expert axis in its blocks (no dequantization), read one expert at a time."""
+    from kubellm.kernels import gguf_blocks
+
+    in_features = int(tensor.shape[0])
+    for raw in tensor.data:
+        yield gguf_blocks.unpack(tensor.tensor_type.name, torch.from_numpy(np.array(raw)), in_features)
 
 
 def _blocks(tensor, arch: _Arch, config: dict):

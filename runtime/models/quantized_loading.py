@@ -30,9 +30,12 @@ found by inverting the model's ``packed_modules_mapping`` (Qwen3-MoE ``mlp.exper
 unchanged :class:`~kubellm.runtime.layers.moe.FusedMoE`, which routes as for bf16 and runs one quantized GEMM
 per hit expert over the tokens routed to it (native 4-bit experts without act-order are stacked afterwards for
 kernels/cpu_moe.py's fused int4 kernel where the kernel choice says ``moe native``). Routers (``mlp.gate``,
-``block_sparse_moe.gate``) stay float, as AutoAWQ, GPTQModel and llm-compressor leave them; GGUF's stacked
-experts are dequantized at load. Under tensor parallelism the experts shard as a dense MLP does, through the
-same loaders: gate/up column-parallel, down row-parallel over the intermediate dimension.
+``block_sparse_moe.gate``) stay float, as AutoAWQ, GPTQModel and llm-compressor leave them. GGUF's stacked
+experts arrive cut per expert in their blocks (runtime/models/gguf.py) under the Hub names, so they load the
+same way: a layer whose expert linears are all 4-bit (Q4_0, Q4_1, Q4_K: float zero points) stacks for the
+fused int4 kernel; one with 8-bit parts (Q8_0, Q5_K, Q6_K, Q4_K_M's Q6_K down) runs per expert. Under tensor
+parallelism the experts shard as a dense MLP does, through the same loaders: gate/up column-parallel, down
+row-parallel over the intermediate dimension.
 
 Served: dense decoder layers and experts (every family of the registry). Refused by name: a quantized router,
 a quantized LM head, q/k/v parts with different act-order maps, a row-parallel split that would cut a group
@@ -144,9 +147,7 @@ def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None,
             continue  # a router: quantizers leave it in float (a rounded router picks other experts)
         path = f"model.layers.{name}"
         parent, _, leaf = path.rpartition(".")
-        if ".experts." in name:
-            if gguf:
-                continue  # GGUF stacks a layer's experts in one tensor: gguf.py dequantizes them at load
+        if ".experts." in name:  # GGUF's stacked experts come split per expert by gguf.py, named as on the Hub
             alternatives = _expert_alternatives(model, path, patterns, where)
             if alternatives is None:
                 continue

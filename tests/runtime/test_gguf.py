@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -264,11 +264,13 @@ def write_gguf(
             weight = llama_cpp_permute(weight, config.num_attention_heads)
         elif permute and ".attn_k." in gname:
             weight = llama_cpp_permute(weight, config.num_key_value_heads)
-        qtype = next((q for n, q in (quants or {}).items() if gguf_name(n) == gname), Q.F32)
+        qtype = _quant_type(quants or {}, gname)
         if qtype == Q.F32:
             writer.add_tensor(gname, weight.astype(np.float32))
         elif qtype == Q.F16:
             writer.add_tensor(gname, weight.astype(np.float16))
+        elif qtype in K_QUANTS:  # gguf cannot quantize to these: random blocks of the weight's shape instead
+            writer.add_tensor(gname, random_blocks(weight.shape, qtype, seed=len(gname)), raw_dtype=qtype)
         else:
             writer.add_tensor(gname, quantize(weight, qtype), raw_dtype=qtype)
     for gname, array in (extra_tensors or {}).items():
@@ -278,6 +280,29 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return weights
+
+
+def _quant_type(quants: dict, gname: str):
+    """The type ``quants`` gives a GGUF tensor, keyed by its GGUF name (stacked experts) or its HF name."""
+    if gname in quants:
+        return quants[gname]
+    return next((q for n, q in quants.items() if not n.startswith("blk.") and gguf_name(n) == gname), Q.F32)
+
+
+# K-quants gguf can read but not write; their fp16 fields (offsets in the block) get small random values.
+K_QUANTS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_blocks(shape: tuple[int, ...], qtype, seed: int) -> np.ndarray:
+    """Random ``qtype`` blocks for a tensor of ``shape`` (rows of bytes, as gguf stores it): every bit pattern of
+    the quantized values and sub-scales is a valid block; fp16 scales near 1e-4 keep the weights below ~0.1."""
+    per, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // per, nbytes), dtype=np.uint8)
+    for off in K_QUANTS[qtype]:
+        d = (rng.standard_normal((*raw.shape[:-1], 1)) * 1e-4).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8)
+    return raw.reshape(*shape[:-1], -1)
 
 
 def quant_roundtrip(weight: np.ndarray, qtype) -> torch.Tensor:
@@ -626,6 +651,155 @@ def test_tp2_keeps_a_packed_file_packed_and_generates_what_one_rank_generates(ti
     head = 0 if tied else 192 * hidden * 4  # rank 0's rows of the untied F16 head, dequantized as stored
     float_copy = two["int4"] * 2 * 4  # what rank 0's linears would take in float32
     assert two["float32"] - head < 0.05 * float_copy  # only norms and Q4_1's float32 zero points
+
+
+# Mixtures of experts kept packed: (family, expert types gate/up/down, attention type, config overrides). K-quants
+# need 256 inputs per row, so their model is wider.
+_K_SHAPE = {"hidden_size": 256, "moe_intermediate_size": 256}
+PACKED_MOE = {
+    "qwen3moe-q4_0": ("qwen3moe", (Q.Q4_0,) * 3, Q.Q8_0, {}),
+    "mixtral-q8_0": ("mixtral", (Q.Q8_0,) * 3, Q.Q4_1, {}),
+    "qwen3moe-q4_k": ("qwen3moe", (Q.Q4_K,) * 3, Q.Q8_0, _K_SHAPE),
+    "qwen3moe-q4_k_m": ("qwen3moe", (Q.Q4_K, Q.Q4_K, Q.Q6_K), Q.Q8_0, _K_SHAPE),  # Q4_K_M's Q6_K down
+}
+
+
+def write_packed_moe(path: Path, case: str, byte_tokenizer, **overrides):
+    """A tiny mixture of experts written as PACKED_MOE[case] says; returns (model, its config)."""
+    arch, experts, attention, shape = PACKED_MOE[case]
+    cls, family, kv, _, _ = FAMILIES[arch]
+    meta = byte_level_metadata(byte_tokenizer) | {"pre": "qwen2"}
+    model = tiny_model(tiny_config(len(meta["tokens"]), **family | shape | overrides), cls, seed=5)
+    quants = {n: attention for n in model.state_dict() if n.endswith("proj.weight")}
+    quants |= {f"blk.{i}.{t}.weight": q for i in range(model.config.num_hidden_layers)
+               for t, q in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), experts, strict=True)}
+    kv = kv | ({"expert_feed_forward_length": model.config.moe_intermediate_size} if arch == "qwen3moe" else {})
+    write_gguf(path, model, meta, arch="llama" if arch == "mixtral" else arch, permute=arch == "mixtral",
+               quants=quants, extra_kv=kv, key_length=getattr(model.config, "head_dim", None))
+    return model, experts
+
+
+def _transformers_state(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """The reader's per-expert tensors (Hub names) stacked back as transformers keeps them (gate_up_proj
+    [E, 2I, H], down_proj [E, H, I] under mlp.experts)."""
+    out = {}
+    for name, t in tensors.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.").replace(".w1.", ".gate_proj.").replace(
+            ".w3.", ".up_proj.").replace(".w2.", ".down_proj.")
+        out[name] = t
+    for i in range(num_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        experts = sorted({int(n[len(p):].split(".")[0]) for n in out if n.startswith(p)})
+        take = {part: [out.pop(f"{p}{e}.{part}.weight") for e in experts]
+                for part in ("gate_proj", "up_proj", "down_proj")}
+        out[p + "gate_up_proj"] = torch.stack([torch.cat(gu) for gu in zip(take["gate_proj"], take["up_proj"],
+                                                                           strict=True)])
+        out[p + "down_proj"] = torch.stack(take["down_proj"])
+    return out
+
+
+@pytest.mark.parametrize("case", list(PACKED_MOE))
+def test_a_moe_file_keeps_its_experts_packed_and_generates_what_its_dequantized_weights_do(case, tmp_path,
+                                                                                          byte_tokenizer):
+    """Stacked experts in Q4_0, Q8_0, Q4_K or Q4_K with a Q6_K down: the reader cuts them per expert in their
+    blocks, every expert linear is a QuantizedLinear of the type's bits (the weight-bytes log holds each expert
+    value once, 4-bit ones as half a byte, no float expert weight), routers stay float, and the engine's greedy
+    output equals transformers' on the same file's dequantized weights."""
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.layers.moe import FusedMoE
+    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    path = tmp_path / f"{case}.gguf"
+    model, experts = write_packed_moe(path, case, byte_tokenizer)
+    checkpoint = read_gguf(path)
+    assert checkpoint.packed_tensors is not None
+    cfg = model.config
+    reference = type(model)(type(cfg)(**cfg.to_dict())).eval()
+    reference.load_state_dict(_transformers_state(dict(checkpoint.tensors()), cfg.num_hidden_layers))
+
+    llm = LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=16, progress=False)
+    served = llm.engine.runner.model
+    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    n_experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    expert_layers = [m for n, m in served.named_modules() if ".experts." in n and isinstance(m, QuantizedLinear)]
+    assert len(expert_layers) == layers * n_experts * 2  # gate_up and down of every expert
+    assert not [n for n, p in served.named_parameters() if ".experts." in n]  # no float copy of any expert
+    routers = [m.gate for m in served.modules() if isinstance(m, FusedMoE)]
+    assert len(routers) == layers and not any(isinstance(r, QuantizedLinear) for r in routers)
+    values = {4: 0, 8: 0}  # expert values per bits: gate and up (inter x hidden each), down (hidden x inter)
+    for q in experts:
+        values[4 if q in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else 8] += layers * n_experts * inter * hidden
+    attention = sum(m.in_features * m.out_features for n, m in served.named_modules()
+                    if "self_attn" in n and isinstance(m, QuantizedLinear))
+    attention_bits = 4 if case.startswith("mixtral") else 8
+    values[attention_bits] += attention
+    sizes = llm.engine.weight_bytes
+    assert sizes.get("int4", 0) == values[4] // 2 and sizes.get("int8", 0) == values[8]
+    prompts = [list(range(3, 20)), list(range(40, 45))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref
+    llm.close()
+
+
+@pytest.mark.parametrize("case", ["qwen3moe-q4_0", "qwen3moe-q4_k"])
+@torch.inference_mode()
+def test_packed_4bit_gguf_experts_stack_for_the_fused_moe_kernel(case, tmp_path, byte_tokenizer):
+    """Q4_0 (zero point 8) and Q4_K (fractional float zero points) experts loaded in bfloat16 on the native int4
+    GEMM stack into kernels/cpu_moe.py's Int4Experts, and the fused kernel's layer output equals the per-expert
+    path's on the same packed weights."""
+    from kubellm.kernels import cpu_moe
+    from kubellm.runtime.layers.moe import FusedMoE, pack_experts
+    from kubellm.runtime.models.loader import build_model
+
+    if not cpu_moe.available():
+        pytest.skip("no AVX512-BF16 cpu_moe kernel in this build")
+    path = tmp_path / f"{case}.gguf"
+    write_packed_moe(path, case, byte_tokenizer)
+    served = build_model(read_gguf(path), torch.bfloat16, "cpu", 64, progress=False)[0]
+    moes = [m for m in served.modules() if isinstance(m, FusedMoE)]
+    x = torch.randn(5, moes[0].gate.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    per_expert = [m(x) for m in moes]
+    assert pack_experts(served) == len(moes) == 2
+    for m, want in zip(moes, per_expert, strict=True):
+        assert isinstance(m.packed, cpu_moe.Int4Experts)
+        torch.testing.assert_close(m(x), want, atol=2e-2, rtol=2e-2)
+
+
+def test_tp2_keeps_gguf_moe_experts_packed_and_generates_what_one_rank_generates(tmp_path, byte_tokenizer):
+    """Qwen3-MoE with Q4_0 experts (intermediate 64: each rank's down keeps whole groups of 32) on two gloo ranks:
+    every expert's gate/up column-parallel and down row-parallel in their blocks (half of one rank's 4-bit
+    values each), greedy tokens equal to one rank's, logits within float32 rounding."""
+    from test_engine_parity import LogitRecorder
+
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    path = tmp_path / "moe.gguf"
+    write_packed_moe(path, "qwen3moe-q4_0", byte_tokenizer, moe_intermediate_size=64)
+    prompts = [list(range(3, 20)), list(range(40, 45))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=16, progress=False,
+                  tensor_parallel_size=tp)
+        try:
+            recorder = llm.engine.runner.sampler = LogitRecorder(llm.engine.runner.sampler)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append(([o.token_ids for o in outs], [torch.stack(recorder.rows[o.request_id]) for o in outs],
+                         dict(llm.engine.weight_bytes)))
+        finally:
+            llm.close()
+    (tokens, logits, one), (tokens2, logits2, two) = runs
+    assert tokens2 == tokens
+    for a, b in zip(logits2, logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    assert one["int4"] == 2 * 4 * 3 * 64 * 64 // 2 and two["int4"] * 2 == one["int4"]
 
 
 def llama3_rope_divisors(theta, head_dim, factor, low, high, original_context):

@@ -221,6 +221,17 @@ def test_a_gguf_split_that_cuts_groups_is_refused_naming_the_layer(tmp_path):
         build_model(read_checkpoint(path), torch.float32, "cpu", 256, False, tp=Group(rank=0, size=2))
 
 
+def test_a_gguf_expert_split_that_cuts_groups_is_refused_naming_the_expert(tmp_path):
+    """Qwen3-MoE with Q4_0 experts 32 wide, kept packed: each rank's 16 inputs of an expert's down cut its group."""
+    from test_gguf import train_byte_level_tokenizer, write_packed_moe
+
+    path = tmp_path / "cut.gguf"
+    write_packed_moe(path, "qwen3moe-q4_0", train_byte_level_tokenizer())
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.\d+\.down_proj .*cannot be split "
+                                              r"over tensor_parallel_size 2: .*groups of 32"):
+        build_model(read_checkpoint(path), torch.float32, "cpu", 256, False, tp=Group(rank=0, size=2))
+
+
 @torch.inference_mode()
 def test_a_packed_gguf_embedding_keeps_each_ranks_vocabulary_rows(tmp_path):
     """Q8_0 ``token_embd``, 320 tokens: rank 0 holds rows 0..191, rank 1 rows 192..319 and 64 zero rows, still

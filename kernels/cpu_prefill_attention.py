@@ -18,10 +18,15 @@ __all__ = ["available", "prefill_attention", "reference_prefill_attention"]
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                      window: int | None = None, softcap: float | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """``window``: query p sees keys (p - window, p] only (sliding-window layers); ``softcap``: scores become
-    ``softcap * tanh(score / softcap)`` (scores include ``scale``)."""
-    return torch.ops.kubellm_cpu.prefill_attention(q, k, v, float(scale), window or 0, float(softcap or 0.0))
+    ``softcap * tanh(score / softcap)`` (scores include ``scale``). ``out`` (contiguous ``[T, H, D]``, q's dtype,
+    e.g. this chunk's rows of the step's output): written and returned instead of a new tensor."""
+    if out is None:
+        return torch.ops.kubellm_cpu.prefill_attention(q, k, v, float(scale), window or 0, float(softcap or 0.0))
+    torch.ops.kubellm_cpu.prefill_attention_out(q, k, v, float(scale), window or 0, float(softcap or 0.0), out)
+    return out
 
 
 def reference_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,

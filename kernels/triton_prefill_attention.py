@@ -87,9 +87,10 @@ def _prefill_kernel(
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
                       block_m: int = 64, block_n: int = 64, window: int | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal prefill attention with the Triton kernel (shapes in the module docstring). ``window``: query p
-    sees keys (p - window, p] only; ``softcap``: scores become ``softcap * tanh(score / softcap)``."""
+    sees keys (p - window, p] only; ``softcap``: scores become ``softcap * tanh(score / softcap)``; ``out``
+    (``[T, H, D]``, q's dtype): written and returned instead of a new tensor."""
     num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads, _ = k.shape
     if num_heads % num_kv_heads:
@@ -97,7 +98,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if num_keys < num_queries:
         raise ValueError(f"{num_queries} queries need at least as many keys, got {num_keys}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out = torch.empty((num_queries, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((num_queries, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_queries == 0:
         return out
     # tl.dot needs tiles of at least 16 on every side.

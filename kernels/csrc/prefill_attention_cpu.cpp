@@ -339,8 +339,10 @@ void run_item_bf16_d64(const Shape& s, const c10::BFloat16* q, const c10::BFloat
 }
 #endif
 
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                             int64_t window, double softcap) {
+// Writes into `out` ([T, H, D], contiguous, q's dtype): a row range of the step's output, so the chunk's result
+// needs no copy afterwards.
+void prefill_attention_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                            int64_t window, double softcap, const at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
   TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape");
   Shape s;
@@ -367,8 +369,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: off)");
   s.window = window;
   s.softcap = static_cast<float>(softcap);
-  at::Tensor out = at::empty({s.T, s.H, s.D}, q.options());
-  if (s.T == 0) return out;
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "out must be a contiguous [tokens, heads, head_dim] tensor of q's dtype");
+  if (s.T == 0) return;
   const int64_t qblocks = (s.T + kQueries - 1) / kQueries;
   const int64_t items = qblocks * s.KVH;
   auto launch = [&](auto tag) {
@@ -407,7 +410,19 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
     case at::kHalf: launch(c10::Half{}); break;
     default: TORCH_CHECK(false, "prefill_attention: unsupported dtype ", q.scalar_type());
   }
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                             int64_t window, double softcap) {
+  TORCH_CHECK(q.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  prefill_attention_into(q, k, v, scale, window, softcap, out);
   return out;
+}
+
+void prefill_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                           int64_t window, double softcap, const at::Tensor& out) {
+  prefill_attention_into(q, k, v, scale, window, softcap, out);
 }
 
 }  // namespace
@@ -415,6 +430,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int window=0, float softcap=0.0) -> Tensor");
+  m.def("prefill_attention_out(Tensor q, Tensor k, Tensor v, float scale, int window, float softcap, "
+        "Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) { m.impl("prefill_attention", &kubellm_cpu::prefill_attention); }
+TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) {
+  m.impl("prefill_attention", &kubellm_cpu::prefill_attention);
+  m.impl("prefill_attention_out", &kubellm_cpu::prefill_attention_out);
+}

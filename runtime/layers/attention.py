@@ -82,7 +82,7 @@ class TorchAttentionBackend:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, opts)
         for p in meta.prefills:
             s, e = p.start, p.start + p.num_tokens
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_flat, v_flat, p, opts)
+            self._prefill(q[s:e], k[s:e], v[s:e], k_flat, v_flat, p, opts, out=out[s:e])
         return out
 
     def _decode(self, q, k_cache, v_cache, meta, opts: LayerOptions = PLAIN):
@@ -109,7 +109,12 @@ class TorchAttentionBackend:
             out[:, h] = torch.bmm(probs.transpose(1, 2), values[:, :, h])  # [B, G, D]
         return out.view(b, self.num_heads, d)
 
-    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts: LayerOptions = PLAIN):
+    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts: LayerOptions = PLAIN, out=None):
+        """The chunk's attention output [n, H, D], written into ``out`` (its rows of the step's output) when given."""
+        o = self._prefill_reference(q, k, v, k_flat, v_flat, span, opts)
+        return o if out is None else out.copy_(o)
+
+    def _prefill_reference(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts: LayerOptions):
         if span.context_slots is not None:
             k = torch.index_select(k_flat, 0, span.context_slots)
             v = torch.index_select(v_flat, 0, span.context_slots)
@@ -160,11 +165,11 @@ class KernelAttentionBackend(TorchAttentionBackend):
         return self._decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                    self.scale, window=opts.window, softcap=opts.softcap)
 
-    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts=PLAIN):
+    def _prefill(self, q, k, v, k_flat, v_flat, span: PrefillSpan, opts=PLAIN, out=None):
         if span.context_slots is not None:  # the kernel's causal offset is the mask the reference builds
             k = torch.index_select(k_flat, 0, span.context_slots)
             v = torch.index_select(v_flat, 0, span.context_slots)
-        return self._prefill_kernel(q, k, v, self.scale, window=opts.window, softcap=opts.softcap)
+        return self._prefill_kernel(q, k, v, self.scale, window=opts.window, softcap=opts.softcap, out=out)
 
 
 class NativeCpuAttentionBackend(KernelAttentionBackend):

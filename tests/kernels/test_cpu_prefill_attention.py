@@ -112,3 +112,17 @@ def test_window_and_softcap_match_the_reference(dtype, head_dim, tokens, context
     if window is not None and window < context:  # the window changes the answer
         plain = pa.reference_prefill_attention(q, k, v, scale, softcap=softcap)
         assert not torch.allclose(plain[-1].float(), ref[-1].float(), atol=1e-3)
+
+
+def test_out_receives_the_chunk_in_place():
+    """A chunk's result goes straight into its rows of the step's output (no copy): bitwise what the allocating call
+    returns, the rows around it untouched."""
+    q, k, v = qkv_views(40, 9, 3, 64, torch.bfloat16, seed=3)
+    step = torch.full((50, 9, 64), 7.0, dtype=torch.bfloat16)
+    rows = step[4:44]
+    got = pa.prefill_attention(q, k, v, 0.125, window=16, out=rows)
+    assert got.data_ptr() == rows.data_ptr()
+    assert torch.equal(rows, pa.prefill_attention(q, k, v, 0.125, window=16))
+    assert (step[:4] == 7).all() and (step[44:] == 7).all()
+    with pytest.raises(RuntimeError, match="contiguous"):
+        pa.prefill_attention(q, k, v, 0.125, out=step[4:44].transpose(0, 1).contiguous().transpose(0, 1))

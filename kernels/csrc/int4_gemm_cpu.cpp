@@ -46,7 +46,6 @@ bool int4_gemm_available() {
 
 #ifdef KUBELLM_INT4_GEMM
 constexpr int kMaxRows4 = 12;  // MR group sums + MR outputs + two weights, two broadcasts, two constants <= 32 zmm
-constexpr int64_t kPrefetchBytes = 1536;  // per block stream from 2 rows, 24 lines ahead as bf16's (int4_tiles.h)
 
 template <int MR, int NB>
 void micro_kernel4(const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
@@ -54,7 +53,7 @@ void micro_kernel4(const int32_t* x_pairs, int64_t x_pair_stride, const float* x
                    tiles::GroupParams scales, tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy) {
   __m512 out[MR][NB];
   int4::dot_groups<MR, NB>(x_pairs, x_pair_stride, xsum, groups, w, w_block_stride, K4, group_quads, scales, zeros,
-                           N, 16, out, kPrefetchBytes);
+                           N, 16, out, NB * w_block_stride);  // prefetch the next item (int4_tiles.h)
   for (int b = 0; b < NB; ++b) {
     const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r)

@@ -23,9 +23,10 @@ namespace int4 {
 // the products sum x * (q + 128) and the group's epilogue subtracts (z + 128) * sum(x).
 // At 1-2 rows the two products of a quad go to two accumulator sets, so the additions into one do not wait on
 // each other (as the bf16 kernel's stream does): 6-10% at one row on cache-resident layers (benchmarks/README.md).
-// prefetch_bytes > 0: from 2 rows, every quad prefetches that far ahead in each block's stream (the bf16 kernel
-// does the same): with weights coming from memory, 2 rows went 1.3-1.4x -> 1.5-1.8x bf16 and 4 rows 0.8-1.05x ->
-// 1.1-1.4x; at one row it helped one shape and slowed the LM head by 16%, so one row leaves it to the hardware.
+// prefetch_bytes > 0: from 2 rows, every quad prefetches that far ahead in each block's stream (the GEMM passes
+// its item's size: the same quad of the next item, whose blocks follow). With weights coming from memory, 2 rows
+// went 1.2-1.6x -> 1.5-2.1x bf16 and 4 rows 0.9-1.2x -> 1.2-1.7x (benchmarks/README.md); at one row prefetching
+// (1.5 KB or one item ahead) was slower than the hardware's alone, so one row does not.
 // (Inlined by force so the accumulators stay in registers in the caller's tile loop.)
 template <int MR, int NB>
 __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, int64_t x_pair_stride,

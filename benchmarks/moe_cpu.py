@@ -8,7 +8,10 @@ Random bfloat16 weights (hidden 2048, 128 experts of 768, top-8, softmax router 
 rows 1, 8, 32 (decode steps of that many sequences) and 512 (a prefill chunk). All paths run interleaved,
 ``--rounds`` times ``--calls`` calls each; the table gives the best round's milliseconds per call.
 
-    python benchmarks/moe_cpu.py --threads 2 [--rows 1,8,32,512] [--int4]
+    python benchmarks/moe_cpu.py --threads 2 [--rows 1,8,32,512] [--int4 [--group 32] [--float-zeros]]
+
+``--int4 --group 32`` is how GGUF Q4_0 experts load (kept packed: zero points 8, float16 scales), with
+``--float-zeros`` Q4_1/Q4_K (float32 scales and fractional zero points).
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter", type=int, default=768)
     p.add_argument("--int4", action="store_true",
                    help="add the 4-bit per-expert path and the fused int4 kernel (pre-quantized experts)")
+    p.add_argument("--group", type=int, default=128, help="--int4's group size (GGUF's 4-bit types: 32)")
+    p.add_argument("--float-zeros", action="store_true",
+                   help="--int4 with fractional float32 zero points and scales, as GGUF Q4_1/Q4_K experts load "
+                        "(else zero points 8, which narrow to float16 as AWQ's and Q4_0's do)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         pack_linears(moe)  # the router (and, per expert, the experts' linears)
         layers[kind] = moe
     if args.int4:
-        layers["int4"] = _int4_experts(layers["per-expert"])
-        layers["int4 fused"] = _int4_experts(layers["per-expert"])  # the same values (same seed), stacked
+        layers["int4"] = _int4_experts(layers["per-expert"], args.group, args.float_zeros)
+        # the same values (same seed), stacked
+        layers["int4 fused"] = _int4_experts(layers["per-expert"], args.group, args.float_zeros)
         assert pack_experts(layers["int4 fused"]) == 1
 
     int4_head = ("| int4 per-expert (ms) | int4 fused (ms) | int4 per-expert vs kernel | fused vs int4 per-expert "
@@ -96,14 +104,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_agree(a, b, x) -> None:
     with torch.inference_mode():
-        close = torch.isclose(a(x).float(), b(x).float(), atol=2e-2, rtol=2e-2)
-    agree = close.all(dim=1).float().mean().item()
+        ya, yb = a(x).float(), b(x).float()
+    # Per row, relative to its norm: bfloat16 rounding of weights and outputs is ~0.3% of the row (an element-wise
+    # tolerance fails near-zero elements of rows as large as float zero points make them).
+    agree = ((ya - yb).norm(dim=1) <= 2e-2 * ya.norm(dim=1)).float().mean().item()
     assert agree >= 0.75, f"the two paths disagree on {1 - agree:.0%} of the rows"
 
 
-def _int4_experts(bf16_moe):
+def _int4_experts(bf16_moe, group: int, float_zeros: bool):
     """A copy of ``bf16_moe`` whose expert linears are native int4 ``QuantizedLinear`` layers (random 4-bit values,
-    groups of 128; the timing does not depend on the values), the router shared."""
+    groups of ``group``; the timing does not depend on the values), the router shared."""
     from kubellm.runtime.layers.moe import FusedMoE
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
     from kubellm.runtime.prequantized import QuantizedWeight
@@ -116,9 +126,10 @@ def _int4_experts(bf16_moe):
     gen = torch.Generator().manual_seed(0)
 
     def linear(out_f, in_f):
+        groups = (out_f, in_f // group)
+        zeros = torch.rand(groups, generator=gen) * 15 if float_zeros else torch.full(groups, 8.0)
         weight = QuantizedWeight(torch.randint(0, 16, (out_f, in_f), generator=gen, dtype=torch.uint8),
-                                 torch.rand(out_f, in_f // 128, generator=gen) / 64, torch.full((out_f, in_f // 128), 8.0),
-                                 128)
+                                 torch.rand(groups, generator=gen) / 64, zeros, group)
         return QuantizedLinear(weight, 4, "native")
 
     for _ in range(bf16_moe.num_experts):

@@ -607,34 +607,20 @@ def test_a_packed_file_keeps_its_q8_0_embedding_packed_and_a_tied_head_computes_
     llm.close()
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_tp2_keeps_a_packed_file_packed_and_generates_what_one_rank_generates(tied, tmp_path, byte_tokenizer):
-    """Two ranks on gloo: each keeps its shards of the Q4_0/Q4_1 linears and its vocabulary rows of the Q8_0
-    embedding in their blocks (the weight-bytes log shows int4 and int8 values at half of one rank's, no float
-    copy of them), the tied LM head is that packed slice, and greedy tokens equal one rank's with logits
-    within float32 rounding. 320 tokens: each rank holds 192 rows, rank 1's last 64 are padding."""
+def _one_and_two_ranks_agree(path, prompts, params, max_model_len: int, inspect=None) -> tuple[dict, dict]:
+    """Greedy on one rank and on two (gloo): equal tokens, logits within float32 rounding. ``inspect(llm, tp)``
+    looks at each engine before it generates. Returns each run's weight bytes by dtype."""
     from test_engine_parity import LogitRecorder
 
     from kubellm.runtime.engine import LLM
-    from kubellm.runtime.layers.quantized_embedding import QuantizedEmbedding
-    from kubellm.runtime.sampling_params import SamplingParams
 
-    meta = byte_level_metadata(byte_tokenizer)
-    model = tiny_model(tiny_config(len(meta["tokens"]), tie_word_embeddings=tied), seed=4)
-    quants = {n: Q.Q4_1 if "mlp" in n else Q.Q4_0 for n in model.state_dict() if n.endswith("proj.weight")}
-    path = tmp_path / "packed.gguf"
-    write_gguf(path, model, meta, quants=quants | {"model.embed_tokens.weight": Q.Q8_0, "lm_head.weight": Q.F16})
-    prompts = [list(range(3, 20)), list(range(40, 45)), list(range(250, 300))]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     runs = []
     for tp in (1, 2):
-        llm = LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=32, block_size=16, progress=False,
-                  tensor_parallel_size=tp)
+        llm = LLM(str(path), dtype="float32", max_model_len=max_model_len, num_kv_blocks=32, block_size=16,
+                  progress=False, tensor_parallel_size=tp)
         try:
-            served = llm.engine.runner.model
-            embed = served.model.embed_tokens
-            assert isinstance(embed, QuantizedEmbedding) and embed.num_embeddings == (320 if tp == 1 else 192)
-            assert (served.lm_head is embed.table) == tied
+            if inspect is not None:
+                inspect(llm, tp)
             recorder = llm.engine.runner.sampler = LogitRecorder(llm.engine.runner.sampler)
             outs = llm.generate(prompts, params, use_tqdm=False)
             runs.append(([o.token_ids for o in outs], [torch.stack(recorder.rows[o.request_id]) for o in outs],
@@ -645,6 +631,32 @@ def test_tp2_keeps_a_packed_file_packed_and_generates_what_one_rank_generates(ti
     assert tokens2 == tokens
     for a, b in zip(logits2, logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    return one, two
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_tp2_keeps_a_packed_file_packed_and_generates_what_one_rank_generates(tied, tmp_path, byte_tokenizer):
+    """Two ranks on gloo: each keeps its shards of the Q4_0/Q4_1 linears and its vocabulary rows of the Q8_0
+    embedding in their blocks (the weight-bytes log shows int4 and int8 values at half of one rank's, no float
+    copy of them), the tied LM head is that packed slice, and greedy tokens equal one rank's with logits
+    within float32 rounding. 320 tokens: each rank holds 192 rows, rank 1's last 64 are padding."""
+    from kubellm.runtime.layers.quantized_embedding import QuantizedEmbedding
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    meta = byte_level_metadata(byte_tokenizer)
+    model = tiny_model(tiny_config(len(meta["tokens"]), tie_word_embeddings=tied), seed=4)
+    quants = {n: Q.Q4_1 if "mlp" in n else Q.Q4_0 for n in model.state_dict() if n.endswith("proj.weight")}
+    path = tmp_path / "packed.gguf"
+    write_gguf(path, model, meta, quants=quants | {"model.embed_tokens.weight": Q.Q8_0, "lm_head.weight": Q.F16})
+    prompts = [list(range(3, 20)), list(range(40, 45)), list(range(250, 300))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    def packed_embedding(llm, tp):
+        served = llm.engine.runner.model
+        embed = served.model.embed_tokens
+        assert isinstance(embed, QuantizedEmbedding) and embed.num_embeddings == (320 if tp == 1 else 192)
+        assert (served.lm_head is embed.table) == tied
+
+    one, two = _one_and_two_ranks_agree(path, prompts, params, 128, packed_embedding)
     hidden = model.config.hidden_size
     assert one["int8"] == 320 * hidden and two["int8"] == 192 * hidden  # the embedding's values, one byte each
     assert two["int4"] * 2 == one["int4"]
@@ -775,30 +787,13 @@ def test_tp2_keeps_gguf_moe_experts_packed_and_generates_what_one_rank_generates
     """Qwen3-MoE with Q4_0 experts (intermediate 64: each rank's down keeps whole groups of 32) on two gloo ranks:
     every expert's gate/up column-parallel and down row-parallel in their blocks (half of one rank's 4-bit
     values each), greedy tokens equal to one rank's, logits within float32 rounding."""
-    from test_engine_parity import LogitRecorder
-
-    from kubellm.runtime.engine import LLM
     from kubellm.runtime.sampling_params import SamplingParams
 
     path = tmp_path / "moe.gguf"
     write_packed_moe(path, "qwen3moe-q4_0", byte_tokenizer, moe_intermediate_size=64)
     prompts = [list(range(3, 20)), list(range(40, 45))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    runs = []
-    for tp in (1, 2):
-        llm = LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=16, progress=False,
-                  tensor_parallel_size=tp)
-        try:
-            recorder = llm.engine.runner.sampler = LogitRecorder(llm.engine.runner.sampler)
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            runs.append(([o.token_ids for o in outs], [torch.stack(recorder.rows[o.request_id]) for o in outs],
-                         dict(llm.engine.weight_bytes)))
-        finally:
-            llm.close()
-    (tokens, logits, one), (tokens2, logits2, two) = runs
-    assert tokens2 == tokens
-    for a, b in zip(logits2, logits, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    one, two = _one_and_two_ranks_agree(path, prompts, params, 64)
     assert one["int4"] == 2 * 4 * 3 * 64 * 64 // 2 and two["int4"] * 2 == one["int4"]
 
 

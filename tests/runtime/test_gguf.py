@@ -577,7 +577,6 @@ def test_a_packed_file_keeps_its_q8_0_embedding_packed_and_a_tied_head_computes_
     from kubellm.runtime.engine import LLM
     from kubellm.runtime.layers.quantized_embedding import QuantizedEmbedding
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.sampling_params import SamplingParams
 
     meta = byte_level_metadata(byte_tokenizer)
     model = tiny_model(tiny_config(len(meta["tokens"]), tie_word_embeddings=tied), seed=2)
@@ -597,14 +596,23 @@ def test_a_packed_file_keeps_its_q8_0_embedding_packed_and_a_tied_head_computes_
     hidden, vocab = model.config.hidden_size, model.config.vocab_size
     assert llm.engine.weight_bytes["int8"] == vocab * hidden  # the embedding's values, one byte each
     assert sum(isinstance(m, QuantizedLinear) for m in served.modules()) == 4 * 2 + 1
+    _greedy_equals_transformers(llm, reference)
+
+
+def _greedy_equals_transformers(llm, reference) -> None:
+    """Eight greedy tokens for two prompts equal transformers' ``reference`` model's; closes ``llm``."""
+    from kubellm.runtime.sampling_params import SamplingParams
+
     prompts = [list(range(3, 20)), list(range(40, 45))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
             ref = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                      pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == ref
-    llm.close()
 
 
 def _one_and_two_ranks_agree(path, prompts, params, max_model_len: int, inspect=None) -> tuple[dict, dict]:
@@ -720,7 +728,6 @@ def test_a_moe_file_keeps_its_experts_packed_and_generates_what_its_dequantized_
     from kubellm.runtime.engine import LLM
     from kubellm.runtime.layers.moe import FusedMoE
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.sampling_params import SamplingParams
 
     path = tmp_path / f"{case}.gguf"
     model, experts = write_packed_moe(path, case, byte_tokenizer)
@@ -749,14 +756,7 @@ def test_a_moe_file_keeps_its_experts_packed_and_generates_what_its_dequantized_
     values[attention_bits] += attention
     sizes = llm.engine.weight_bytes
     assert sizes.get("int4", 0) == values[4] // 2 and sizes.get("int8", 0) == values[8]
-    prompts = [list(range(3, 20)), list(range(40, 45))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                                     pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.token_ids == ref
-    llm.close()
+    _greedy_equals_transformers(llm, reference)
 
 
 @pytest.mark.parametrize("case", ["qwen3moe-q4_0", "qwen3moe-q4_k"])

@@ -15,10 +15,11 @@ dequantization instead: taller row tiles reuse each dequantized weight tile for 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from kubellm.kernels.triton_dot import cuda_sm_count
 
 INTERPRETER_SMS = 4
 MIN_K_PER_SPLIT = 256  # a split walks at least this many inputs: fewer and its fixed costs dominate
@@ -82,12 +83,7 @@ def _gcd(a: int, b: int) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    return _cuda_sms(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
-
-
-@functools.cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return cuda_sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
 
 
 def partials(m: int, n: int, tiles: Tiles, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, int]:

@@ -30,14 +30,12 @@ max_model_len wide (split), eager's as wide as the longest context, and both mus
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from kubellm.kernels.cpu_paged_attention import reference_paged_decode_attention
-from kubellm.kernels.triton_dot import dot_options
+from kubellm.kernels.triton_dot import cuda_sm_count, dot_options
 
 __all__ = ["chosen_partition", "paged_decode_attention", "partition_tokens", "reference_paged_decode_attention"]
 
@@ -61,16 +59,15 @@ def partition_tokens(batch: int, num_kv_heads: int, max_context: int, sm_count: 
     return size if size < max_context else 0
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 1 for CPU (the interpreter), which never splits unasked."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def chosen_partition(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, block_n: int = 64) -> int:
     """The :func:`partition_tokens` :func:`paged_decode_attention` uses for these inputs when not told one."""
     max_context = block_tables.shape[1] * k_cache.shape[1]  # static: a graph replays it whatever the lengths
     return partition_tokens(q.shape[0], k_cache.shape[2], max_context, _sm_count(q.device), max(16, block_n))
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SMs; 1 for CPU (the interpreter), which never splits unasked."""
+    return cuda_sm_count(device.index or 0) if device.type == "cuda" else 1
 
 
 @triton.jit

@@ -44,14 +44,17 @@ def tilings(m: int) -> list[dict[str, int]]:
     return out
 
 
-def kernels(w: gk.GemmWeights) -> dict[str, object]:
+def kernels(w: gk.GemmWeights) -> dict[str, tuple[object, object]]:
+    """name -> (call(x, **tiling), the keyword arguments of gemm_tiles.choose the kernel itself passes for x)."""
     fp8_weight, fp8_scale = gk.quantize_fp8(w.bf16, None)
     p = w.int4
     return {
-        "int4 g32": lambda x, **t: triton_grouped_gemm.grouped_gemm(x, p.packed, p.scales, p.zeros, p.perm, None,
-                                                                   p.group, p.bits, **t),
-        "int8": lambda x, **t: triton_int8_gemm.int8_gemm(x, w.q8, w.s8, **t),
-        "fp8 channel": lambda x, **t: triton_fp8_gemm.fp8_gemm(x, fp8_weight, fp8_scale, None, None, **t),
+        "int4 g32": (lambda x, **t: triton_grouped_gemm.grouped_gemm(x, p.packed, p.scales, p.zeros, p.perm, None,
+                                                                    p.group, p.bits, **t),
+                     lambda x: triton_grouped_gemm.tiling_args(x, p.group)),
+        "int8": (lambda x, **t: triton_int8_gemm.int8_gemm(x, w.q8, w.s8, **t), triton_int8_gemm.tiling_args),
+        "fp8 channel": (lambda x, **t: triton_fp8_gemm.fp8_gemm(x, fp8_weight, fp8_scale, None, None, **t),
+                        lambda x: triton_fp8_gemm.tiling_args(x, None)),
     }
 
 
@@ -76,7 +79,7 @@ def main() -> int:
     print("\n".join(lines), flush=True)
     for shape in SHAPES:
         w = gk.gemm_weights(shape, "cuda")
-        for name, fn in kernels(w).items():
+        for name, (fn, tiling_args) in kernels(w).items():
             for m in ROWS:
                 if time.monotonic() > deadline:
                     lines.append(f"\nstopped at the {args.budget_s:.0f} s budget")
@@ -85,7 +88,7 @@ def main() -> int:
                 x = gk._activations(m, shape.k, torch.bfloat16, "cuda")
                 bf16 = bench(partial(torch.matmul, x, w.bf16.T))
                 want = fn(x)
-                chosen = triton_gemm_tiles.choose(m, shape.n, shape.k, sms=sms)
+                chosen = triton_gemm_tiles.choose(m, shape.n, shape.k, **tiling_args(x))
                 chosen_ms = bench(partial(fn, x))
                 best, best_ms, wrong = None, float("inf"), []
                 for t in tilings(m):

@@ -121,6 +121,13 @@ def _scaling(scale: torch.Tensor, n: int, k: int, block: tuple[int, int] | None)
                      f"got {list(scale.shape)}")
 
 
+def tiling_args(x: torch.Tensor, block: tuple[int, int] | None) -> dict[str, int]:
+    """:func:`gemm_tiles.choose`'s constraints for this kernel: with block scales a K tile and a split lie inside
+    whole block columns; per-channel and per-tensor scales leave K free."""
+    return dict(sms=gemm_tiles.sm_count(x.device), max_block_k=min(128, block[1]) if block else 128,
+                k_multiple=block[1] if block else 16, x_bytes=x.element_size())
+
+
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
              block: tuple[int, int] | None = None, **tiling: int) -> torch.Tensor:
     """``x [M, K]`` times the e4m3 ``weight [N, K]`` with its ``scale`` (layouts in the module docstring).
@@ -138,9 +145,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     x = x if x.stride(-1) == 1 else x.contiguous()
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    cols = block[1] if block else 16
-    tiles = gemm_tiles.choose(m, n, k, sms=gemm_tiles.sm_count(x.device), max_block_k=min(128, cols),
-                              k_multiple=cols, x_bytes=x.element_size(), **tiling)
+    tiles = gemm_tiles.choose(m, n, k, **tiling_args(x, block), **tiling)
     buf, stride_split = gemm_tiles.partials(m, n, tiles, x.dtype, x.device)
     _fp8_gemm_kernel[tiles.grid(m, n)](
         buf, x, weight, scale, scale if bias is None else bias, m, n, k, tiles.k_split,

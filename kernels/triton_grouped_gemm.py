@@ -174,9 +174,13 @@ def _grouped_gemm_kernel(
              mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-def _max_k_tile(group: int, k: int) -> int:
-    """The largest K tile: 128 per channel, else the largest power of two (<= 128) dividing the group."""
-    return 128 if group == k else min(128, group & -group)
+def tiling_args(x: torch.Tensor, group: int) -> dict[str, int]:
+    """:func:`gemm_tiles.choose`'s constraints for this kernel (``group`` = K per channel): K tiles of at most 128
+    inside one group, splits of whole groups, and int32 words loaded per input (4 bytes of shared memory each)."""
+    k = x.shape[1]
+    max_block_k = 128 if group == k else min(128, group & -group)
+    return dict(sms=gemm_tiles.sm_count(x.device), max_block_k=max_block_k, k_multiple=16 if group == k else group,
+                x_bytes=x.element_size(), w_bytes=4)
 
 
 def grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -203,9 +207,7 @@ def grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
     # A split's K range holds whole groups, so a tile scaled after its dot never straddles two.
-    tiles = gemm_tiles.choose(m, n, k, sms=gemm_tiles.sm_count(x.device), max_block_k=_max_k_tile(group, k),
-                              k_multiple=16 if group == k else group, x_bytes=x.element_size(), w_bytes=4,
-                              **tiling)
+    tiles = gemm_tiles.choose(m, n, k, **tiling_args(x, group), **tiling)
     buf, stride_split = gemm_tiles.partials(m, n, tiles, x.dtype, x.device)
     _grouped_gemm_kernel[tiles.grid(m, n)](
         buf, x, packed.contiguous(), scales.float().contiguous(),

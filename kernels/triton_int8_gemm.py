@@ -52,6 +52,11 @@ def _int8_gemm_kernel(
              mask=rows_ok[:, None] & cols_ok[None, :])
 
 
+def tiling_args(x: torch.Tensor) -> dict[str, int]:
+    """:func:`gemm_tiles.choose`'s constraints for this kernel: none beyond the device and x's element size."""
+    return dict(sms=gemm_tiles.sm_count(x.device), x_bytes=x.element_size())
+
+
 def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
               **tiling: int) -> torch.Tensor:
     """``x [M, K]`` times the int8 weight ``q [N, K]``, per-channel ``scales`` (and ``bias``) in float32.
@@ -66,7 +71,7 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     q = q.contiguous()
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles = gemm_tiles.choose(m, n, k, sms=gemm_tiles.sm_count(x.device), x_bytes=x.element_size(), **tiling)
+    tiles = gemm_tiles.choose(m, n, k, **tiling_args(x), **tiling)
     buf, stride_split = gemm_tiles.partials(m, n, tiles, x.dtype, x.device)
     _int8_gemm_kernel[tiles.grid(m, n)](
         buf, x, q, scales, bias if bias is not None else scales, m, n, k, tiles.k_split,

@@ -12,12 +12,15 @@ Contract (bfloat16 activations and pool; the weights packed by :func:`kubellm.ke
   int32 (the context including this token), as :mod:`kubellm.kernels.cpu_paged_attention` takes them.
 * ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``: this token's K/V are written at
   ``slots`` before attention reads the pool.
-* The layer: ``x = norm1(residual += hidden)``; ``q, k, v = qkv(x)`` (+ bias), rotate q and k
-  (``cos``/``sin`` ``[max_positions, head_dim]``); write k, v; ``a = attention(q)``; ``y = norm2(residual +=
-  o(a))``; returns ``down(silu(gate(y)) * up(y))``.
+* The layer: ``x = norm1(residual += hidden)``; ``q, k, v = qkv(x)`` (+ bias); with ``q_norm``/``k_norm``
+  ``[head_dim]`` (Qwen3) RMSNorm each head of q and of k (``eps`` too); rotate q and k (``cos``/``sin``
+  ``[max_positions, head_dim]``); write k, v; ``a = attention(q)``; ``y = norm2(residual += o(a))``; returns
+  ``down(silu(gate(y)) * up(y))``, or with ``router`` (a packed ``[num_experts, hidden]`` linear: a mixture of
+  experts) the ``top_k`` experts of :mod:`kubellm.kernels.cpu_moe` on ``router(y)``, ``gate_up``/``down``
+  then holding every expert as :func:`kubellm.kernels.cpu_moe.pack` packs them.
 
-The kernel calls the same native kernels the unfused model runs (bf16 linear, add + RMSNorm, rotary, paged
-decode attention, SiLU-and-mul), in the same order on the same inputs, so its output equals the unfused path's
+The kernel calls the same native kernels the unfused model runs (bf16 linear, add + RMSNorm, rotary or q/k norm +
+rotary, paged decode attention, SiLU-and-mul or the experts), in the same order on the same inputs, so its output equals the unfused path's
 bit for bit; against the reference below (float32 GEMM sums in another order) it agrees to bfloat16 rounding.
 """
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kubellm.kernels import cpu_bf16_gemm, cpu_layer_ops
+from kubellm.kernels import cpu_bf16_gemm, cpu_layer_ops, cpu_moe
 from kubellm.kernels.cpu_paged_attention import reference_paged_decode_attention
 
 __all__ = ["decode_layer_", "reference_decode_layer_"]
@@ -33,19 +36,22 @@ __all__ = ["decode_layer_", "reference_decode_layer_"]
 
 def decode_layer_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
                   eps: float, qkv, qkv_bias, o, gate_up, down, intermediate: int, cos, sin, k_cache, v_cache,
-                  num_heads: int, num_kv_heads: int, scale: float, window: int = 0, softcap: float = 0.0):
+                  num_heads: int, num_kv_heads: int, scale: float, window: int = 0, softcap: float = 0.0,
+                  q_norm=None, k_norm=None, router=None, top_k: int = 0, renormalize: bool = False):
     """The native layer (see the module docstring); ``window``/``softcap`` 0 mean off. Called 30 times a step:
     the one overload is named to skip the overload lookup (~4 us a call)."""
     return torch.ops.kubellm_cpu.decode_layer_.default(hidden, residual, positions, slots, block_tables,
                                                       context_lens, input_norm, post_norm, eps, qkv, qkv_bias, o,
                                                       gate_up, down, intermediate, cos, sin, k_cache, v_cache,
-                                                      num_heads, num_kv_heads, scale, window, softcap)
+                                                      num_heads, num_kv_heads, scale, window, softcap, q_norm,
+                                                      k_norm, router, top_k, renormalize)
 
 
 def reference_decode_layer_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
                             eps: float, qkv, qkv_bias, o, gate_up, down, intermediate: int, cos, sin, k_cache,
                             v_cache, num_heads: int, num_kv_heads: int, scale: float, window: int = 0,
-                            softcap: float = 0.0):
+                            softcap: float = 0.0, q_norm=None, k_norm=None, router=None, top_k: int = 0,
+                            renormalize: bool = False):
     """The same layer from the plain-PyTorch references (weights unpacked on every call)."""
     t, size = hidden.shape
     d = k_cache.shape[-1]
@@ -57,11 +63,17 @@ def reference_decode_layer_(hidden, residual, positions, slots, block_tables, co
     cpu_layer_ops.reference_add_rms_norm_(hidden, residual, input_norm, eps)
     q, k, v = linear(hidden, qkv, q_size + 2 * kv_size, qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
     q, k, v = q.reshape(t, num_heads, d), k.reshape(t, num_kv_heads, d), v.reshape(t, num_kv_heads, d)
-    cpu_layer_ops.reference_rotary_embedding_(positions, q, k, cos, sin)
+    if q_norm is not None:
+        cpu_layer_ops.reference_qk_norm_rotary_(positions, q, k, q_norm, k_norm, eps, cos, sin)
+    else:
+        cpu_layer_ops.reference_rotary_embedding_(positions, q, k, cos, sin)
     k_cache.view(-1, num_kv_heads, d).index_copy_(0, slots, k)
     v_cache.view(-1, num_kv_heads, d).index_copy_(0, slots, v)
     attn = reference_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                             window=window or None, softcap=softcap or None)
     out = linear(attn.reshape(t, q_size), o, size)
     cpu_layer_ops.reference_add_rms_norm_(out, residual, post_norm, eps)
+    if router is not None:
+        logits = linear(out, router, gate_up.shape[0])
+        return cpu_moe.reference_moe_experts(out, logits, *cpu_moe.unpack(gate_up, down), top_k, renormalize)
     return linear(cpu_layer_ops.reference_silu_and_mul(linear(out, gate_up, 2 * intermediate)), down, size)

@@ -31,7 +31,7 @@ from kubellm.kernels import cpu_int4_gemm
 from kubellm.kernels.cpu_extension import available as extension_available
 
 __all__ = ["Int4Experts", "available", "moe_experts", "moe_int4_experts", "pack", "packable", "reference_int4_moe_experts",
-           "reference_moe_experts"]
+           "reference_moe_experts", "unpack"]
 
 
 def available() -> bool:
@@ -51,6 +51,14 @@ def pack(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch
     w13 = gate_up.reshape(e, 2, i // 16, 16, h // 2, 2).permute(0, 2, 1, 4, 3, 5).contiguous()
     w2 = down.reshape(e, h // 16, 16, i // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
     return w13, w2
+
+
+def unpack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack`: ``(gate_up [E, 2I, H], down [E, H, I])`` (for the references)."""
+    e, i16, _, h2 = w13.shape[:4]
+    gate_up = w13.permute(0, 2, 1, 4, 3, 5).reshape(e, 2 * i16 * 16, 2 * h2)
+    down = w2.permute(0, 1, 3, 2, 4).reshape(e, w2.shape[1] * 16, 2 * w2.shape[2])
+    return gate_up, down
 
 
 def moe_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,

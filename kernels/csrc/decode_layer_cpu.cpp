@@ -1,6 +1,7 @@
 // One Llama decoder layer of a pure decode step (every token a decode row) in one call: add + RMSNorm, the fused
-// qkv GEMM, rotary, the K/V write into the paged pool, paged decode attention, o_proj, add + RMSNorm, gate_up,
-// SiLU-and-mul, down. See kubellm/kernels/cpu_decode_layer.py for the Python contract and the reference.
+// qkv GEMM, (Qwen3's per-head q/k RMSNorm and) rotary, the K/V write into the paged pool, paged decode attention,
+// o_proj, add + RMSNorm, then gate_up, SiLU-and-mul, down, or a mixture of experts (router GEMM, the fused
+// experts kernel). See kubellm/kernels/cpu_decode_layer.py for the Python contract and the reference.
 //
 // Why: at batch 1 a SmolLM2-135M layer is ~9 MB of weights (~0.2 ms of DRAM stream) but the Python module tree
 // made ~25 Python calls and ~40 ATen/kubellm dispatches per layer around it. This op runs the same kernels
@@ -33,6 +34,14 @@ struct Kernels {
   c10::TypedOperatorHandle<void(const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&)>
       rotary = op<void(const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&)>(
           "kubellm_cpu::rotary_embedding_");
+  c10::TypedOperatorHandle<void(const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                double, const at::Tensor&, const at::Tensor&)>
+      qk_norm_rotary = op<void(const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               double, const at::Tensor&, const at::Tensor&)>("kubellm_cpu::qk_norm_rotary_");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      int64_t, bool)>
+      moe_experts = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                  bool)>("kubellm_cpu::moe_experts");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
       op<at::Tensor(const at::Tensor&)>("kubellm_cpu::silu_and_mul");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -71,7 +80,9 @@ at::Tensor decode_layer_(at::Tensor& hidden, at::Tensor& residual, const at::Ten
                          const at::Tensor& qkv_w, const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_w,
                          const at::Tensor& gate_up_w, const at::Tensor& down_w, int64_t intermediate,
                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                         int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window, double softcap) {
+                         int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window, double softcap,
+                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                         const std::optional<at::Tensor>& router, int64_t top_k, bool renormalize) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16, "hidden must be [T, hidden] bfloat16");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == at::kBFloat16 &&
@@ -84,17 +95,26 @@ at::Tensor decode_layer_(at::Tensor& hidden, at::Tensor& residual, const at::Ten
   const int64_t T = hidden.size(0), H = hidden.size(1), D = k_cache.size(3);
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
   TORCH_CHECK(k_cache.size(2) == num_kv_heads, "the cache holds ", k_cache.size(2), " kv heads, not ", num_kv_heads);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together (Qwen3) or not at all");
 
   kn.add_rms_norm.call(hidden, residual, input_norm, eps);
   at::Tensor qkv = kn.linear.call(hidden, qkv_w, q_size + 2 * kv_size, qkv_bias);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
-  kn.rotary.call(positions, q, k, cos, sin);
+  if (q_norm) {
+    kn.qk_norm_rotary.call(positions, q, k, *q_norm, *k_norm, eps, cos, sin);
+  } else {
+    kn.rotary.call(positions, q, k, cos, sin);
+  }
   write_kv(qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size), k_cache, v_cache, slots);
   at::Tensor attn = kn.attention.call(q, k_cache, v_cache, block_tables, context_lens, scale, kAttentionChunk, 0,
                                       window, softcap);
   at::Tensor out = kn.linear.call(attn.view({T, q_size}), o_w, H, std::nullopt);
   kn.add_rms_norm.call(out, residual, post_norm, eps);
+  if (router) {  // gate_up_w/down_w hold every expert, packed by cpu_moe.pack
+    at::Tensor logits = kn.linear.call(out, *router, gate_up_w.size(0), std::nullopt);
+    return kn.moe_experts.call(out, logits, gate_up_w, down_w, top_k, renormalize);
+  }
   at::Tensor act = kn.silu_and_mul.call(kn.linear.call(out, gate_up_w, 2 * intermediate, std::nullopt));
   return kn.linear.call(act, down_w, H, std::nullopt);
 }
@@ -107,7 +127,8 @@ TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
       "decode_layer_(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor slots, Tensor block_tables, "
       "Tensor context_lens, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv, Tensor? qkv_bias, Tensor o, "
       "Tensor gate_up, Tensor down, int intermediate, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
-      "Tensor(d!) v_cache, int num_heads, int num_kv_heads, float scale, int window, float softcap) -> Tensor");
+      "Tensor(d!) v_cache, int num_heads, int num_kv_heads, float scale, int window, float softcap, "
+      "Tensor? q_norm=None, Tensor? k_norm=None, Tensor? router=None, int top_k=0, bool renormalize=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) { m.impl("decode_layer_", &kubellm_cpu::decode_layer_); }

@@ -26,6 +26,7 @@ from torch import nn
 
 from kubellm.kernels import cpu_layer_ops as ops
 from kubellm.kernels import cpu_moe
+from kubellm.runtime.layers.linear import NativeLinear
 from kubellm.runtime.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models.config import ModelConfig
@@ -76,6 +77,15 @@ class FusedMoE(nn.Module):
             return self.tp.all_reduce(cpu_moe.moe_experts(x, logits, *self.packed, self.top_k, self.renormalize))
         weights, ids = route(logits, self.top_k, self.renormalize)
         return self.tp.all_reduce(self.experts_one_by_one(x, weights, ids))
+
+    def fused_decode_args(self) -> tuple | None:
+        """This MLP's arguments of the fused decode layer (w13, w2, intermediate, router, top_k, renormalize) when
+        it runs the bfloat16 experts kernel behind a native router linear (what :meth:`forward` then calls), else
+        None."""
+        if (not isinstance(self.packed, tuple) or self.tp.size > 1 or not isinstance(self.gate, NativeLinear)
+                or self.gate.bias is not None):
+            return None
+        return *self.packed, self.inter, self.gate.packed_weight, self.top_k, self.renormalize
 
     def experts_one_by_one(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The experts' output for router ``weights``/``ids`` [T, k], this rank's partial sum: one GEMM per hit

@@ -98,6 +98,11 @@ class LlamaAttention(nn.Module):
             return q, k
         return self.rotary(positions, q, k)
 
+    def fused_qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """The q and k norm weights the fused decode layer applies before rotary ((None, None): none), or None if
+        this block does more than the fused layer does (a subclass that adds to it)."""
+        return (None, None) if type(self) is LlamaAttention else None
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x)
@@ -116,6 +121,15 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, dict.fromkeys((0, 1), cfg.intermediate_size),
                                                        False, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+
+    def fused_decode_args(self) -> tuple | None:
+        """This MLP's arguments of the fused decode layer (gate_up, down, intermediate, router, top_k,
+        renormalize), or None unless it is this plain MLP on native linears and the native SiLU-and-mul."""
+        linears = (self.gate_up_proj, self.down_proj)
+        if (type(self) is not LlamaMLP or not self.native or self.tp.size > 1
+                or not all(isinstance(m, NativeLinear) and m.bias is None for m in linears)):
+            return None
+        return self.gate_up_proj.packed_weight, self.down_proj.packed_weight, self.intermediate, None, 0, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -150,23 +164,26 @@ class LlamaDecoderLayer(nn.Module):
 
     def fused_decode_args(self) -> tuple | None:
         """This layer's constant arguments of :func:`kubellm.kernels.cpu_decode_layer.decode_layer_` (norms,
-        packed weights, rotary tables, cache, attention shape), or None unless it is a plain Llama layer
-        running entirely on the native CPU kernels (other families' layers add norms, scales or experts)."""
-        attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if type(mlp) is LlamaMLP else ()
-        if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or not linears
-                or attn.tp.size > 1 or not all(isinstance(m, NativeLinear) for m in linears)
-                or any(m.bias is not None for m in linears[1:]) or not (attn.native and mlp.native)
+        packed weights, rotary tables, cache, attention shape, q/k norms, experts), or None unless it is a Llama
+        layer running entirely on the native CPU kernels whose attention (Llama's, Qwen3's q/k norms) and MLP
+        (dense, or packed experts) each give their part (other families add norms, scales or layer types)."""
+        attn = self.self_attn
+        qk_norms = attn.fused_qk_norms() if isinstance(attn, LlamaAttention) else None
+        mlp = getattr(self.mlp, "fused_decode_args", lambda: None)()
+        if (type(self) is not LlamaDecoderLayer or qk_norms is None or mlp is None or attn.tp.size > 1
+                or not all(isinstance(m, NativeLinear) for m in (attn.qkv_proj, attn.o_proj))
+                or attn.o_proj.bias is not None or not attn.native
                 or not all(type(n) is RMSNorm and n.native for n in (self.input_layernorm, self.post_attention_layernorm))
                 or not isinstance(attn.attn.backend, NativeCpuAttentionBackend)
                 or attn.attn.k_cache.dtype != torch.bfloat16):
             return None
+        gate_up, down, intermediate, router, top_k, renormalize = mlp
         opts = attn.attn.opts
         return (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
-                attn.qkv_proj.packed_weight, attn.qkv_proj.bias, attn.o_proj.packed_weight,
-                mlp.gate_up_proj.packed_weight, mlp.down_proj.packed_weight, mlp.intermediate, attn.rotary.cos,
-                attn.rotary.sin, attn.attn.k_cache, attn.attn.v_cache, attn.num_heads, attn.num_kv_heads,
-                attn.attn.backend.scale, opts.window or 0, opts.softcap or 0.0)
+                attn.qkv_proj.packed_weight, attn.qkv_proj.bias, attn.o_proj.packed_weight, gate_up, down,
+                intermediate, attn.rotary.cos, attn.rotary.sin, attn.attn.k_cache, attn.attn.v_cache, attn.num_heads,
+                attn.num_kv_heads, attn.attn.backend.scale, opts.window or 0, opts.softcap or 0.0, *qk_norms, router,
+                top_k, renormalize)
 
 
 class LlamaModel(nn.Module):

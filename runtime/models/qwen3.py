@@ -29,6 +29,11 @@ class Qwen3Attention(LlamaAttention):
         k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         return super().rotate(positions, q, k)
 
+    def fused_qk_norms(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fused decode layer runs the same native norm + rotary kernel, with the layer's eps (the q/k norms'
+        too: both are the config's rms_norm_eps)."""
+        return (self.q_norm.weight, self.k_norm.weight) if type(self) is Qwen3Attention else None
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention

@@ -1,44 +1,63 @@
 """The fused decode layer (one native call per Llama layer) against its plain-PyTorch reference: the returned MLP
-output, the residual stream and the K/V written into the pool."""
+output, the residual stream and the K/V written into the pool; with Qwen3's q/k norms and with a mixture of
+experts as the MLP."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kubellm.kernels import cpu_bf16_gemm
+from kubellm.kernels import cpu_bf16_gemm, cpu_moe
 from kubellm.kernels.cpu_decode_layer import decode_layer_, reference_decode_layer_
 from kubellm.runtime.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("native_bf16_gemm")  # tests/conftest.py: skip without it, fail under CI
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK = 96, 6, 2, 16, 160, 4
+EXPERTS, TOP_K, EXPERT_INTER = 8, 2, 48
 
 
-def make_layer(gen: torch.Generator, bias: bool) -> dict:
+def make_layer(gen: torch.Generator, bias: bool, qk_norm: bool = False, moe: bool = False) -> dict:
+    def unpacked(*shape):
+        return (torch.randn(*shape, generator=gen) / shape[-1]**0.5).to(torch.bfloat16)
+
     def weight(n, k):
-        return cpu_bf16_gemm.pack((torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16))
+        return cpu_bf16_gemm.pack(unpacked(n, k))
+
+    def norm(n):
+        return (torch.rand(n, generator=gen) + 0.5).to(torch.bfloat16)
 
     qkv_n = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     rotary = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None, torch.bfloat16)
-    return dict(
-        input_norm=(torch.rand(HIDDEN, generator=gen) + 0.5).to(torch.bfloat16),
-        post_norm=(torch.rand(HIDDEN, generator=gen) + 0.5).to(torch.bfloat16), eps=1e-5,
+    layer = dict(
+        input_norm=norm(HIDDEN), post_norm=norm(HIDDEN), eps=1e-5,
         qkv=weight(qkv_n, HIDDEN), qkv_bias=torch.randn(qkv_n, generator=gen) if bias else None,
         o=weight(HIDDEN, HEADS * HEAD_DIM), gate_up=weight(2 * INTER, HIDDEN), down=weight(HIDDEN, INTER),
         intermediate=INTER, cos=rotary.cos, sin=rotary.sin, num_heads=HEADS, num_kv_heads=KV_HEADS,
         scale=HEAD_DIM**-0.5)
+    if qk_norm:
+        layer.update(q_norm=norm(HEAD_DIM), k_norm=norm(HEAD_DIM))
+    if moe:
+        w13, w2 = cpu_moe.pack(unpacked(EXPERTS, 2 * EXPERT_INTER, HIDDEN), unpacked(EXPERTS, HIDDEN, EXPERT_INTER))
+        layer.update(gate_up=w13, down=w2, intermediate=EXPERT_INTER, router=weight(EXPERTS, HIDDEN), top_k=TOP_K,
+                     renormalize=True)
+    return layer
 
 
-@pytest.mark.parametrize("context_lens,bias,window,softcap", [
-    ([1], False, 0, 0.0),  # the first token: attends to itself only
-    ([13], True, 0, 0.0),  # Qwen2's qkv bias, a partly filled last block
-    ([9, 20, 4], False, 0, 0.0),  # several decode rows (a batched or drafted decode step)
-    ([17], False, 5, 30.0),  # a sliding window and soft-capped scores
+@pytest.mark.parametrize("context_lens,bias,window,softcap,family", [
+    ([1], False, 0, 0.0, "llama"),  # the first token: attends to itself only
+    ([13], True, 0, 0.0, "llama"),  # Qwen2's qkv bias, a partly filled last block
+    ([9, 20, 4], False, 0, 0.0, "llama"),  # several decode rows (a batched or drafted decode step)
+    ([17], False, 5, 30.0, "llama"),  # a sliding window and soft-capped scores
+    ([11], False, 0, 0.0, "qwen3"),  # per-head q/k RMSNorm before rotary
+    ([6, 15], False, 0, 0.0, "qwen3_moe"),  # and a mixture of experts as the MLP (two rows: other experts each)
+    ([10], False, 0, 0.0, "mixtral"),  # experts behind Llama's attention
 ])
-def test_fused_decode_layer_matches_the_reference(context_lens, bias, window, softcap):
+def test_fused_decode_layer_matches_the_reference(context_lens, bias, window, softcap, family, request):
+    if family in ("qwen3_moe", "mixtral"):
+        request.getfixturevalue("native_moe")
     gen = torch.Generator().manual_seed(len(context_lens) * 100 + context_lens[0])
-    layer = make_layer(gen, bias)
+    layer = make_layer(gen, bias, qk_norm=family.startswith("qwen3"), moe=family in ("qwen3_moe", "mixtral"))
     t = len(context_lens)
     blocks_each = -(-max(context_lens) // BLOCK)
     num_blocks = t * blocks_each + 3

@@ -80,6 +80,8 @@ def test_pack_layout():
     assert w13[1, 1, 1, 3, 5, 1] == gate_up[1, inter + 16 + 5, 7]
     assert w13[1, 1, 0, 3, 5, 0] == gate_up[1, 16 + 5, 6]
     assert w2[1, 0, 4, 9, 1] == down[1, 9, 9]
+    unpacked_gate_up, unpacked_down = cpu_moe.unpack(w13, w2)  # what the fused decode layer's reference reads
+    assert torch.equal(unpacked_gate_up, gate_up) and torch.equal(unpacked_down, down)
 
 
 def _int4_case(tokens, hidden, inter, experts, group13, group2, seed=0, half=False):

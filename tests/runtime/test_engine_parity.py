@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from kubellm.kernels.cpu_decode_layer import decode_layer_
 from kubellm.runtime.engine import LLM
 from kubellm.runtime.sampling_params import SamplingParams
 from tiny_checkpoints import hf_greedy, load_hf_model
@@ -230,26 +231,26 @@ def test_mixture_of_experts_with_two_tensor_parallel_ranks_equals_transformers(f
 
 def test_native_moe_kernel_in_a_bfloat16_engine_matches_transformers(tiny_checkpoint_factory, native_moe):
     """bfloat16 with 128 experts top-8: the engine packs every MoE layer for the CPU kernel (kernel choice
-    ``moe native``) and its prefill logits match transformers' in bfloat16 as closely as the per-expert path's
-    (``--layer-ops torch``). Compared on average: in bfloat16 a rounding difference can swap the 8th and 9th
-    expert of a token, which moves single logits by up to ~0.4 on every path, transformers' own float32 run
-    included; a wrong kernel moves them all by the logits' own size (~1-4 here)."""
+    ``moe native``), decode steps run the fused decode layer, and its logits over 8 greedy steps (transformers fed
+    the engine's tokens) are as close to float32 transformers as the per-expert module tree's (``--layer-ops
+    torch``). Compared on average: in bfloat16 a rounding difference can swap the 8th and 9th expert of a token,
+    which moves single logits by up to ~0.4 on every path (and greedy tokens part from transformers' bfloat16
+    run on one of these prompts on both paths); a wrong kernel moves them all by the logits' own size (~1-4)."""
     from kubellm.runtime.layers.moe import FusedMoE
 
     model_dir = tiny_checkpoint_factory("qwen3_moe", dtype=torch.bfloat16, num_experts=128, num_experts_per_tok=8,
                                         moe_intermediate_size=32, mlp_only_layers=[])
     prompts = _prompts()[:6]
-    _, ref_logits = hf_greedy(model_dir, prompts, 1, dtype=torch.bfloat16)
+    mean_errors = {}
     for settings, packed in (({}, True), ({"layer_ops": "torch"}, False)):
         llm = _engine(model_dir, dtype="bfloat16", **settings)
         moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
         assert moes and all((m.packed is not None) == packed for m in moes)
-        recorder = LogitRecorder(llm.engine.runner.sampler)
-        llm.engine.runner.sampler = recorder
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
-        errors = [(recorder.rows[out.request_id][0] - ref[0].float()).abs().mean() for out, ref in
-                  zip(outs, ref_logits, strict=True)]
-        assert sum(errors) / len(errors) < 0.03, f"{settings}: mean |logit error| per prompt {errors}"
+        assert (llm.engine.runner.model.model.fused_layers is not None) == packed
+        errors = mean_logit_errors(llm, model_dir, prompts, max_new=8)
+        mean_errors[packed] = sum(errors) / len(errors)
+        assert mean_errors[packed] < 0.05, f"{settings}: mean |logit error| per prompt {errors}"
+    assert mean_errors[True] < 1.5 * mean_errors[False], mean_errors
 
 
 @pytest.mark.parametrize(("arch", "tp"), [("llama", 1), ("qwen2", 1), ("qwen3", 1), ("qwen2", 2)])
@@ -272,6 +273,7 @@ def test_native_bf16_linears_in_a_bfloat16_engine_match_transformers(arch, tp, t
         llm = _engine(model_dir, dtype="bfloat16", prepack_weights=prepack, tensor_parallel_size=tp)
         model = llm.engine.runner.model  # rank 0's
         assert llm.engine.kernels.prepack == prepack
+        assert (model.model.fused_layers is not None) == (prepack == "native" and tp == 1)  # decode steps
         assert not any(type(m) is nn.Linear for m in model.modules())
         assert any(isinstance(m, NativeLinear) for m in model.modules()) == (prepack == "native")
         if prepack == "native" and model.config.tie_word_embeddings:
@@ -286,29 +288,32 @@ def test_native_bf16_linears_in_a_bfloat16_engine_match_transformers(arch, tp, t
     assert errors["native"] < 2 * errors["onednn"] + 1e-3, errors
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_window", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_window", "qwen3", "qwen3_moe", "mixtral"])
 def test_fused_decode_layers_give_the_module_trees_logits_bit_for_bit(arch, tiny_checkpoint_factory, monkeypatch,
-                                                                     native_bf16_gemm):
+                                                                     native_bf16_gemm, native_moe):
     """bfloat16 on the native kernels: pure decode steps (one or several rows) run one native call per layer
     (kernels/cpu_decode_layer.py), which calls the module tree's own kernels in its order, so every sampled row's
-    logits are the same bits as with ``KUBELLM_FUSED_DECODE=0``; Qwen2's qkv bias and Mistral's window included.
-    Qwen3's q/k norms are not in the fused layer: it keeps the module tree."""
-    from kubellm.runtime.models.llama import FUSED_DECODE_ENV
+    logits are the same bits as with ``KUBELLM_FUSED_DECODE=0``; Qwen2's qkv bias, Mistral's window, Qwen3's q/k
+    norms and the packed experts of Qwen3-MoE (with its dense layer 1) and Mixtral included."""
+    from kubellm.runtime.models import llama
 
     model_dir = (tiny_checkpoint_factory("mistral", dtype=torch.bfloat16, sliding_window=12) if arch == "mistral_window"
                  else tiny_checkpoint_factory(arch, dtype=torch.bfloat16))
     prompts = _prompts()[:4]
-    rows, tokens = {}, {}
+    rows, tokens, calls = {}, {}, []
+    monkeypatch.setattr(llama, "decode_layer_", lambda *a: calls.append(1) or decode_layer_(*a))
     for fused in ("1", "0"):
-        monkeypatch.setenv(FUSED_DECODE_ENV, fused)
+        monkeypatch.setenv(llama.FUSED_DECODE_ENV, fused)
+        calls.clear()
         llm = _engine(model_dir, dtype="bfloat16", prepack_weights="native")
-        assert (llm.engine.runner.model.model.fused_layers is not None) == (fused == "1" and arch != "qwen3")
+        assert (llm.engine.runner.model.model.fused_layers is not None) == (fused == "1")
         recorder = LogitRecorder(llm.engine.runner.sampler)
         llm.engine.runner.sampler = recorder
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
         llm.close()
         tokens[fused] = [o.token_ids for o in outs]
         rows[fused] = [torch.stack(recorder.rows[o.request_id]) for o in outs]
+        assert bool(calls) == (fused == "1")  # pure decode steps came after the prefills and ran the fused layer
     assert tokens["1"] == tokens["0"]
     for fused_rows, tree_rows in zip(rows["1"], rows["0"], strict=True):
         assert torch.equal(fused_rows, tree_rows)

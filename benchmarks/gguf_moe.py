@@ -7,7 +7,11 @@ this process and times greedy generation of one prompt on each, interleaved, ``-
 MiB (the load log's accounting), median seconds per generation, their ratio and how many tokens agree (the
 bfloat16 folder rounds the dequantized weights, so a few late tokens may differ).
 
-    python benchmarks/gguf_moe.py --threads 1 [--types Q4_0,Q4_K] [--rounds 9]
+    python benchmarks/gguf_moe.py --threads 1 [--types Q4_0,Q4_K,Q8_0,Q6_K,Q4_K_M] [--rounds 9]
+
+A type names all three expert tensors of a layer, except ``Q4_K_M``: Q4_K gate and up beside a Q6_K down (what
+llama.cpp's Q4_K_M gives many layers). "fused layers" counts the layers whose experts run cpu_moe's fused
+quantized kernel (4-bit, 8-bit or mixed).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+MIXES = {"Q4_K_M": ("Q4_K", "Q4_K", "Q6_K")}  # gate, up, down
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,14 +65,15 @@ def main(argv: list[str] | None = None) -> int:
                                    moe_intermediate_size=args.inter, norm_topk_prob=True), "Qwen3MoeForCausalLM")
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     prompt = [list(range(3, 40))]
-    print("| experts | packed MiB | bf16 MiB | fused int4 layers | packed (s) | bf16 (s) | speed-up | tokens agree |\n"
+    print("| experts | packed MiB | bf16 MiB | fused layers | packed (s) | bf16 (s) | speed-up | tokens agree |\n"
           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for type_name in args.types.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "moe.gguf"
             quants = {n: Q.Q8_0 for n in model.state_dict() if n.endswith("proj.weight")}
-            quants |= {f"blk.{i}.{t}.weight": Q[type_name] for i in range(args.layers)
-                       for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+            quants |= {f"blk.{i}.{t}.weight": Q[q] for i in range(args.layers)
+                       for t, q in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+                                       MIXES.get(type_name, (type_name,) * 3), strict=True)}
             write_gguf(path, model, meta, arch="qwen3moe", permute=False, quants=quants, key_length=128,
                        extra_kv={"expert_count": args.experts, "expert_used_count": 8,
                                  "expert_feed_forward_length": args.inter})
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                     tokens[kind] = llm.generate(prompt, params, use_tqdm=False)[0].token_ids
                     times[kind].append(time.perf_counter() - start)
             mib = {k: sum(llm.engine.weight_bytes.values()) / 2**20 for k, llm in llms.items()}
-            fused = sum(type(m.packed).__name__ == "Int4Experts"
+            fused = sum(type(m.packed).__name__ == "QuantizedExperts"
                         for m in llms["packed"].engine.runner.model.modules() if isinstance(m, FusedMoE))
             packed, bf16 = (statistics.median(times[k]) for k in ("packed", "bf16"))
             agree = next((i for i, (a, b) in enumerate(zip(tokens["packed"], tokens["bf16"], strict=True)) if a != b),

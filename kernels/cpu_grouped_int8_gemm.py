@@ -27,7 +27,8 @@ import torch
 
 from kubellm.kernels.cpu_extension import available as extension_available
 
-__all__ = ["DEQUANTIZE_ROWS", "available", "grouped_int8_gemm", "pack", "packable", "reference_grouped_int8_gemm"]
+__all__ = ["DEQUANTIZE_ROWS", "available", "grouped_int8_gemm", "pack", "packable", "reference_grouped_int8_gemm",
+           "unpack"]
 
 DEQUANTIZE_ROWS = 16  # kDequantMinRowsG8 in csrc/grouped_int8_gemm_cpu.cpp
 
@@ -49,6 +50,11 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
     return q.to(torch.int8).view((n + pad) // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """:func:`pack`'s layout back to ``[ceil(N/16) * 16, K]`` int8 (the padding channels included)."""
+    return packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * 16, -1)
 
 
 def grouped_int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,

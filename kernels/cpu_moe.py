@@ -12,12 +12,13 @@ the k weighted outputs are summed in float32.
 The kernel wants the weights packed once by :func:`pack` (``I`` and ``H`` multiples of 16). It exists only in
 builds for CPUs with AVX512-BF16; :func:`available` says whether this process has it.
 
-:func:`moe_int4_experts` is the same for experts of 4-bit values with per-group scales and zero points (the
-form AWQ, GPTQ without act-order, compressed-tensors W4A16 and ``--quantization int4`` load into): each
-expert's ``gate_up`` and ``down`` as kernels/cpu_int4_gemm.py packs them, stacked over the experts
-(:class:`Int4Experts`), ``W = (q - z) * s`` per group of inputs. The products use the stored values widened in
-registers (cpu_int4_gemm's few-rows path at every row count), and the results are rounded where the per-expert
-path rounds them.
+:func:`moe_quantized_experts` is the same for experts of 4-bit or 8-bit values with per-group scales and
+(optional for 8-bit) zero points, ``W = (q - z) * s`` per group of inputs, each linear in its own width: each
+expert's ``gate_up`` and ``down`` as kernels/cpu_int4_gemm.py (4-bit: AWQ, GPTQ, W4A16, ``--quantization
+int4``, GGUF Q4_0/Q4_1/Q4_K) or kernels/cpu_grouped_int8_gemm.py (8-bit: GPTQ 8-bit, W8A16, GGUF Q8_0/Q5_K/Q6_K)
+packs it, stacked over the experts (:class:`QuantizedExperts`; a GGUF Q4_K_M layer is 4-bit gate/up beside a
+6-bit down). The products use the stored values widened in registers (those GEMMs' few-rows tiles, at every row
+count), and the results are rounded where the per-expert path rounds them.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kubellm.kernels import cpu_int4_gemm
+from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm
 from kubellm.kernels.cpu_extension import available as extension_available
 
-__all__ = ["Int4Experts", "available", "moe_experts", "moe_int4_experts", "pack", "packable", "reference_int4_moe_experts",
-           "reference_moe_experts", "unpack"]
+__all__ = ["QuantizedExperts", "available", "moe_experts", "moe_quantized_experts", "pack", "packable",
+           "quantized_packable", "reference_moe_experts", "reference_quantized_moe_experts", "unpack"]
 
 
 def available() -> bool:
@@ -66,49 +67,55 @@ def moe_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: to
     return torch.ops.kubellm_cpu.moe_experts(x.contiguous(), logits, w13, w2, top_k, renormalize)
 
 
-class Int4Experts(NamedTuple):
-    """A layer's 4-bit experts, stacked: per linear the cpu_int4_gemm packing of every expert (``w13``
-    ``[E, 2I/16, H/4, 16, 2]`` uint8, gate rows then up rows; ``w2`` ``[E, H/16, I/4, 16, 2]``), the scales and
-    zero points ``[E, inputs / group, outputs]`` (float32 or float16, values 0..15 as the GEMM reads them) and
-    the group size."""
+class QuantizedExperts(NamedTuple):
+    """A layer's quantized experts, stacked: per linear every expert's packed values (4-bit as cpu_int4_gemm packs
+    them, uint8 ``w13`` ``[E, 2I/16, H/4, 16, 2]``, ``w2`` ``[E, H/16, I/4, 16, 2]``; 8-bit as
+    cpu_grouped_int8_gemm does, int8 ``[E, 2I/16, H/2, 16, 2]`` and ``[E, H/16, I/2, 16, 2]``; gate rows then up
+    rows), the scales and zero points ``[E, inputs / group, outputs]`` (float32 or float16, in the values' range
+    as those GEMMs read them; zero points None: symmetric 8-bit values) and the group size."""
 
     w13: torch.Tensor
     s13: torch.Tensor
-    z13: torch.Tensor
+    z13: torch.Tensor | None
     group13: int
     w2: torch.Tensor
     s2: torch.Tensor
-    z2: torch.Tensor
+    z2: torch.Tensor | None
     group2: int
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gate_up [E, 2I, H], down [E, H, I])`` in float32: the reference's weights."""
         def linear(packed, scales, zeros, group):
-            q = torch.stack([cpu_int4_gemm.unpack(p) for p in packed]).float()  # [E, N, K]
+            unpack = cpu_int4_gemm.unpack if packed.dtype == torch.uint8 else cpu_grouped_int8_gemm.unpack
+            q = torch.stack([unpack(p) for p in packed]).float()  # [E, N, K]
             g = torch.arange(q.shape[2]) // group
-            return (q - zeros.float().transpose(1, 2)[:, :, g]) * scales.float().transpose(1, 2)[:, :, g]
+            w = q if zeros is None else q - zeros.float().transpose(1, 2)[:, :, g]
+            return w * scales.float().transpose(1, 2)[:, :, g]
         return linear(self.w13, self.s13, self.z13, self.group13), linear(self.w2, self.s2, self.z2, self.group2)
 
 
-def int4_packable(hidden: int, inter: int, group13: int, group2: int) -> bool:
-    return hidden % 16 == 0 and inter % 16 == 0 and all(g % 4 == 0 and k % g == 0 for g, k in
-                                                         ((group13, hidden), (group2, inter)))
+def quantized_packable(hidden: int, inter: int, linears: tuple[tuple[int, int], tuple[int, int]]) -> bool:
+    """Whether the kernel takes experts of these sizes whose gate/up and down have ``(bits, group size)``
+    ``linears`` (4 or 8 bits: 5..8-bit values are int8)."""
+    return hidden % 16 == 0 and inter % 16 == 0 and all(
+        bits in (4, 8) and g % (4 if bits == 4 else 2) == 0 and k % g == 0
+        for (bits, g), k in zip(linears, (hidden, inter), strict=True))
 
 
-def moe_int4_experts(x: torch.Tensor, logits: torch.Tensor, experts: Int4Experts, top_k: int,
-                     renormalize: bool) -> torch.Tensor:
-    return torch.ops.kubellm_cpu.moe_int4_experts(x.contiguous(), logits, *experts, top_k, renormalize)
+def moe_quantized_experts(x: torch.Tensor, logits: torch.Tensor, experts: QuantizedExperts, top_k: int,
+                          renormalize: bool) -> torch.Tensor:
+    return torch.ops.kubellm_cpu.moe_quantized_experts(x.contiguous(), logits, *experts, top_k, renormalize)
 
 
-def reference_int4_moe_experts(x: torch.Tensor, logits: torch.Tensor, experts: Int4Experts, top_k: int,
-                               renormalize: bool) -> torch.Tensor:
+def reference_quantized_moe_experts(x: torch.Tensor, logits: torch.Tensor, experts: QuantizedExperts, top_k: int,
+                                    renormalize: bool) -> torch.Tensor:
     """The same result from the dequantized weights in float32, one expert at a time."""
     return reference_moe_experts(x, logits, *experts.dequantized(), top_k, renormalize)
 
 
 def reference_moe_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                           top_k: int, renormalize: bool) -> torch.Tensor:
-    """The same result from unpacked weights (bfloat16, or float32 for :func:`reference_int4_moe_experts`), one
+    """The same result from unpacked weights (bfloat16, or float32 for :func:`reference_quantized_moe_experts`), one
     expert at a time."""
     weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
     if renormalize:

@@ -28,9 +28,9 @@ What ``auto`` picks:
   for bfloat16 on CPUs that have it, for layers it can pack (inputs and groups multiples of 4); ``triton``
   (``triton_fp8_gemm``) on CUDA once its check passed; else ``dequantize``.
 * mixture-of-experts layers: ``native`` (``cpu_moe``: routing and every hit expert of a layer in one call,
-  AVX512-BF16) with native layer ops for bfloat16 where it loaded, unquantized or with 4-bit experts
-  (``--quantization int4`` or a pre-quantized checkpoint; the layers whose experts the kernels do not take,
-  act-order, 8-bit, FP8, keep one GEMM per hit expert); else ``torch`` (one GEMM per hit expert through the
+  AVX512-BF16) with native layer ops for bfloat16 where it loaded, unquantized or with 4-bit or 8-bit experts
+  (``--quantization int4``, a pre-quantized checkpoint or a GGUF file; the layers whose experts the kernels do
+  not take, act-order, FP8, keep one GEMM per hit expert); else ``torch`` (one GEMM per hit expert through the
   linear layers above).
 
 The Triton GEMMs for pre-quantized checkpoints are checked on CUDA when ``Target.quantization`` names a

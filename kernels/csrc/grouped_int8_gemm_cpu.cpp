@@ -5,9 +5,10 @@
 // is the per-channel case.
 //
 // Why: the 8-bit formats keep a scale per 16..128 inputs, which the per-channel int8 kernel cannot take. The
-// inner loop is the int8 kernel's (each int8 widened to bf16 in registers, exact; vdpbf16ps products, float32
-// sums) run per group, and the scale and zero point are applied once per group to the group's partial sum,
-// using the row's sum of x over the group (computed once per call, only when there are zero points). That is
+// inner loop (int8_tiles.h, shared with moe_cpu.cpp's 8-bit experts) is the int8 kernel's (each int8 widened to
+// bf16 in registers, exact; vdpbf16ps products, float32 sums) run per group, and the scale and zero point are
+// applied once per group to the group's partial sum, using the row's sum of x over the group (computed once per
+// call, only when there are zero points). That is
 // the path for few rows; from kDequantMinRows rows it cost more than the narrower reads save (0.77-0.97x bf16
 // at 64 and 256 rows: the widening repeated per tile of 12 rows, the epilogue per row, block and group), so
 // each work item's weights are dequantized once per call to bf16 (q - z) * s and the rows run a plain bf16
@@ -26,8 +27,9 @@
 #include <cstdint>
 
 #include "gemm_tiles.h"
+#include "int8_tiles.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef KUBELLM_INT8_TILES  // AVX512-BF16 (and F, BW, VL)
 #include <immintrin.h>
 #define KUBELLM_GROUPED_INT8_GEMM 1
 #endif
@@ -47,41 +49,16 @@ bool grouped_int8_gemm_available() {
 constexpr int kMaxRowsG8 = 12;  // MR x NB group sums + MR x NB outputs + NB weights + a broadcast <= 32 zmm
 constexpr int64_t kDequantMinRowsG8 = 16;  // from here on the dequantizing path (benchmarks/README.md)
 
-// MR rows x NB blocks of 16 outputs; `tail` masks the channels of the last block that exist (0xFFFF: all).
+// MR rows x NB blocks of 16 outputs (int8_tiles.h's tile); `tail` masks the channels of the last block that exist
+// (0xFFFF: all).
 template <int MR, int NB, bool ZP>
 void micro_kernel_g8(const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
                      const int8_t* w, int64_t w_block_stride, int64_t K2, int64_t group_pairs, tiles::GroupParams scales,
                      tiles::GroupParams zeros, int64_t N, const float* bias, __mmask16 tail, c10::BFloat16* y,
                      int64_t ldy) {
   __m512 out[MR][NB];
-  for (int r = 0; r < MR; ++r)
-    for (int b = 0; b < NB; ++b) out[r][b] = _mm512_setzero_ps();
-  for (int64_t g = 0, kp0 = 0; kp0 < K2; ++g, kp0 += group_pairs) {
-    __m512 acc[MR][NB];
-    for (int r = 0; r < MR; ++r)
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
-    const int64_t kp1 = std::min(K2, kp0 + group_pairs);
-    for (int64_t kp = kp0; kp < kp1; ++kp) {
-      __m512i wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = tiles::widen_int8_pairs(w + b * w_block_stride + kp * 32);
-      for (int r = 0; r < MR; ++r) {
-        const __m512i xb = _mm512_set1_epi32(x_pairs[r * x_pair_stride + kp]);
-        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xb, (__m512bh)wv[b]);
-      }
-    }
-    for (int b = 0; b < NB; ++b) {
-      const __mmask16 mask = b == NB - 1 ? tail : __mmask16(0xFFFF);
-      const __m512 s = scales.load16(g * N + b * 16, mask);
-      if constexpr (ZP) {  // out += s * (acc - z * sum(x over the group))
-        const __m512 z = zeros.load16(g * N + b * 16, mask);
-        for (int r = 0; r < MR; ++r)
-          out[r][b] = _mm512_fmadd_ps(_mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[r][b]), s,
-                                      out[r][b]);
-      } else {
-        for (int r = 0; r < MR; ++r) out[r][b] = _mm512_fmadd_ps(acc[r][b], s, out[r][b]);
-      }
-    }
-  }
+  int8::dot_groups<MR, NB, ZP>(x_pairs, x_pair_stride, xsum, groups, w, w_block_stride, K2, group_pairs, scales, zeros,
+                               N, 16, tail, out);
   for (int b = 0; b < NB; ++b) {
     const __mmask16 mask = b == NB - 1 ? tail : __mmask16(0xFFFF);
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(mask, bias + b * 16) : _mm512_setzero_ps();

@@ -15,12 +15,17 @@
 //   w2  [E, H/16, I/2, 16, 2]: the down projection, per block of 16 output channels.
 // The router's logits [T, E] come in; the kernel routes (see route()).
 //
-// moe_int4_experts: the same two loops for experts of 4-bit values with per-group scales and zero points (AWQ,
-// GPTQ, W4A16, kubellm's int4), each expert's linears packed as int4_gemm_cpu.cpp packs them and stacked:
-//   w13 [E, 2I/16, H/4, 16, 2] bytes (gate blocks, then up blocks), s13/z13 [E, H/group13, 2I];
-//   w2  [E, H/16, I/4, 16, 2] bytes, s2/z2 [E, I/group2, H]; scales and zero points float32 or float16.
-// Rows run through int4_tiles.h's tile (weights widened in registers), gate block j beside up block j. The
-// per-expert path's rounding is kept: bfloat16 gate, up, activation and down outputs.
+// moe_quantized_experts: the same two loops for experts of 4-bit or 8-bit values with per-group scales and
+// optional zero points, each linear in its own width (a Q4_K_M layer: 4-bit gate/up beside a 6-bit down). A linear
+// of 4-bit values (AWQ, GPTQ, W4A16, kubellm's int4, GGUF Q4_0/Q4_1/Q4_K) is packed per expert as int4_gemm_cpu.cpp
+// packs it, one of 8-bit values (GPTQ 8-bit, W8A16, GGUF Q8_0/Q5_K/Q6_K) as grouped_int8_gemm_cpu.cpp does, and
+// stacked over the experts:
+//   w13 [E, 2I/16, H/4, 16, 2] uint8 or [E, 2I/16, H/2, 16, 2] int8 (gate blocks, then up blocks),
+//       s13/z13 [E, H/group13, 2I];
+//   w2  [E, H/16, I/4, 16, 2] uint8 or [E, H/16, I/2, 16, 2] int8, s2/z2 [E, I/group2, H];
+// scales and zero points float32 or float16; zero points required for 4-bit values, optional for 8-bit ones. Rows
+// run through int4_tiles.h's or int8_tiles.h's tile (weights widened in registers), gate block j beside up block
+// j. The per-expert path's rounding is kept: bfloat16 gate, up, activation and down outputs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -36,9 +41,10 @@
 
 #include "gemm_tiles.h"
 #include "int4_tiles.h"
+#include "int8_tiles.h"
 #include "scalar_math.h"
 
-#ifdef KUBELLM_INT4_TILES  // AVX512-BF16 (and F, BW, VL)
+#if defined(KUBELLM_INT4_TILES) && defined(KUBELLM_INT8_TILES)  // AVX512-BF16 (and F, BW, VL)
 #include <immintrin.h>
 #define KUBELLM_MOE_CPU 1
 #endif
@@ -98,6 +104,16 @@ void dot_rows(int mr, const int32_t* const* rows, const BF16* w, int64_t w_block
   }
 }
 
+// h = T(T(silu(T(gate))) * T(up)) for mr rows of acc (per row the 16 gate channels' sums, then the 16 up ones')
+// into 16 channels of h's rows (row stride ldh).
+inline void store_activations(int mr, const float* acc, BF16* h, int64_t ldh) {
+  for (int r = 0; r < mr; ++r) {
+    const float* g = acc + r * 32;
+    for (int c = 0; c < 16; ++c)
+      h[r * ldh + c] = from_f<BF16>(round_as<BF16>(silu(round_as<BF16>(g[c]))) * round_as<BF16>(g[16 + c]));
+  }
+}
+
 // Runs body(i, scratch) for i in [0, n) on the intra-op threads, items handed out one at a time from a shared
 // counter rather than split evenly up front: on a host whose cores are shared, a thread that is descheduled
 // for a while then delays only the item it holds, not a fixed half of the work. scratch is per thread.
@@ -112,7 +128,7 @@ void dynamic_for(int64_t n, const Body& body) {
   });
 }
 
-// The down projection's epilogue, shared by the bf16 and int4 kernels: each of mr rows (pairs) of acc, rounded
+// The down projection's epilogue, shared by the bf16 and quantized kernels: each of mr rows (pairs) of acc, rounded
 // to bf16 as the PyTorch path rounds the expert's output, times its pair's routing weight into its token's sums.
 inline void add_weighted_rows(int mr, const float* acc, const float* weights, const int64_t* tokens, int width,
                               float* sums) {
@@ -193,57 +209,89 @@ std::vector<Item> work_items(const int64_t* offsets, int64_t E, int64_t blocks) 
   return items;
 }
 
-constexpr int kMaxRowsInt4 = 6;  // MR x 2 accumulators and MR x 2 sums of int4_tiles.h's tile in 32 zmm
+// The row tile of both quantized widths: MR x 2 accumulators and MR x 2 group sums (int4_tiles.h; int8_tiles.h
+// with zero points likewise) beside the weights and broadcasts in 32 zmm.
+constexpr int kMaxRowsQuantized = 6;
 
-// out[r * NB * 16 + b * 16 + c]: int4::dot_groups for mr (1..kMaxRowsInt4) rows, as float32.
+// One stacked linear of moe_quantized_experts, [E, N/16, ...] blocks of 16 channels over K inputs.
+struct ExpertLinear {
+  const uint8_t* w = nullptr;
+  bool int4 = false;  // else int8 values
+  int64_t N = 0, K = 0, group = 0, groups = 0, block_bytes = 0;
+  tiles::GroupParams scales, zeros;  // over [E * groups, N]; zeros without data: none (8-bit values only)
+
+  bool needs_sums() const { return int4 || zeros.data; }  // the sums of x per group that zero points multiply
+};
+
+// Checks one stacked linear (see the top of the file) and describes it.
+ExpertLinear expert_linear(const char* name, const at::Tensor& packed, const at::Tensor& scales,
+                           const c10::optional<at::Tensor>& zeros, int64_t E, int64_t N, int64_t K, int64_t group) {
+  ExpertLinear l;
+  l.int4 = packed.scalar_type() == at::kByte;
+  const int per_byte = l.int4 ? 2 : 1;
+  TORCH_CHECK(packed.dim() == 5 && (l.int4 || packed.scalar_type() == at::kChar) && packed.is_contiguous() &&
+                  packed.size(0) == E && packed.size(1) * 16 == N && packed.size(2) * 2 * per_byte == K &&
+                  packed.size(3) == 16 && packed.size(4) == 2,
+              name, " must be a contiguous [", E, ", ", N / 16, ", K/4, 16, 2] uint8 (4-bit) or [", E, ", ", N / 16,
+              ", K/2, 16, 2] int8 (8-bit) tensor for ", K, " inputs, got ", packed.sizes(), " ", packed.scalar_type());
+  const int64_t unit = l.int4 ? 4 : 2;  // inputs per step of the tile: a quad of nibbles, a pair of int8
+  TORCH_CHECK(group >= unit && group % unit == 0 && K % group == 0, name, "'s group size (", group,
+              ") must be a multiple of ", unit, " that divides ", K);
+  const bool has_zeros = zeros.has_value() && zeros->defined();
+  TORCH_CHECK(has_zeros || !l.int4, name, ": 4-bit values need zero points");
+  l.N = N, l.K = K, l.group = group, l.groups = K / group, l.block_bytes = K / per_byte * 16;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == E && (!has_zeros || (zeros->dim() == 3 && zeros->size(0) == E)),
+              name, "'s scales and zero points must be [E, K/group, N]");
+  l.scales = tiles::group_params(scales.flatten(0, 1), "scales", E * l.groups, N);
+  if (has_zeros) l.zeros = tiles::group_params(zeros->flatten(0, 1), "zeros", E * l.groups, N);
+  l.w = static_cast<const uint8_t*>(packed.const_data_ptr());
+  return l;
+}
+
+// out[r * NB * 16 + b * 16 + c] (float32): mr (1..kMaxRowsQuantized) rows of x (bf16 pairs, x_pair_stride int32
+// apart; xsum their group sums where the linear needs them) through NB blocks of expert e's linear, from block
+// blk on, block_step blocks apart (gate/up: the up block of gate block j is I/16 blocks on).
 template <int NB>
-void int4_rows(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
-               const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads, tiles::GroupParams scales,
-               tiles::GroupParams zeros, int64_t param_row, int64_t param_block_stride, float* out) {
+void linear_rows(const ExpertLinear& l, int mr, const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum,
+                 int64_t e, int64_t blk, int64_t block_step, float* out) {
+  const uint8_t* w = l.w + (e * (l.N / 16) + blk) * l.block_bytes;
+  const int64_t params = e * l.groups * l.N + blk * 16, w_stride = block_step * l.block_bytes;
+  const tiles::GroupParams s = l.scales.offset(params), z = l.zeros.offset(params);
+  const auto* w8 = reinterpret_cast<const int8_t*>(w);
+  const __mmask16 all = 0xFFFF;
   switch (mr) {
-#define KUBELLM_ROWS(R)                                                                                        \
-  case R: {                                                                                                    \
-    __m512 acc[R][NB];                                                                                         \
-    int4::dot_groups<R, NB>(x_pairs, x_pair_stride, xsum, groups, w, w_block_stride, K4, group_quads, scales, \
-                            zeros, param_row, param_block_stride, acc);                                        \
-    for (int r = 0; r < R; ++r)                                                                                \
-      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + (r * NB + b) * 16, acc[r][b]);                       \
-    break;                                                                                                     \
+#define KUBELLM_ROWS(R)                                                                                            \
+  case R: {                                                                                                        \
+    __m512 acc[R][NB];                                                                                             \
+    if (l.int4)                                                                                                    \
+      int4::dot_groups<R, NB>(x_pairs, x_pair_stride, xsum, l.groups, w, w_stride, l.K / 4, l.group / 4, s, z, l.N, \
+                              block_step * 16, acc);                                                               \
+    else if (z.data)                                                                                               \
+      int8::dot_groups<R, NB, true>(x_pairs, x_pair_stride, xsum, l.groups, w8, w_stride, l.K / 2, l.group / 2, s, \
+                                    z, l.N, block_step * 16, all, acc);                                            \
+    else                                                                                                           \
+      int8::dot_groups<R, NB, false>(x_pairs, x_pair_stride, xsum, l.groups, w8, w_stride, l.K / 2, l.group / 2,  \
+                                     s, z, l.N, block_step * 16, all, acc);                                        \
+    for (int r = 0; r < R; ++r)                                                                                    \
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + (r * NB + b) * 16, acc[r][b]);                           \
+    break;                                                                                                         \
   }
     KUBELLM_ROWS(1) KUBELLM_ROWS(2) KUBELLM_ROWS(3) KUBELLM_ROWS(4) KUBELLM_ROWS(5) KUBELLM_ROWS(6)
 #undef KUBELLM_ROWS
-    default: TORCH_CHECK(false, "moe_int4_experts: bad row tile ", mr);
+    default: TORCH_CHECK(false, "moe_quantized_experts: bad row tile ", mr);
   }
 }
 
-// Float32 sums of bf16 rows [rows, cols] over groups of `group` columns, [rows, cols / group]: what the int4
-// tile's zero points multiply.
-at::Tensor group_sums(const BF16* rows, int64_t n, int64_t cols, int64_t group) {
-  at::Tensor sums = at::empty({n, cols / group}, at::TensorOptions().dtype(at::kFloat));
+// Float32 sums of bf16 rows [rows, cols] over groups of `group` columns, [rows, cols / group]: what the zero
+// points multiply. Undefined when the linear has no zero points.
+at::Tensor group_sums(const ExpertLinear& l, const BF16* rows, int64_t n, int64_t cols) {
+  if (!l.needs_sums()) return at::Tensor();
+  at::Tensor sums = at::empty({n, cols / l.group}, at::TensorOptions().dtype(at::kFloat));
   float* sp = sums.mutable_data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
-    tiles::bf16_group_sums(rows + r0 * cols, cols, r1 - r0, cols, group, sp + r0 * (cols / group));
+    tiles::bf16_group_sums(rows + r0 * cols, cols, r1 - r0, cols, l.group, sp + r0 * (cols / l.group));
   });
   return sums;
-}
-
-// Checks one stacked linear of moe_int4_experts: packed [E, N/16, K/4, 16, 2] bytes and its scales and zero
-// points [E, K/group, N]; returns them as GroupParams over [E * K/group, N].
-std::pair<tiles::GroupParams, tiles::GroupParams> int4_params(const char* name, const at::Tensor& packed,
-                                                              const at::Tensor& scales, const at::Tensor& zeros,
-                                                              int64_t E, int64_t N, int64_t K, int64_t group) {
-  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) == E && packed.size(1) * 16 == N && packed.size(2) * 4 == K &&
-                  packed.size(3) == 16 && packed.size(4) == 2,
-              name, " must be a contiguous [", E, ", ", N / 16, ", ", K / 4, ", 16, 2] uint8 tensor, got ",
-              packed.sizes());
-  TORCH_CHECK(group >= 4 && group % 4 == 0 && K % group == 0, name, "'s group size (", group,
-              ") must be a multiple of 4 that divides ", K);
-  const int64_t groups = K / group;
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == E && zeros.dim() == 3 && zeros.size(0) == E, name,
-              "'s scales and zero points must be [E, K/group, N]");
-  return {tiles::group_params(scales.flatten(0, 1), "scales", E * groups, N),
-          tiles::group_params(zeros.flatten(0, 1), "zeros", E * groups, N)};
 }
 #endif
 
@@ -290,12 +338,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& logits, const at::
       const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, off[e + 1] - p0));
       for (int r = 0; r < mr; ++r) rows[r] = xp + tok[p0 + r] * K2;
       dot_rows<2>(mr, rows, w, w13_block, K2, acc);
-      for (int r = 0; r < mr; ++r) {
-        const float* g = acc + r * 32;
-        BF16* dst = h + (p0 + r) * I + j * 16;
-        for (int c = 0; c < 16; ++c)
-          dst[c] = from_f<BF16>(round_as<BF16>(silu(round_as<BF16>(g[c]))) * round_as<BF16>(g[16 + c]));
-      }
+      store_activations(mr, acc, h + p0 * I + j * 16, I);
     }
   });
 
@@ -330,21 +373,20 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& logits, const at::
 #endif
 }
 
-at::Tensor moe_int4_experts(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& w13,
-                            const at::Tensor& s13, const at::Tensor& z13, int64_t group13, const at::Tensor& w2,
-                            const at::Tensor& s2, const at::Tensor& z2, int64_t group2, int64_t top_k,
-                            bool renormalize) {
+at::Tensor moe_quantized_experts(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& w13,
+                                 const at::Tensor& s13, const c10::optional<at::Tensor>& z13, int64_t group13,
+                                 const at::Tensor& w2, const at::Tensor& s2, const c10::optional<at::Tensor>& z2,
+                                 int64_t group2, int64_t top_k, bool renormalize) {
 #ifndef KUBELLM_MOE_CPU
-  TORCH_CHECK(false, "moe_int4_experts needs a build with AVX512-BF16 (-march of a CPU that has it)");
+  TORCH_CHECK(false, "moe_quantized_experts needs a build with AVX512-BF16 (-march of a CPU that has it)");
 #else
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be contiguous [T, H] bfloat16");
-  TORCH_CHECK(w13.dim() == 5 && w2.dim() == 5, "w13 and w2 must be [E, N/16, K/4, 16, 2] uint8 tensors");
+  TORCH_CHECK(w13.dim() == 5 && w2.dim() == 5, "w13 and w2 must be [E, N/16, K/4 or K/2, 16, 2] tensors");
   const int64_t T = x.size(0), H = x.size(1), E = w13.size(0), I = w13.size(1) * 8, IB = I / 16, HB = H / 16;
-  TORCH_CHECK(I % 16 == 0 && H % 16 == 0, "moe_int4_experts: hidden (", H, ") and intermediate (", I,
+  TORCH_CHECK(I % 16 == 0 && H % 16 == 0, "moe_quantized_experts: hidden (", H, ") and intermediate (", I,
               ") sizes must be multiples of 16");
-  const auto params13 = int4_params("w13", w13, s13, z13, E, 2 * I, H, group13);
-  const auto params2 = int4_params("w2", w2, s2, z2, E, H, I, group2);
-  const tiles::GroupParams sp13 = params13.first, zp13 = params13.second, sp2 = params2.first, zp2 = params2.second;
+  const ExpertLinear l13 = expert_linear("w13", w13, s13, z13, E, 2 * I, H, group13);
+  const ExpertLinear l2 = expert_linear("w2", w2, s2, z2, E, H, I, group2);
   TORCH_CHECK(logits.dim() == 2 && logits.size(0) == T && logits.size(1) == E, "logits must be [T, E], got ",
               logits.sizes());
   TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k must be 1..", E);
@@ -364,60 +406,45 @@ at::Tensor moe_int4_experts(const at::Tensor& x, const at::Tensor& logits, const
   at::parallel_for(0, P, 64, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) std::copy(xv + tok[p] * H, xv + (tok[p] + 1) * H, xs + p * H);
   });
-  const int64_t G13 = H / group13, G2 = I / group2;
-  const at::Tensor xsum_buf = group_sums(xs, P, H, group13);
-  const float* xsum = xsum_buf.const_data_ptr<float>();
+  const int64_t G13 = l13.groups, G2 = l2.groups;
+  const at::Tensor xsum_buf = group_sums(l13, xs, P, H);
+  const float* xsum = xsum_buf.defined() ? xsum_buf.const_data_ptr<float>() : nullptr;
   const auto* xp = reinterpret_cast<const int32_t*>(xs);
-  const uint8_t* w13p = w13.const_data_ptr<uint8_t>();
-  const uint8_t* w2p = w2.const_data_ptr<uint8_t>();
 
   // Phase 1: h[p] = T(T(silu(T(gate))) * T(up)) for every pair, an item per (hit expert, 16 channels).
   at::Tensor h_buf = at::empty({P, I}, x.options());  // not zeroed: every element is written below
   BF16* h = h_buf.mutable_data_ptr<BF16>();
-  const int64_t K4 = H / 4, w13_block = K4 * 32, w13_expert = 2 * IB * w13_block;
   const std::vector<Item> items1 = work_items(off, E, IB);
   dynamic_for(static_cast<int64_t>(items1.size()), [&](int64_t it, std::vector<float>&) {
-    float acc[kMaxRowsInt4 * 2 * 16];
+    float acc[kMaxRowsQuantized * 2 * 16];
     const auto [e, j] = items1[it];
-    const uint8_t* w = w13p + e * w13_expert + j * w13_block;  // the gate block; its up block IB blocks on
-    const int64_t params = e * G13 * 2 * I + j * 16;
-    for (int64_t p0 = off[e]; p0 < off[e + 1]; p0 += kMaxRowsInt4) {
-      const int mr = static_cast<int>(std::min<int64_t>(kMaxRowsInt4, off[e + 1] - p0));
-      int4_rows<2>(mr, xp + p0 * (H / 2), H / 2, xsum + p0 * G13, G13, w, IB * w13_block, K4, group13 / 4,
-                   sp13.offset(params), zp13.offset(params), 2 * I, I, acc);
-      for (int r = 0; r < mr; ++r) {
-        const float* g = acc + r * 32;
-        BF16* dst = h + (p0 + r) * I + j * 16;
-        for (int c = 0; c < 16; ++c)
-          dst[c] = from_f<BF16>(round_as<BF16>(silu(round_as<BF16>(g[c]))) * round_as<BF16>(g[16 + c]));
-      }
+    for (int64_t p0 = off[e]; p0 < off[e + 1]; p0 += kMaxRowsQuantized) {
+      const int mr = static_cast<int>(std::min<int64_t>(kMaxRowsQuantized, off[e + 1] - p0));
+      linear_rows<2>(l13, mr, xp + p0 * (H / 2), H / 2, xsum ? xsum + p0 * G13 : nullptr, e, j, IB, acc);
+      store_activations(mr, acc, h + p0 * I + j * 16, I);
     }
   });
 
   // Phase 2: out[t] = T(sum over t's pairs p of T(w[p]) * T(down(h[p]))), summed in float32 per token; an item
   // owns two 16-channel output blocks for every token and walks the hit experts (as moe_experts does).
-  const at::Tensor hsum_buf = group_sums(h, P, I, group2);
-  const float* hsum = hsum_buf.const_data_ptr<float>();
-  const int64_t I4 = I / 4, w2_block = I4 * 32, w2_expert = HB * w2_block;
+  const at::Tensor hsum_buf = group_sums(l2, h, P, I);
+  const float* hsum = hsum_buf.defined() ? hsum_buf.const_data_ptr<float>() : nullptr;
   const int64_t items2 = (HB + 1) / 2;
   const int32_t* hp = reinterpret_cast<const int32_t*>(h);
   BF16* op = out.mutable_data_ptr<BF16>();
   dynamic_for(items2, [&](int64_t pair, std::vector<float>& sums) {
-    float acc[kMaxRowsInt4 * 2 * 16];
+    float acc[kMaxRowsQuantized * 2 * 16];
     const int64_t blk = pair * 2;
     const int nb = static_cast<int>(std::min<int64_t>(2, HB - blk)), width = nb * 16;
     sums.assign(static_cast<size_t>(T * width), 0.0f);
     for (int64_t e = 0; e < E; ++e) {
-      const uint8_t* w = w2p + e * w2_expert + blk * w2_block;
-      const int64_t params = e * G2 * H + blk * 16;
-      for (int64_t p0 = off[e]; p0 < off[e + 1]; p0 += kMaxRowsInt4) {
-        const int mr = static_cast<int>(std::min<int64_t>(kMaxRowsInt4, off[e + 1] - p0));
+      for (int64_t p0 = off[e]; p0 < off[e + 1]; p0 += kMaxRowsQuantized) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMaxRowsQuantized, off[e + 1] - p0));
+        const float* hs = hsum ? hsum + p0 * G2 : nullptr;
         if (nb == 2)
-          int4_rows<2>(mr, hp + p0 * (I / 2), I / 2, hsum + p0 * G2, G2, w, w2_block, I4, group2 / 4,
-                       sp2.offset(params), zp2.offset(params), H, 16, acc);
+          linear_rows<2>(l2, mr, hp + p0 * (I / 2), I / 2, hs, e, blk, 1, acc);
         else
-          int4_rows<1>(mr, hp + p0 * (I / 2), I / 2, hsum + p0 * G2, G2, w, w2_block, I4, group2 / 4,
-                       sp2.offset(params), zp2.offset(params), H, 16, acc);
+          linear_rows<1>(l2, mr, hp + p0 * (I / 2), I / 2, hs, e, blk, 1, acc);
         add_weighted_rows(mr, acc, wt + p0, tok + p0, width, sums.data());
       }
     }
@@ -432,12 +459,12 @@ at::Tensor moe_int4_experts(const at::Tensor& x, const at::Tensor& logits, const
 
 TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
   m.def("moe_experts(Tensor x, Tensor logits, Tensor w13, Tensor w2, int top_k, bool renormalize) -> Tensor");
-  m.def("moe_int4_experts(Tensor x, Tensor logits, Tensor w13, Tensor s13, Tensor z13, int group13, Tensor w2, "
-        "Tensor s2, Tensor z2, int group2, int top_k, bool renormalize) -> Tensor");
+  m.def("moe_quantized_experts(Tensor x, Tensor logits, Tensor w13, Tensor s13, Tensor? z13, int group13, "
+        "Tensor w2, Tensor s2, Tensor? z2, int group2, int top_k, bool renormalize) -> Tensor");
   m.def("moe_experts_available() -> bool", &kubellm_cpu::moe_experts_available);  // no tensors: not dispatched
 }
 
 TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) {
   m.impl("moe_experts", &kubellm_cpu::moe_experts);
-  m.impl("moe_int4_experts", &kubellm_cpu::moe_int4_experts);
+  m.impl("moe_quantized_experts", &kubellm_cpu::moe_quantized_experts);
 }

@@ -14,9 +14,10 @@ On CPUs with AVX512-BF16 serving bfloat16 without quantization, :func:`pack_expe
 it when the kernel choice says ``moe native``) moves every layer's experts into the packed form of
 kernels/cpu_moe.py, whose kernel routes and runs all hit experts of a layer in one call: with 128 experts and
 top-8 a decode step visits ~110 experts per layer, and the per-expert path spends ~10 PyTorch dispatches on each.
-Experts loaded as 4-bit ``QuantizedLinear`` layers on the native int4 GEMM (AWQ, GPTQ without act-order,
-W4A16, ``--quantization int4``) are stacked the same way into kernels/cpu_moe.py's :class:`Int4Experts` and run
-by its int4 kernel; act-order, 8-bit and FP8 experts keep the per-expert path.
+Experts loaded as native 4-bit or 8-bit ``QuantizedLinear`` layers (AWQ, GPTQ without act-order, W4A16, W8A16,
+``--quantization int4``, GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_K/Q6_K) are stacked the same way into kernels/cpu_moe.py's
+:class:`QuantizedExperts` and run by its quantized kernel, each linear in its own width (GGUF Q4_K_M: 4-bit
+gate/up, 6-bit down); act-order and FP8 experts keep the per-expert path.
 """
 
 from __future__ import annotations
@@ -66,13 +67,14 @@ class FusedMoE(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router, replicated
         self.experts = nn.ModuleList(Expert(hidden, inter, tp) for _ in range(num_experts))
 
-    # (w13, w2) of kernels/cpu_moe.py's bf16 kernel or its Int4Experts, set by pack_experts
-    packed: tuple[torch.Tensor, torch.Tensor] | cpu_moe.Int4Experts | None = None
+    # (w13, w2) of kernels/cpu_moe.py's bf16 kernel or its QuantizedExperts, set by pack_experts
+    packed: tuple[torch.Tensor, torch.Tensor] | cpu_moe.QuantizedExperts | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        if isinstance(self.packed, cpu_moe.Int4Experts):  # routing included
-            return self.tp.all_reduce(cpu_moe.moe_int4_experts(x, logits, self.packed, self.top_k, self.renormalize))
+        if isinstance(self.packed, cpu_moe.QuantizedExperts):  # routing included
+            return self.tp.all_reduce(cpu_moe.moe_quantized_experts(x, logits, self.packed, self.top_k,
+                                                                    self.renormalize))
         if self.packed is not None:
             return self.tp.all_reduce(cpu_moe.moe_experts(x, logits, *self.packed, self.top_k, self.renormalize))
         weights, ids = route(logits, self.top_k, self.renormalize)
@@ -81,8 +83,8 @@ class FusedMoE(nn.Module):
     def fused_decode_args(self) -> tuple | None:
         """This MLP's arguments of the fused decode layer (w13, w2, intermediate, router, top_k, renormalize) when
         it runs the bfloat16 experts kernel behind a native router linear (what :meth:`forward` then calls), else
-        None."""
-        if (not isinstance(self.packed, tuple) or self.tp.size > 1 or not isinstance(self.gate, NativeLinear)
+        None (quantized experts too: a QuantizedExperts is a tuple, but not the bfloat16 kernel's pair)."""
+        if (type(self.packed) is not tuple or self.tp.size > 1 or not isinstance(self.gate, NativeLinear)
                 or self.gate.bias is not None):
             return None
         return *self.packed, self.inter, self.gate.packed_weight, self.top_k, self.renormalize
@@ -132,53 +134,59 @@ class FusedMoE(nn.Module):
         return plain and cpu_moe.packable(self.gate.in_features, self.inter, self.experts[0].down_proj.weight.dtype)
 
 
-    def stack_int4_for_cpu_kernel(self) -> None:
-        """Stack the experts' native 4-bit buffers into kernels/cpu_moe.py's :class:`Int4Experts`, one expert at a
-        time (the extra memory is one expert's), and drop the per-expert layers. Scales and zero points stay
-        float16 where every expert's are."""
-        def stacked(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def stack_quantized_for_cpu_kernel(self) -> None:
+        """Stack the experts' native 4-bit or 8-bit buffers into kernels/cpu_moe.py's :class:`QuantizedExperts`,
+        one expert at a time (the extra memory is one expert's), and drop the per-expert layers. Scales and zero
+        points stay float16 where every expert's are."""
+        def stacked(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
             layers = [getattr(x, name) for x in self.experts]
             first = layers[0]
             def dtype(key: str) -> torch.dtype:
                 half = all(getattr(m, key).dtype == torch.float16 for m in layers)
                 return torch.float16 if half else torch.float32
 
-            out = [torch.empty(len(layers), *getattr(first, key).shape, dtype=torch.uint8 if key == "qweight"
-                               else dtype(key)) for key in ("qweight", "scales", "zeros")]
+            out = [None if getattr(first, key) is None else
+                   torch.empty(len(layers), *getattr(first, key).shape,
+                               dtype=first.qweight.dtype if key == "qweight" else dtype(key))
+                   for key in ("qweight", "scales", "zeros")]
             for i, m in enumerate(layers):
                 for dst, src in zip(out, (m.qweight, m.scales, m.zeros), strict=True):
-                    dst[i] = src
+                    if dst is not None:
+                        dst[i] = src
                 m.qweight = m.scales = m.zeros = None
             return (*out, first.group_size)
 
         w13, s13, z13, group13 = stacked("gate_up_proj")
         w2, s2, z2, group2 = stacked("down_proj")
         self.experts = nn.ModuleList()
-        self.packed = cpu_moe.Int4Experts(w13, s13, z13, group13, w2, s2, z2, group2)
+        self.packed = cpu_moe.QuantizedExperts(w13, s13, z13, group13, w2, s2, z2, group2)
 
-    def int4_stackable_for_cpu_kernel(self) -> bool:
-        """Every expert linear a native 4-bit ``QuantizedLinear`` without act-order or bias, one group size per
-        linear across the experts, sizes the kernel takes."""
+    def quantized_stackable_for_cpu_kernel(self) -> bool:
+        """Every expert linear a native 4-bit or 5..8-bit ``QuantizedLinear`` without act-order or bias, one width,
+        group size and zero-point presence per linear across the experts, sizes the kernel takes."""
         layers = [[getattr(x, name) for x in self.experts] for name in ("gate_up_proj", "down_proj")]
-        if not self.experts or not all(isinstance(m, QuantizedLinear) and m.path == "native" and m.bits == 4
-                                       and m.perm is None and m.g_idx is None and m.bias is None
-                                       and m.zeros is not None for linear in layers for m in linear):
+        if not self.experts or not all(isinstance(m, QuantizedLinear) and m.path == "native" and
+                                       not m.float_values and m.perm is None and m.g_idx is None and
+                                       m.bias is None for linear in layers for m in linear):
             return False
-        groups = [{m.group_size for m in linear} for linear in layers]
-        return all(len(g) == 1 for g in groups) and cpu_moe.int4_packable(
-            self.gate.in_features, self.inter, *(g.pop() for g in groups))
+        forms = [{(4 if m.bits == 4 else 8, m.group_size, m.zeros is None) for m in linear} for linear in layers]
+        if any(len(f) != 1 for f in forms):
+            return False
+        (bits13, group13, _), (bits2, group2, _) = (f.pop() for f in forms)
+        return cpu_moe.quantized_packable(self.gate.in_features, self.inter, ((bits13, group13), (bits2, group2)))
 
 
 def pack_experts(model: nn.Module) -> int:
     """Pack the experts of every :class:`FusedMoE` of ``model`` that the CPU kernels take (plain bfloat16
-    linears, or native 4-bit quantized ones; sizes multiples of 16); returns how many layers were packed."""
+    linears, or native 4-bit or 8-bit quantized ones; sizes multiples of 16); returns how many layers were
+    packed."""
     layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.packed is None]
     packed = 0
     for moe in layers:
         if moe.packable_for_cpu_kernel():
             moe.pack_for_cpu_kernel()
-        elif moe.int4_stackable_for_cpu_kernel():
-            moe.stack_int4_for_cpu_kernel()
+        elif moe.quantized_stackable_for_cpu_kernel():
+            moe.stack_quantized_for_cpu_kernel()
         else:
             continue
         packed += 1

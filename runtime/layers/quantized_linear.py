@@ -184,12 +184,12 @@ class QuantizedLinear(nn.Module):
         """``[out, in]`` values as the GEMM sees them (int4: 0..15; 8-bit: int8; FP8: e4m3)."""
         q = self.qweight
         if self.path == "native":
-            n, k = self.out_features, self.in_features
+            n = self.out_features
             if self.float_values:
                 return cpu_fp8_gemm.unpack(q, n)
             if self.bits == 4:
                 return cpu_int4_gemm.unpack(q)[:n]
-            return q.permute(0, 2, 1, 3).reshape(-1, k)[:n]
+            return cpu_grouped_int8_gemm.unpack(q)[:n]
         return _unpack_nibbles(q) if self.nibbles else q
 
     def weight_bytes(self) -> dict[str, int]:

@@ -28,12 +28,12 @@ Mixtures of experts: every expert's gate/up and down are targets like a dense ML
 found by inverting the model's ``packed_modules_mapping`` (Qwen3-MoE ``mlp.experts.E.gate_proj``, Mixtral
 ``block_sparse_moe.experts.E.w1``/``w3``/``w2``): each becomes a :class:`QuantizedLinear` inside the
 unchanged :class:`~kubellm.runtime.layers.moe.FusedMoE`, which routes as for bf16 and runs one quantized GEMM
-per hit expert over the tokens routed to it (native 4-bit experts without act-order are stacked afterwards for
-kernels/cpu_moe.py's fused int4 kernel where the kernel choice says ``moe native``). Routers (``mlp.gate``,
-``block_sparse_moe.gate``) stay float, as AutoAWQ, GPTQModel and llm-compressor leave them. GGUF's stacked
-experts arrive cut per expert in their blocks (runtime/models/gguf.py) under the Hub names, so they load the
-same way: a layer whose expert linears are all 4-bit (Q4_0, Q4_1, Q4_K: float zero points) stacks for the
-fused int4 kernel; one with 8-bit parts (Q8_0, Q5_K, Q6_K, Q4_K_M's Q6_K down) runs per expert. Under tensor
+per hit expert over the tokens routed to it (native 4-bit and 8-bit experts without act-order are stacked
+afterwards for kernels/cpu_moe.py's fused quantized kernel where the kernel choice says ``moe native``). Routers
+(``mlp.gate``, ``block_sparse_moe.gate``) stay float, as AutoAWQ, GPTQModel and llm-compressor leave them. GGUF's
+stacked experts arrive cut per expert in their blocks (runtime/models/gguf.py) under the Hub names, so they load
+the same way and stack for the fused kernel too, each linear in its own width: 4-bit Q4_0, Q4_1, Q4_K (float
+zero points), 8-bit Q8_0, Q5_K, Q6_K, and Q4_K_M's 4-bit gate/up beside its Q6_K down. Under tensor
 parallelism the experts shard as a dense MLP does, through the same loaders: gate/up column-parallel, down
 row-parallel over the intermediate dimension.
 

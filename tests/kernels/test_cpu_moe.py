@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kubellm.kernels import cpu_int4_gemm, cpu_moe
+from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm, cpu_moe
 
 pytestmark = pytest.mark.usefixtures("native_moe")  # skip without it; fail under CI where the CPU has it
 
@@ -84,23 +84,41 @@ def test_pack_layout():
     assert torch.equal(unpacked_gate_up, gate_up) and torch.equal(unpacked_down, down)
 
 
-def _int4_case(tokens, hidden, inter, experts, group13, group2, seed=0, half=False):
-    """Random 4-bit experts as cpu_int4_gemm packs them, stacked; zero points anywhere in 0..15."""
+# A linear's form as the loaders hand it to the kernel: (bits, zero points). 4-bit values always have zero points
+# (anywhere in 0..15, fractional for GGUF Q4_1/Q4_K); 8-bit ones none (GGUF Q8_0, Q6_K, GPTQ symmetric) or float
+# ones (GGUF Q5_K, GPTQ asymmetric shifted by -128).
+INT4, INT8, INT8_ZEROS = (4, True), (8, False), (8, True)
+
+
+def _quantized_case(tokens, hidden, inter, experts, group13, group2, seed=0, half=False, forms=(INT4, INT4)):
+    """Random quantized experts as cpu_int4_gemm / cpu_grouped_int8_gemm pack them, stacked; ``forms`` the gate/up
+    and down linears' (bits, zero points)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
     logits = torch.randn(tokens, experts, generator=g)
 
-    def linear(n, k, group):
-        q = torch.randint(0, 16, (experts, n, k), generator=g, dtype=torch.uint8)
-        scales = (torch.rand(experts, k // group, n, generator=g) + 0.5) / (8 * k**0.5)
-        zeros = torch.randint(0, 16, (experts, k // group, n), generator=g).float()
+    def linear(n, k, group, form):
+        bits, with_zeros = form
+        top = 16 if bits == 4 else 128
+        q = torch.randint(0 if bits == 4 else -128, top, (experts, n, k), generator=g)
+        scales = (torch.rand(experts, k // group, n, generator=g) + 0.5) / (top / 2 * k**0.5)
+        zeros = torch.randint(0, 16, (experts, k // group, n), generator=g).float() if bits == 4 else \
+            (torch.rand(experts, k // group, n, generator=g) - 0.5) * 64 if with_zeros else None
         if half:
-            scales, zeros = scales.half(), zeros.half()
-        return torch.stack([cpu_int4_gemm.pack(w) for w in q]), scales, zeros
+            scales, zeros = scales.half(), None if zeros is None else zeros.half()
+        pack = cpu_int4_gemm.pack if bits == 4 else cpu_grouped_int8_gemm.pack
+        return torch.stack([pack(w.to(torch.uint8 if bits == 4 else torch.int8)) for w in q]), scales, zeros
 
-    w13, s13, z13 = linear(2 * inter, hidden, group13)
-    w2, s2, z2 = linear(hidden, inter, group2)
-    return x, logits, cpu_moe.Int4Experts(w13, s13, z13, group13, w2, s2, z2, group2)
+    w13, s13, z13 = linear(2 * inter, hidden, group13, forms[0])
+    w2, s2, z2 = linear(hidden, inter, group2, forms[1])
+    return x, logits, cpu_moe.QuantizedExperts(w13, s13, z13, group13, w2, s2, z2, group2)
+
+
+def _check_quantized(x, logits, experts, top_k, renormalize):
+    out = cpu_moe.moe_quantized_experts(x, logits, experts, top_k, renormalize)
+    ref = cpu_moe.reference_quantized_moe_experts(x, logits, experts, top_k, renormalize)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 40])
@@ -110,21 +128,47 @@ def test_int4_experts_match_the_reference(tokens, hidden, inter, experts, top_k,
     """4-bit experts: routing as above, 128 experts of which most get no token, groups of 16..64 that differ
     between the two linears, row tiles of 1..6 and remainders (40 tokens on 4 experts), an odd number of output
     blocks (80)."""
-    x, logits, experts4 = _int4_case(tokens, hidden, inter, experts, group13, group2, seed=tokens + experts)
-    out = cpu_moe.moe_int4_experts(x, logits, experts4, top_k, True)
-    ref = cpu_moe.reference_int4_moe_experts(x, logits, experts4, top_k, True)
-    assert out.shape == x.shape and out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    _check_quantized(*_quantized_case(tokens, hidden, inter, experts, group13, group2, seed=tokens + experts),
+                     top_k, True)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+@pytest.mark.parametrize(("forms", "hidden", "inter", "group13", "group2"), [
+    ((INT8, INT8), 96, 64, 32, 32),  # GGUF Q8_0
+    ((INT8, INT8), 80, 48, 16, 16),  # GGUF Q6_K
+    ((INT8_ZEROS, INT8_ZEROS), 96, 64, 32, 32),  # GGUF Q5_K
+    ((INT8_ZEROS, INT8), 80, 48, 80, 48),  # per channel (group = inputs), with and without zero points
+    ((INT4, INT8), 96, 64, 32, 16),  # GGUF Q4_K_M: Q4_K gate/up, Q6_K down
+    ((INT8, INT4), 80, 48, 16, 16),  # and the other way round
+], ids=["q8_0", "q6_k", "q5_k", "per-channel", "4-bit-gate-up-8-bit-down", "8-bit-gate-up-4-bit-down"])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_8bit_and_mixed_experts_match_the_reference(tokens, forms, hidden, inter, group13, group2, top_k):
+    """8-bit experts (int8 values over their whole range) with the group sizes of the forms that occur, with and
+    without float zero points, and layers whose two linears differ in width; row tiles of 1..6 and remainders,
+    odd numbers of 16-channel output blocks (hidden 80), top-k 1 to 8 of 16 experts."""
+    _check_quantized(*_quantized_case(tokens, hidden, inter, 16, group13, group2, seed=tokens + top_k, forms=forms),
+                     top_k, True)
+
+
+def test_8bit_experts_take_float16_scales():
+    """GGUF Q8_0's d is float16, kept so by the loader."""
+    _check_quantized(*_quantized_case(9, 64, 32, 16, 32, 32, seed=4, half=True, forms=(INT8, INT8)), 4, True)
 
 
 def test_int4_experts_take_float16_scales_and_no_renormalisation():
-    x, logits, experts4 = _int4_case(9, 64, 32, 16, 32, 32, seed=3, half=True)
-    out = cpu_moe.moe_int4_experts(x, logits, experts4, 4, False)
-    ref = cpu_moe.reference_int4_moe_experts(x, logits, experts4, 4, False)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    _check_quantized(*_quantized_case(9, 64, 32, 16, 32, 32, seed=3, half=True), 4, False)
 
 
-def test_int4_experts_refuse_a_group_size_that_does_not_divide_the_inputs():
-    x, logits, experts4 = _int4_case(2, 64, 32, 4, 32, 32)
+def test_quantized_experts_refuse_a_group_size_that_does_not_divide_the_inputs():
+    x, logits, experts = _quantized_case(2, 64, 32, 4, 32, 32)
     with pytest.raises(RuntimeError, match=r"w2's group size \(24\) must be a multiple of 4 that divides 32"):
-        cpu_moe.moe_int4_experts(x, logits, experts4._replace(group2=24), 2, True)
+        cpu_moe.moe_quantized_experts(x, logits, experts._replace(group2=24), 2, True)
+    x, logits, experts = _quantized_case(2, 64, 32, 4, 32, 32, forms=(INT8, INT8))
+    with pytest.raises(RuntimeError, match=r"w13's group size \(6\) must be a multiple of 2 that divides 64"):
+        cpu_moe.moe_quantized_experts(x, logits, experts._replace(group13=6), 2, True)
+
+
+def test_4bit_experts_need_zero_points():
+    x, logits, experts = _quantized_case(2, 64, 32, 4, 32, 32)
+    with pytest.raises(RuntimeError, match="w13: 4-bit values need zero points"):
+        cpu_moe.moe_quantized_experts(x, logits, experts._replace(z13=None), 2, True)

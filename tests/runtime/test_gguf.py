@@ -615,16 +615,17 @@ def _greedy_equals_transformers(llm, reference) -> None:
         assert out.token_ids == ref
 
 
-def _one_and_two_ranks_agree(path, prompts, params, max_model_len: int, inspect=None) -> tuple[dict, dict]:
-    """Greedy on one rank and on two (gloo): equal tokens, logits within float32 rounding. ``inspect(llm, tp)``
-    looks at each engine before it generates. Returns each run's weight bytes by dtype."""
+def _one_and_two_ranks_agree(path, prompts, params, max_model_len: int, inspect=None, dtype: str = "float32",
+                             atol: float = 1e-4) -> tuple[dict, dict]:
+    """Greedy on one rank and on two (gloo): equal tokens, logits within ``atol`` (float32: its rounding).
+    ``inspect(llm, tp)`` looks at each engine before it generates. Returns each run's weight bytes by dtype."""
     from test_engine_parity import LogitRecorder
 
     from kubellm.runtime.engine import LLM
 
     runs = []
     for tp in (1, 2):
-        llm = LLM(str(path), dtype="float32", max_model_len=max_model_len, num_kv_blocks=32, block_size=16,
+        llm = LLM(str(path), dtype=dtype, max_model_len=max_model_len, num_kv_blocks=32, block_size=16,
                   progress=False, tensor_parallel_size=tp)
         try:
             if inspect is not None:
@@ -638,7 +639,7 @@ def _one_and_two_ranks_agree(path, prompts, params, max_model_len: int, inspect=
     (tokens, logits, one), (tokens2, logits2, two) = runs
     assert tokens2 == tokens
     for a, b in zip(logits2, logits, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)
     return one, two
 
 
@@ -681,6 +682,8 @@ PACKED_MOE = {
     "mixtral-q8_0": ("mixtral", (Q.Q8_0,) * 3, Q.Q4_1, {}),
     "qwen3moe-q4_k": ("qwen3moe", (Q.Q4_K,) * 3, Q.Q8_0, _K_SHAPE),
     "qwen3moe-q4_k_m": ("qwen3moe", (Q.Q4_K, Q.Q4_K, Q.Q6_K), Q.Q8_0, _K_SHAPE),  # Q4_K_M's Q6_K down
+    "qwen3moe-q6_k": ("qwen3moe", (Q.Q6_K,) * 3, Q.Q8_0, _K_SHAPE),
+    "qwen3moe-q5_k": ("qwen3moe", (Q.Q5_K,) * 3, Q.Q8_0, _K_SHAPE),
 }
 
 
@@ -759,28 +762,66 @@ def test_a_moe_file_keeps_its_experts_packed_and_generates_what_its_dequantized_
     _greedy_equals_transformers(llm, reference)
 
 
-@pytest.mark.parametrize("case", ["qwen3moe-q4_0", "qwen3moe-q4_k"])
-@torch.inference_mode()
-def test_packed_4bit_gguf_experts_stack_for_the_fused_moe_kernel(case, tmp_path, byte_tokenizer):
-    """Q4_0 (zero point 8) and Q4_K (fractional float zero points) experts loaded in bfloat16 on the native int4
-    GEMM stack into kernels/cpu_moe.py's Int4Experts, and the fused kernel's layer output equals the per-expert
-    path's on the same packed weights."""
+def _fused_moes(served, count: int) -> list:
+    """The model's MoE layers, asserting that all ``count`` stacked their experts for the fused quantized kernel."""
     from kubellm.kernels import cpu_moe
+    from kubellm.runtime.layers.moe import FusedMoE
+
+    moes = [m for m in served.modules() if isinstance(m, FusedMoE)]
+    assert len(moes) == count and all(isinstance(m.packed, cpu_moe.QuantizedExperts) and not m.experts for m in moes)
+    return moes
+
+
+@pytest.mark.parametrize("case", list(PACKED_MOE))
+@torch.inference_mode()
+def test_packed_gguf_experts_stack_for_the_fused_moe_kernel(case, tmp_path, byte_tokenizer, native_moe):
+    """Experts of every packed type loaded in bfloat16 on the native GEMMs (4-bit: Q4_0's zero point 8, Q4_K's
+    fractional float zero points; 8-bit: Q8_0, Q6_K's groups of 16, Q5_K's float zero points; Q4_K_M's 4-bit
+    gate/up beside a 6-bit down) stack into kernels/cpu_moe.py's QuantizedExperts, each linear in its own width,
+    and the fused kernel's layer output equals the per-expert path's on the same packed weights."""
     from kubellm.runtime.layers.moe import FusedMoE, pack_experts
     from kubellm.runtime.models.loader import build_model
 
-    if not cpu_moe.available():
-        pytest.skip("no AVX512-BF16 cpu_moe kernel in this build")
     path = tmp_path / f"{case}.gguf"
-    write_packed_moe(path, case, byte_tokenizer)
+    _, experts = write_packed_moe(path, case, byte_tokenizer)
     served = build_model(read_gguf(path), torch.bfloat16, "cpu", 64, progress=False)[0]
     moes = [m for m in served.modules() if isinstance(m, FusedMoE)]
     x = torch.randn(5, moes[0].gate.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
     per_expert = [m(x) for m in moes]
     assert pack_experts(served) == len(moes) == 2
-    for m, want in zip(moes, per_expert, strict=True):
-        assert isinstance(m.packed, cpu_moe.Int4Experts)
-        torch.testing.assert_close(m(x), want, atol=2e-2, rtol=2e-2)
+    for m, want in zip(_fused_moes(served, 2), per_expert, strict=True):
+        width = {Q.Q4_0: torch.uint8, Q.Q4_1: torch.uint8, Q.Q4_K: torch.uint8}.get(experts[2], torch.int8)
+        assert m.packed.w2.dtype == width  # the down projection's own width (Q4_K_M: 6-bit)
+        # bfloat16 rounding of the outputs' sum (per expert path) against float32 (kernel), scaled as the outputs
+        # are (Q6_K's random blocks make them larger than 1)
+        torch.testing.assert_close(m(x), want, atol=2e-2 * max(1.0, want.abs().max().item()), rtol=2e-2)
+
+
+@pytest.mark.parametrize("case", ["mixtral-q8_0", "qwen3moe-q6_k", "qwen3moe-q4_k_m"])
+def test_fused_8bit_gguf_experts_generate_what_the_dequantized_file_does(case, tmp_path, byte_tokenizer,
+                                                                         native_moe):
+    """bfloat16 end to end: the packed file (8-bit or Q4_K_M-mixed experts on the fused quantized kernel) greedily
+    generates the tokens of the same file dequantized on load (a bfloat16 folder: what such a file ran as before
+    its experts stayed packed, on the bfloat16 MoE kernel)."""
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.model_store import export_hf
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    path = tmp_path / f"{case}.gguf"
+    write_packed_moe(path, case, byte_tokenizer)
+    folder = export_hf(path, tmp_path / "hf", torch.bfloat16, pull_missing=False)
+    prompts = [list(range(3, 20)), list(range(40, 45))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for source in (path, folder):
+        llm = LLM(str(source), dtype="bfloat16", max_model_len=64, num_kv_blocks=32, block_size=16, progress=False)
+        try:
+            if source == path:
+                _fused_moes(llm.engine.runner.model, 2)
+            tokens.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.close()
+    assert tokens[0] == tokens[1]
 
 
 def test_tp2_keeps_gguf_moe_experts_packed_and_generates_what_one_rank_generates(tmp_path, byte_tokenizer):
@@ -795,6 +836,24 @@ def test_tp2_keeps_gguf_moe_experts_packed_and_generates_what_one_rank_generates
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     one, two = _one_and_two_ranks_agree(path, prompts, params, 64)
     assert one["int4"] == 2 * 4 * 3 * 64 * 64 // 2 and two["int4"] * 2 == one["int4"]
+
+
+def test_tp2_runs_fused_8bit_gguf_experts_on_each_ranks_slices(tmp_path, byte_tokenizer, native_moe):
+    """Mixtral with Q8_0 experts in bfloat16 on two gloo ranks: each rank stacks its shards (gate/up's 32 of the
+    64 intermediate channels, down's inputs one whole group of 32) for the fused quantized kernel, and greedy
+    tokens equal one rank's, logits within bfloat16 rounding of the two ranks' partial sums."""
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    path = tmp_path / "moe.gguf"
+    _, experts = write_packed_moe(path, "mixtral-q8_0", byte_tokenizer, intermediate_size=64)
+    prompts = [list(range(3, 20)), list(range(40, 45))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def fused(llm, tp):
+        assert all(m.inter == 64 // tp for m in _fused_moes(llm.engine.runner.model, 2))
+
+    one, two = _one_and_two_ranks_agree(path, prompts, params, 64, fused, dtype="bfloat16", atol=0.1)
+    assert two["int8"] * 2 == one["int8"]  # each rank holds half of the experts' int8 values
 
 
 def llama3_rope_divisors(theta, head_dim, factor, low, high, original_context):

@@ -19,6 +19,7 @@ from test_engine_parity import _engine, _prompts, _run_and_compare, mean_logit_e
 from test_prequantized_loading import write_quantized
 
 from kubellm.kernels import cpu_moe
+from kubellm.runtime.layers.linear import pack_linears
 from kubellm.runtime.layers.moe import FusedMoE, pack_experts
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models.checkpoint import CheckpointError
@@ -36,9 +37,9 @@ def moe(request, tiny_checkpoint_factory):
 
 def _check_layers(model, path: str, fused: bool = False):
     """Every expert and attention linear quantized (on ``path``), every router float; with ``fused`` the
-    experts stacked for kernels/cpu_moe.py's int4 kernel instead of per-expert layers."""
+    experts stacked for kernels/cpu_moe.py's quantized kernel instead of per-expert layers."""
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    assert moes and all(isinstance(m.packed, cpu_moe.Int4Experts) if fused else m.packed is None for m in moes)
+    assert moes and all(isinstance(m.packed, cpu_moe.QuantizedExperts) if fused else m.packed is None for m in moes)
     for m in moes:
         assert not isinstance(m.gate, QuantizedLinear)  # float, prepacked where the CPU path prepacks
         assert len(m.experts) == (0 if fused else m.num_experts)
@@ -65,16 +66,17 @@ def test_engine_on_quantized_experts_equals_transformers_on_the_dequantized_twin
                                  "gptq-8bit-sym-g128", "fp8-channel", "fp8-block128"])
 def test_native_cpu_kernels_serve_quantized_experts(fmt, moe, tmp_path, native_int4, native_grouped_int8,
                                                      native_moe, native_fp8):
-    """bfloat16 on the AVX512-BF16 kernels: 4-bit experts without act-order stacked and run by cpu_moe's int4
-    kernel, every hit expert of a layer in one call; act-order 4-bit, 8-bit and FP8 experts run cpu_int4_gemm /
-    cpu_grouped_int8_gemm / cpu_fp8_gemm over the tokens routed to them (act-order through the load-time column
-    sort), one GEMM per hit expert. Compared on average with the float32 twin on
+    """bfloat16 on the AVX512-BF16 kernels: 4-bit and 8-bit experts without act-order stacked and run by cpu_moe's
+    quantized kernel, every hit expert of a layer in one call; act-order 4-bit and FP8 experts run cpu_int4_gemm /
+    cpu_fp8_gemm over the tokens routed to them (act-order through the load-time column sort), one GEMM per hit
+    expert. Compared on average with the float32 twin on
     the engine's own tokens: in bfloat16 a rounding difference can swap a token's 2nd and 3rd expert, which moves
     single logits by up to ~5 on these tiny models whatever the weights (the dense twin in bf16 measured
     0.04-0.42 mean |error| per prompt, 0.11 overall); a wrong kernel moves them all by the logits' own size."""
     quant_dir, twin_dir = write_quantized(moe, tmp_path, fmt)
     llm = _engine(quant_dir, dtype="bfloat16")
-    _check_layers(llm.engine.runner.model, "native", fused=fmt in ("awq-4bit-g128", "w4a16-group128"))
+    _check_layers(llm.engine.runner.model, "native",
+                  fused=fmt in ("awq-4bit-g128", "w4a16-group128", "gptq-8bit-sym-g128"))
     errors = mean_logit_errors(llm, twin_dir, _prompts())
     assert sum(errors) / len(errors) < 0.25, f"mean |logit error| per prompt {errors}"
 
@@ -109,35 +111,42 @@ def test_quantized_experts_route_and_sum_as_the_dense_layer_does(path, request):
     torch.testing.assert_close(got, expected, **tol)
 
 
-def _quantized_moe(hidden: int, inter: int, experts: int, top_k: int, group: int, seed: int) -> FusedMoE:
-    """A bfloat16 layer whose experts are native 4-bit QuantizedLinear layers of random values, scales and zero
-    points (scales float16 for gate/up, float32 for down: both kinds the loader keeps)."""
+def _quantized_moe(hidden: int, inter: int, experts: int, top_k: int, group: int, seed: int,
+                   bits: tuple[int, int] = (4, 4)) -> FusedMoE:
+    """A bfloat16 layer whose experts are native QuantizedLinear layers of random values, scales and zero points
+    (scales float16 for gate/up, float32 for down: both kinds the loader keeps); ``bits`` of gate/up and down, 4
+    (values 0..15, zero points) or 8 (int8 values, symmetric as GGUF Q8_0/Q6_K)."""
     gen = torch.Generator().manual_seed(seed)
     moe = FusedMoE(hidden, inter, experts, top_k, True, Group()).eval().to(torch.bfloat16)
     with torch.no_grad():
         moe.gate.weight.copy_(torch.randn(experts, hidden, generator=gen).to(torch.bfloat16))
     for expert in moe.experts:
-        for name, (out_f, in_f) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
-            scales = (torch.rand(out_f, in_f // group, generator=gen) + 0.5) / (4 * in_f**0.5)
+        for name, (out_f, in_f), b in zip(("gate_up_proj", "down_proj"), ((2 * inter, hidden), (hidden, inter)), bits,
+                                          strict=True):
+            top = 16 if b == 4 else 128
+            scales = (torch.rand(out_f, in_f // group, generator=gen) + 0.5) / (top / 4 * in_f**0.5)
             if name == "gate_up_proj":
                 scales = scales.half().float()
-            weight = QuantizedWeight(torch.randint(0, 16, (out_f, in_f), generator=gen), scales,
-                                     torch.randint(0, 16, (out_f, in_f // group), generator=gen).float(), group)
-            setattr(expert, name, QuantizedLinear(weight, 4, "native"))
+            zeros = torch.randint(0, 16, (out_f, in_f // group), generator=gen).float() if b == 4 else None
+            weight = QuantizedWeight(torch.randint(0 if b == 4 else -128, top, (out_f, in_f), generator=gen), scales,
+                                     zeros, group)
+            setattr(expert, name, QuantizedLinear(weight, b, "native"))
     return moe
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 @pytest.mark.parametrize(("experts", "top_k"), [(64, 2), (128, 8)])
-def test_fused_int4_experts_equal_the_per_expert_path(tokens, experts, top_k, native_moe):
-    """pack_experts stacks a layer of native 4-bit experts for cpu_moe's int4 kernel (the per-expert layers
-    dropped, the stacked bytes those of the layers), and the layer then computes what it computed one GEMM per
-    hit expert, within bfloat16 rounding: the per-expert path sums the k weighted outputs in bfloat16, the
-    kernel in float32. Some experts get no token in every case (checked)."""
+@pytest.mark.parametrize("bits", [(4, 4), (8, 8), (4, 8)], ids=["4-bit", "8-bit", "4-bit-gate-up-8-bit-down"])
+def test_fused_quantized_experts_equal_the_per_expert_path(tokens, experts, top_k, bits, native_moe):
+    """pack_experts stacks a layer of native 4-bit, 8-bit or mixed experts for cpu_moe's quantized kernel (the
+    per-expert layers dropped, the stacked bytes those of the layers), and the layer then computes what it
+    computed one GEMM per hit expert, within bfloat16 rounding: the per-expert path sums the k weighted outputs
+    in bfloat16, the kernel in float32 (and from 16 rows the per-expert 8-bit GEMM rounds its dequantized
+    weights to bfloat16). Some experts get no token in every case (checked)."""
     import copy
 
     hidden, inter = max(64, experts), 32
-    moe = _quantized_moe(hidden, inter, experts, top_k, 32, seed=tokens + experts)
+    moe = _quantized_moe(hidden, inter, experts, top_k, 32, seed=tokens + experts, bits=bits)
     # Router logits that never tie (bfloat16 ones among 128 experts often do, and torch.topk breaks ties in no
     # fixed order): expert e's logit is input e, each row's first inputs a permutation of distinct values.
     gen = torch.Generator().manual_seed(1)
@@ -149,10 +158,14 @@ def test_fused_int4_experts_equal_the_per_expert_path(tokens, experts, top_k, na
     fused = copy.deepcopy(moe)
     layer_bytes = sum(b.numel() * b.element_size() for e in moe.experts for b in e.buffers() if b is not None)
     assert pack_experts(fused) == 1
-    assert isinstance(fused.packed, cpu_moe.Int4Experts) and len(fused.experts) == 0
+    assert isinstance(fused.packed, cpu_moe.QuantizedExperts) and len(fused.experts) == 0
     stacked = [t for t in fused.packed if isinstance(t, torch.Tensor)]
     assert sum(t.numel() * t.element_size() for t in stacked) == layer_bytes
     assert fused.packed.s13.dtype == torch.float16 and fused.packed.s2.dtype == torch.float32
+    gate = fused.gate
+    pack_linears(fused, "native")  # a native router: the fused decode layer still takes only bfloat16 experts
+    assert fused.fused_decode_args() is None
+    fused.gate = gate
     with torch.inference_mode():
         assert torch.unique(moe.gate(x).topk(top_k, dim=-1).indices).numel() < experts  # some experts idle
         expected, got = moe(x).float(), fused(x).float()
@@ -160,7 +173,8 @@ def test_fused_int4_experts_equal_the_per_expert_path(tokens, experts, top_k, na
 
 
 def test_experts_the_kernel_does_not_take_keep_the_per_expert_path(native_moe):
-    """Act-order (a column permutation per expert) and 8-bit experts are not stacked."""
+    """Act-order (a column permutation per expert) and a linear whose experts differ in width (one 8-bit expert
+    among 4-bit ones) are not stacked."""
     moe = _quantized_moe(64, 32, 4, 2, 32, seed=0)
     moe.experts[1].down_proj.perm = torch.arange(32).flip(0)
     assert pack_experts(moe) == 0 and moe.packed is None and len(moe.experts) == 4

@@ -266,7 +266,7 @@ def test_tp2_runs_the_fused_int4_expert_kernel_on_each_ranks_slices(tiny_checkpo
     llm = _engine(quant_dir, dtype="bfloat16", tensor_parallel_size=2)
     try:
         moes = _moes(llm.engine.runner.model)
-        assert moes and all(isinstance(m.packed, cpu_moe.Int4Experts) and m.inter == 128 for m in moes)
+        assert moes and all(isinstance(m.packed, cpu_moe.QuantizedExperts) and m.inter == 128 for m in moes)
         errors = mean_logit_errors(llm, twin_dir, _prompts())
     finally:
         llm.close()

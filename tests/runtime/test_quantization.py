@@ -293,6 +293,6 @@ def test_int4_experts_on_bf16_cpu_run_the_fused_int4_moe_kernel(request, native_
     twin = _dequantized_twin(model_dir, tmp_path / "twin", method="int4")
     llm = _engine(model_dir, quantization="int4", dtype="bfloat16")
     moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
-    assert moes and all(isinstance(m.packed, cpu_moe.Int4Experts) and not m.experts for m in moes)
+    assert moes and all(isinstance(m.packed, cpu_moe.QuantizedExperts) and not m.experts for m in moes)
     errors = mean_logit_errors(llm, twin, _prompts())
     assert sum(errors) / len(errors) < 0.25, f"mean |logit error| per prompt {errors}"

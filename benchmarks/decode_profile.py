@@ -8,7 +8,8 @@
   the profiled steps and divided by them): the bf16 GEMMs against the bytes they read, and everything else.
 
 Run: ``python benchmarks/decode_profile.py --threads 2`` (SmolLM2-135M bf16, as ``cpu_targets.py``). With
-``--ab`` it alternates engines with and without the fused decode layer (``KUBELLM_FUSED_DECODE``) in one process.
+``--ab`` it alternates the fused decode layer on and off in one engine (``KUBELLM_FUSED_DECODE``'s two paths);
+``--model`` takes offline.py's names (``qwen3-0.6b-shape``, ``qwen3-30b-a3b-4l-shape``) or a folder.
 """
 
 from __future__ import annotations
@@ -46,17 +47,20 @@ class Splits:
 
 
 def decode_steps(engine, prompt_len: int, tokens: int, seed: int, after_prefill=None,
-                 cpu_seconds: list | None = None) -> tuple[int, float]:
-    """One request alone: its prefill step untimed (then ``after_prefill()``), then ``tokens`` decode steps;
-    (steps, wall seconds); appends the calling thread's CPU seconds of those steps to ``cpu_seconds``."""
+                 cpu_seconds: list | None = None, batch: int = 1) -> tuple[int, float]:
+    """One request alone (or ``batch`` together): the prefill step untimed (then ``after_prefill()``), then
+    ``tokens`` decode steps; (steps, wall seconds); appends the calling thread's CPU seconds of those steps to
+    ``cpu_seconds``."""
     import random
 
     from kubellm.runtime.sampling_params import SamplingParams
 
     rng = random.Random(seed)
-    prompt = [rng.randrange(engine.model_config.vocab_size) for _ in range(prompt_len)]
-    engine.add_request(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True, temperature=0.0))
+    for _ in range(batch):
+        prompt = [rng.randrange(engine.model_config.vocab_size) for _ in range(prompt_len)]
+        engine.add_request(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True, temperature=0.0))
     engine.step()
+    assert not engine.scheduler.waiting and all(s.num_computed_tokens >= prompt_len for s in engine.scheduler.running)
     if after_prefill is not None:
         after_prefill()
     start, cpu, steps = time.perf_counter(), time.thread_time(), 0
@@ -116,22 +120,24 @@ def profile(llm, args) -> None:
 
 
 def ab(args, model_dir: Path) -> None:
-    """Engines with and without the fused decode layer, alternated; median tok/s of each."""
-    llms = {}
-    for fused in (False, True):
-        os.environ["KUBELLM_FUSED_DECODE"] = "1" if fused else "0"
-        llms[fused] = make_llm(model_dir, args.threads)
-        assert (llms[fused].engine.runner.model.model.fused_layers is not None) == fused
+    """One engine, its fused decode layer switched on and off between alternated rounds (what
+    ``KUBELLM_FUSED_DECODE=0`` leaves out is exactly ``fused_layers``; one engine holds the weights once, which a
+    Qwen3-30B-A3B shape needs); median tok/s of each."""
+    llm = make_llm(model_dir, args.threads)
+    body = llm.engine.runner.model.model
+    fused_layers = body.fused_layers
+    assert fused_layers is not None, "this model's layers do not qualify for the fused decode layer"
     rates: dict[bool, list[float]] = {False: [], True: []}
     cpu_ms: dict[bool, list[float]] = {False: [], True: []}  # the engine thread's CPU time per step
     for r in range(args.rounds):
         for fused in (False, True) if r % 2 == 0 else (True, False):
             cpu: list[float] = []
-            steps, seconds = decode_steps(llms[fused].engine, args.prompt, args.tokens, r, cpu_seconds=cpu)
-            rates[fused].append(steps / seconds)
+            body.fused_layers = fused_layers if fused else None
+            steps, seconds = decode_steps(llm.engine, args.prompt, args.tokens, r, cpu_seconds=cpu, batch=args.batch)
+            rates[fused].append(args.batch * steps / seconds)
             cpu_ms[fused].append(1e3 * cpu[0] / steps)
     base, new = statistics.median(rates[False]), statistics.median(rates[True])
-    print(f"A/B over {args.rounds} rounds, load {os.getloadavg()[0]:.1f}: unfused {base:.1f} tok/s "
+    print(f"A/B over {args.rounds} rounds of batch {args.batch}, load {os.getloadavg()[0]:.1f}: unfused {base:.1f} tok/s "
           f"{[round(x, 1) for x in rates[False]]}, fused {new:.1f} tok/s {[round(x, 1) for x in rates[True]]}: "
           f"{new / base:.2f}x")
     # With one thread, CPU time is the step's own work, whatever else the host runs (wall time is not).
@@ -149,6 +155,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--ab", action="store_true", help="alternate the fused decode layer on and off")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--batch", type=int, default=1, help="--ab: requests decoding together (one prefill step)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = prepare_model(args.model, "bfloat16")

@@ -99,3 +99,14 @@ def test_a_slot_outside_the_pool_is_refused():
         decode_layer_(torch.randn(1, HIDDEN).to(torch.bfloat16), torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
                       torch.tensor([0]), torch.tensor([2 * BLOCK]), torch.zeros(1, 1, dtype=torch.int32),
                       torch.tensor([1], dtype=torch.int32), k_cache=k_cache, v_cache=k_cache.clone(), **layer)
+
+
+def test_a_q_norm_without_a_k_norm_is_refused():
+    gen = torch.Generator().manual_seed(0)
+    layer = make_layer(gen, False, qk_norm=True)
+    del layer["k_norm"]
+    k_cache = torch.zeros(2, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="q_norm and k_norm come together"):
+        decode_layer_(torch.randn(1, HIDDEN).to(torch.bfloat16), torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
+                      torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),
+                      torch.tensor([1], dtype=torch.int32), k_cache=k_cache, v_cache=k_cache.clone(), **layer)

@@ -85,7 +85,7 @@ def profile(llm, args) -> None:
     engine = llm.engine
     runner = engine.runner
     splits = Splits()
-    splits.wrap(runner, "_forward", "forward (30 layers + final norm)")
+    splits.wrap(runner, "_forward", "forward (layers + final norm)")
     splits.wrap(runner, "_logits", "LM head + logits")
     splits.wrap(runner.sampler, "sample", "sampler")
     splits.wrap(runner, "prepare", "prepare (batch -> tensors)")

@@ -188,7 +188,7 @@ def format_source(args: argparse.Namespace, model_dir: Path, fmt: str) -> Path:
 
 
 def run_kubellm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict,
-                quantization: str = "none", fmt: str | None = None) -> Result:
+                quantization: str = "none", fmt: str | None = None, int4_activations: str = "bf16") -> Result:
     from kubellm.runtime.engine import LLM
     from kubellm.runtime.sampling_params import SamplingParams
 
@@ -203,8 +203,10 @@ def run_kubellm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: d
         num_threads=args.threads,
         seed=args.seed,
         quantization=quantization,
+        cpu_int4_activations=int4_activations,
     )
     name = f"kubellm-{fmt}" if fmt else "kubellm" if quantization == "none" else f"kubellm-{quantization}"
+    name += "-a8" if int4_activations == "int8" else ""
     warm = SamplingParams(max_tokens=WARMUP_OUTPUT, ignore_eos=True, temperature=0.0)
     llm.generate(wl.warmup_prompts, [warm] * len(wl.warmup_prompts), use_tqdm=False)
     params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for o in wl.outputs]
@@ -557,11 +559,13 @@ RUNNERS = {
     "kubellm": run_kubellm,
     "kubellm-int8": functools.partial(run_kubellm, quantization="int8"),
     "kubellm-int4": functools.partial(run_kubellm, quantization="int4"),
+    "kubellm-int4-a8": functools.partial(run_kubellm, quantization="int4", int4_activations="int8"),
     "hf-generate": run_hf_generate,
     "hf-static-batch": run_hf_static_batch,
     "hf-generate-batch": run_hf_generate_batch,
     "vllm": run_vllm,
     "kubellm-gguf": functools.partial(run_kubellm, fmt="gguf"),
+    "kubellm-gguf-a8": functools.partial(run_kubellm, fmt="gguf", int4_activations="int8"),
     **{f"kubellm-{f}": functools.partial(run_kubellm, fmt=f) for f in CHECKPOINT_FORMATS},
     **{f"vllm-{f}": functools.partial(run_vllm, fmt=f) for f in CHECKPOINT_FORMATS},
 }
@@ -689,7 +693,8 @@ protocol:
 systems:
   kubellm             kubellm.runtime LLM.generate (paged KV cache, continuous batching)
   kubellm-int8        the same with --quantization int8 (weight-only int8 decoder linears)
-  kubellm-int4        the same with --quantization int4 (4-bit decoder linears, groups of 128)
+  kubellm-int4        the same with --quantization int4 (4-bit decoder linears, groups of 32)
+  kubellm-int4-a8     kubellm-int4 with --cpu-int4-activations int8 (int8 activations at 1-4 rows)
   hf-generate         transformers generate(), one request at a time (--hf-generate-limit K times only
                       the first K and extrapolates by output tokens; marked ~ in the table)
   hf-static-batch     generate() on left-padded batches of --hf-batch-size in request order, each batch
@@ -700,6 +705,7 @@ systems:
   vllm                vLLM's CPU build in its own venv, only with --vllm-venv
   only when named:
   kubellm-gguf        the GGUF file itself (--model a .gguf or known name), its blocks kept packed
+  kubellm-gguf-a8     kubellm-gguf with --cpu-int4-activations int8 (its 4-bit blocks: int8 activations at 1-4 rows)
   kubellm-FMT         the bf16 folder written once as FMT (awq, gptq, w4a16 = compressed-tensors 4-bit,
                       fp8 = compressed-tensors FP8) by the tests' writers (benchmarks/prequantized_checkpoints.py)
   vllm-FMT            the same checkpoint in vLLM's CPU build (0.32 serves the 4-bit ones; FP8 needs AMX)

@@ -22,6 +22,7 @@ re-quantize them. See benchmarks/README.md for the table and ``--help`` for the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -47,6 +48,7 @@ class Variant:
     #              one of prequantized_checkpoints.FORMATS (written from the bf16 folder)
     dtype: str = "bfloat16"
     quantization: str = "none"
+    int4_activations: str = "bf16"  # --cpu-int4-activations; int8: every row as decode at 1-4 rows computes it
 
 
 VARIANTS = {
@@ -56,7 +58,10 @@ VARIANTS = {
     "int4": Variant("--quantization int4", "dense-bf16", quantization="int4"),
     "int4-fp32": Variant("--quantization int4, float32 (dequantize-per-call path)", "dense-fp32", dtype="float32",
                          quantization="int4"),
+    "int4-a8": Variant("--quantization int4 --cpu-int4-activations int8 (every row)", "dense-bf16",
+                       quantization="int4", int4_activations="int8"),
     "gguf": Variant("GGUF kept packed", "gguf"),
+    "gguf-a8": Variant("GGUF kept packed, --cpu-int4-activations int8 (every row)", "gguf", int4_activations="int8"),
     "awq": Variant("AWQ 4-bit g64", "awq"),
     "gptq": Variant("GPTQ 4-bit sym g64", "gptq"),
     "w4a16": Variant("compressed-tensors W4A16 g64", "w4a16"),
@@ -182,14 +187,39 @@ def model_sources(model: str, needed: set[str]) -> dict[str, Path]:
     return out
 
 
+@contextlib.contextmanager
+def int8_activations_on_every_row():
+    """The int4 GEMM quantizes activations to int8 only at 1-4 rows (decode); the windows here are prefilled
+    512 rows at a time and the greedy prompts decode 16 together. Called 4 rows at a time, every scored position
+    and greedy step computes what decode at batch 1-4 computes (the quantization is per row)."""
+    from kubellm.kernels import cpu_int4_gemm as k4
+
+    gemm = k4.int4_gemm
+
+    def by_four_rows(x, packed, scales, zeros, group_size, bias=None, int8_activations=False):
+        if not int8_activations or x.shape[0] <= k4.INT8_ACTIVATION_ROWS:
+            return gemm(x, packed, scales, zeros, group_size, bias, int8_activations)
+        return torch.cat([gemm(x[i:i + k4.INT8_ACTIVATION_ROWS], packed, scales, zeros, group_size, bias, True)
+                          for i in range(0, x.shape[0], k4.INT8_ACTIVATION_ROWS)])
+
+    k4.int4_gemm = by_four_rows
+    try:
+        yield
+    finally:
+        k4.int4_gemm = gemm
+
+
 def run_variant(path: Path, variant: Variant, text_windows, prompts, args) -> tuple[Scores, dict[str, int]]:
     from kubellm.runtime.engine import LLM
 
     longest = max(max(map(len, text_windows)) + 1, args.prompt_tokens + args.new_tokens)  # +1: the sampled token
     llm = LLM(str(path), progress=False, dtype=variant.dtype, quantization=variant.quantization,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=longest, num_threads=args.threads, seed=0)
+              cpu_int4_activations=variant.int4_activations, kv_cache_memory=args.kv_cache_memory,
+              max_model_len=longest, num_threads=args.threads, seed=0)
+    rows = int8_activations_on_every_row() if variant.int4_activations == "int8" else contextlib.nullcontext()
     try:
-        return score(llm, text_windows, prompts, args.new_tokens), dict(llm.engine.weight_bytes)
+        with rows:
+            return score(llm, text_windows, prompts, args.new_tokens), dict(llm.engine.weight_bytes)
     finally:
         llm.close()
 

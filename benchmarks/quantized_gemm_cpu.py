@@ -6,7 +6,9 @@ warm-up (same process and threads; each round calls every column in turn), of:
 * ``bf16``: the native bf16 linear the engine serves bf16 with (``NativeLinear``, ``kernels/cpu_bf16_gemm.py``),
   the baseline of every ratio; ``--onednn`` adds ``F.linear`` on the bf16 weight (oneDNN) as a column;
 * ``int4 g32``: ``kernels/cpu_int4_gemm.py`` (4-bit, group 32 with zero points: GGUF Q4_1 / Q4_K, AWQ, GPTQ,
-  ``--quantization int4``; ``--int4-groups 32 64`` adds other group sizes);
+  ``--quantization int4``; ``--int4-groups 32 64`` adds other group sizes); ``int4 g32 a8``: the same weights
+  with the activations quantized to int8 per group (``--cpu-int4-activations int8``; up to 4 rows, the kernel's
+  bf16 path from 5);
 * ``int8``: ``kernels/cpu_int8_gemm.py`` (``--quantization int8``: int8 with one scale per output channel);
 * ``int8 g32 zp``: ``kernels/cpu_grouped_int8_gemm.py`` with group 32 and zero points (GGUF Q5_K, GPTQ 8-bit);
   ``int8 g32``: group 32, symmetric (GGUF Q8_0: the demo's token embedding, also its tied LM head, the
@@ -98,6 +100,8 @@ def kernels_for(n: int, k: int, scale_dtype: torch.dtype = torch.float16, int4_g
             s = (torch.rand(k // group, n) * 0.01).to(scale_dtype)
             z = torch.randint(0, 16, (k // group, n)).to(scale_dtype)
             out.append((f"int4 g{group}", bound(k4.int4_gemm, q, s, z, group)))
+            if k4.int8_available():
+                out.append((f"int4 g{group} a8", bound(k4.int4_gemm, q, s, z, group, None, True)))
     if k8.available() and k8.packable(torch.empty(n, k, dtype=torch.int8)):
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         out.append(("int8", bound(k8.int8_gemm, k8.pack(q), torch.rand(n) * 0.001)))

@@ -40,10 +40,10 @@ LIBRARY_NAME = "kubellm_cpu_ops.so"
 # x86-64 micro-architecture levels, best first, with the /proc/cpuinfo flags each needs (a subset that tells
 # them apart; compilers target exactly these levels with -march=x86-64-vN). x86-64-v4-bf16 is v4 plus
 # AVX512-BF16 (AMD Zen 4+, Intel Cooper Lake and Sapphire Rapids+): the bf16 prefill attention and the int8,
-# int4 and FP8 GEMMs need it.
+# int4 and FP8 GEMMs need it; every such CPU also has AVX512-VNNI, which the int4 GEMM's int8 activations use.
 X86_LEVELS = {
     "x86-64-v4-bf16": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2",
-                       "avx512_bf16"},
+                       "avx512_bf16", "avx512_vnni"},
     "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2"},
     "x86-64-v3": {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"},
     "x86-64-v2": {"sse4_2", "popcnt", "ssse3"},
@@ -52,7 +52,8 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "prefill_attention_cpu.cpp", "int8_gemm_cpu.cpp",
                  "int4_gemm_cpu.cpp", "grouped_int8_gemm_cpu.cpp", "moe_cpu.cpp", "bf16_gemm_cpu.cpp",
                  "fp8_gemm_cpu.cpp", "decode_layer_cpu.cpp")
-_HEADER_NAMES = ("scalar_math.h", "gemm_tiles.h", "int4_tiles.h", "int8_tiles.h")  # part of the build's cache key, not compiled on their own
+_HEADER_NAMES = ("scalar_math.h", "gemm_tiles.h", "int4_tiles.h", "int8_tiles.h",
+                 "w4a8_tiles.h")  # part of the build's cache key, not compiled on their own
 OP_NAMESPACE = "kubellm_cpu"
 # One op per source: the extension counts as loaded when all of them are registered.
 _OPS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_",
@@ -75,7 +76,7 @@ def _cache_root() -> Path:
 
 
 # Levels that are not a compiler -march of their own.
-_LEVEL_CFLAGS = {"x86-64-v4-bf16": ["-march=x86-64-v4", "-mavx512bf16"]}
+_LEVEL_CFLAGS = {"x86-64-v4-bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]}
 
 
 def _march() -> str:

@@ -11,6 +11,12 @@ and ``zeros`` ``[K / group, N]`` float32, ``y`` ``[M, N]`` bfloat16. The form ev
 Few rows (decode) use the weights as stored, widened in registers; from :data:`DEQUANTIZE_ROWS` rows the kernel
 dequantizes each slice of the weight to bf16 once and runs all rows over it, so there the weights are rounded
 to bf16 before the products, as a bf16 model's are (the reference does the same with ``weights_dtype``).
+
+``int8_activations=True`` (up to :data:`INT8_ACTIVATION_ROWS` rows; more rows ignore it): each row's
+activations are quantized to int8 per weight group (symmetric, scale ``max|x| / 127``) and multiplied with the
+nibbles in integer dot products (AVX512-VNNI, ``csrc/w4a8_tiles.h``), llama.cpp's Q4 x Q8: fewer instructions
+per weight at one row, at the cost of rounding the activations. :func:`reference_w4a8_gemm` is that math in
+PyTorch; :func:`int8_available` says whether this build has it.
 """
 
 from __future__ import annotations
@@ -19,13 +25,20 @@ import torch
 
 from kubellm.kernels.cpu_extension import available as extension_available
 
-__all__ = ["DEQUANTIZE_ROWS", "available", "int4_gemm", "pack", "packable", "reference_int4_gemm", "unpack"]
+__all__ = ["DEQUANTIZE_ROWS", "INT8_ACTIVATION_ROWS", "available", "int4_gemm", "int8_available", "pack", "packable",
+           "quantize_activations", "reference_int4_gemm", "reference_w4a8_gemm", "unpack"]
 
 DEQUANTIZE_ROWS = 16  # kDequantMinRows in csrc/int4_gemm_cpu.cpp
+INT8_ACTIVATION_ROWS = 4  # kW4A8MaxRows there
 
 
 def available() -> bool:
     return extension_available() and bool(torch.ops.kubellm_cpu.int4_gemm_available())
+
+
+def int8_available() -> bool:
+    """Whether :func:`int4_gemm` takes ``int8_activations`` here (a build with AVX512-VNNI)."""
+    return available() and bool(torch.ops.kubellm_cpu.int4_gemm_int8_available())
 
 
 def packable(q: torch.Tensor, group_size: int) -> bool:
@@ -48,8 +61,8 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.kubellm_cpu.int4_gemm(x, packed, scales, zeros, group_size, bias)
+              bias: torch.Tensor | None = None, int8_activations: bool = False) -> torch.Tensor:
+    return torch.ops.kubellm_cpu.int4_gemm(x, packed, scales, zeros, group_size, bias, int8_activations)
 
 
 def reference_int4_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -60,3 +73,30 @@ def reference_int4_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, 
     w = ((q.float() - zeros.t()[:, g]) * scales.t()[:, g]).to(weights_dtype).float()
     y = x.float() @ w.T
     return (y if bias is None else y + bias).to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` → (``[M, K]`` integers -127..127 as float32, ``[M, K / group]`` float32 scales): per row and
+    group of inputs ``scale = max|x| / 127`` and ``round(x * (127 / max|x|))`` (half to even; 0 for an all-zero
+    group), the kernel's rounding exactly."""
+    m, k = x.shape
+    xf = x.float().view(m, k // group_size, group_size)
+    amax = xf.abs().amax(-1)
+    # 127 / amax as one float32 division, as the kernel does (a Python number over a tensor is reciprocal * 127)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xf * inv[..., None]).clamp(-127, 127)
+    return xq.view(m, k), amax / 127.0
+
+
+def reference_w4a8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``int4_gemm(..., int8_activations=True)`` computes, in float64 on the unpacked ``[N, K]`` values:
+    ``sum over groups of s * a * (xq . q - z * sum(xq))`` with :func:`quantize_activations`' ``xq`` and ``a``."""
+    xq, a = quantize_activations(x, group_size)
+    m, k = xq.shape
+    groups = k // group_size
+    xg = xq.double().view(m, groups, group_size)
+    dots = torch.einsum("mgk,ngk->mgn", xg, q.double().view(-1, groups, group_size))
+    centred = dots - zeros.double()[None] * xg.sum(-1)[..., None]
+    y = (centred * scales.double()[None] * a.double()[..., None]).sum(1)
+    return (y if bias is None else y + bias.double()).to(x.dtype)

@@ -10,6 +10,7 @@ import torch
 
 from kubellm.runtime.engine_settings import (
     ATTENTION_BACKENDS,
+    CPU_INT4_ACTIVATIONS,
     LAYER_OPS,
     PREPACK_WEIGHTS,
     SPECULATIVE_METHODS,
@@ -66,6 +67,7 @@ class EngineConfig:
     attention_backend: str = default("attention_backend")  # auto | torch | cpu (native CPU kernels) | triton
     layer_ops: str = default("layer_ops")  # auto | native (fused CPU RMSNorm/rotary/SiLU-and-mul) | torch
     prepack_weights: str = default("prepack_weights")  # auto | native | onednn | on | off: dense linear weights packed once
+    cpu_int4_activations: str = default("cpu_int4_activations")  # bf16 | int8: the native int4 GEMM's at 1-4 rows
     quantization: str = default("quantization")  # none | int8 (weight-only, per output channel; runtime/quantization.py)
     tensor_parallel_size: int = default("tensor_parallel_size")  # processes (ranks) each holding 1/N of every layer (runtime/parallel.py)
     nnodes: int = default("nnodes")  # nodes (pods) the ranks span, tensor_parallel_size / nnodes on each
@@ -102,7 +104,8 @@ class EngineConfig:
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         for name, choices in (("attention_backend", ATTENTION_BACKENDS), ("layer_ops", LAYER_OPS),
-                              ("prepack_weights", PREPACK_WEIGHTS), ("speculative_method", SPECULATIVE_METHODS)):
+                              ("prepack_weights", PREPACK_WEIGHTS), ("speculative_method", SPECULATIVE_METHODS),
+                              ("cpu_int4_activations", CPU_INT4_ACTIVATIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: unknown {getattr(self, name)!r}; use {', '.join(choices)}")
         from kubellm.runtime.quantization import check_method

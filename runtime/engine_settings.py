@@ -132,6 +132,14 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "there, else off",
     ),
     EngineSetting(
+        "cpu_int4_activations", str, "bf16", flag="--cpu-int4-activations", choices=("bf16", "int8"),
+        help="activations of the native CPU int4 GEMM (4-bit layers: --quantization int4, AWQ, GPTQ, W4A16, GGUF "
+        "4-bit) at 1-4 rows: bf16 = as they are (weights widened to bf16 per row tile); int8 = quantized per "
+        "weight group to int8 on the fly and multiplied in integer dot products (AVX512-VNNI, llama.cpp's Q4 x "
+        "Q8): faster decode at batch 1, the activations rounded to 8 bits. Larger batches keep bf16 "
+        "(default %(default)s)",
+    ),
+    EngineSetting(
         "quantization", str, "none", flag="--quantization",
         choices=("none", "int8", "int4", "fp8", "awq", "gptq", "gguf"), crd_field="quantization",
         help="weight quantization: int8 = weight-only int8 per output channel (about half bf16's weight memory); "
@@ -246,3 +254,4 @@ LAYER_OPS: tuple[str, ...] = setting("layer_ops").choices or ()
 PREPACK_WEIGHTS: tuple[str, ...] = setting("prepack_weights").choices or ()
 SPECULATIVE_METHODS: tuple[str, ...] = setting("speculative_method").choices or ()
 QUANTIZATIONS: tuple[str, ...] = setting("quantization").choices or ()
+CPU_INT4_ACTIVATIONS: tuple[str, ...] = setting("cpu_int4_activations").choices or ()

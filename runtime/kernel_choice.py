@@ -1,7 +1,8 @@
 """Which kernels run, decided in one place: attention, the fused layer ops, weight prepacking, quantized GEMMs.
 
 Three engine settings choose (``--attention-backend``, ``--layer-ops``, ``--prepack-weights``); the quantized
-GEMMs follow the device, the dtype and what loaded. :func:`probe` finds out what can run here (loads or builds
+GEMMs follow the device, the dtype and what loaded (``--cpu-int4-activations`` picks what the native int4 GEMM
+multiplies the weights with at 1-4 rows). :func:`probe` finds out what can run here (loads or builds
 kubellm's CPU extension, runs the Triton start-up checks), only for what the settings could pick;
 :func:`choose` is a pure function of (settings, target, what loaded) to a frozen :class:`KernelChoice`. The
 engine calls :func:`decide` once, which logs the choice, and hands it to quantization, to the model runner
@@ -23,7 +24,9 @@ What ``auto`` picks:
   points; GGUF blocks through kernels/gguf_blocks.py; the 4-bit one also serves ``--quantization int4``): ``native`` (``cpu_int4_gemm``, ``cpu_grouped_int8_gemm``,
   AVX512-BF16) for bfloat16 on CPUs that have them, for layers they can pack; ``triton``
   (``triton_grouped_gemm``, 5..8-bit values packed as 8-bit) on CUDA once its checks passed, for layers it can
-  pack; else ``dequantize`` (the reference, also what AVX2-only CPUs run).
+  pack; else ``dequantize`` (the reference, also what AVX2-only CPUs run). The native 4-bit GEMM's activations
+  at 1-4 rows: ``bf16`` unless ``--cpu-int4-activations int8`` (quantized per group, integer dot products;
+  AVX512-VNNI); the setting has no effect where that kernel does not run.
 * FP8 weight GEMM (e4m3, per-tensor / per-channel / block scales): ``native`` (``cpu_fp8_gemm``, AVX512-BF16)
   for bfloat16 on CPUs that have it, for layers it can pack (inputs and groups multiples of 4); ``triton``
   (``triton_fp8_gemm``) on CUDA once its check passed; else ``dequantize``.
@@ -71,10 +74,11 @@ class KernelSettings:
     attention: str = "auto"  # auto | cpu | triton | torch
     layer_ops: str = "auto"  # auto | native | torch
     prepack: str = "auto"  # auto | native | onednn | on (= onednn) | off
+    int4_activations: str = "bf16"  # bf16 | int8: the native int4 GEMM's at 1-4 rows
 
     @classmethod
     def from_config(cls, config) -> KernelSettings:
-        return cls(config.attention_backend, config.layer_ops, config.prepack_weights)
+        return cls(config.attention_backend, config.layer_ops, config.prepack_weights, config.cpu_int4_activations)
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class Loaded:
     int8_torch_gemm: bool = False  # torch._weight_int8pack_mm exists
     triton_int8: str | None = NOT_PROBED
     grouped_int4_cpu_kernel: str | None = NOT_PROBED  # cpu_int4_gemm (AVX512-BF16)
+    int4_int8_activations: str | None = NOT_PROBED  # cpu_int4_gemm's int8 activations (AVX512-VNNI)
     grouped_int8_cpu_kernel: str | None = NOT_PROBED  # cpu_grouped_int8_gemm (AVX512-BF16)
     triton_grouped_int4: str | None = NOT_PROBED  # triton_grouped_gemm, bits=4
     triton_grouped_int8: str | None = NOT_PROBED  # triton_grouped_gemm, bits=8
@@ -128,6 +133,7 @@ class KernelChoice:
     int8_gemm: str = "dequantize"  # native | triton | torch | dequantize
     int8_fallback: str = "dequantize"  # torch | dequantize: layers the native kernel cannot pack
     grouped_int4_gemm: str = "dequantize"  # native | triton | dequantize: 4-bit values, per-group scales, zeros
+    int4_activations: str = "bf16"  # bf16 | int8: what the native 4-bit GEMM multiplies with at 1-4 rows
     grouped_int8_gemm: str = "dequantize"  # native | triton | dequantize: 8-bit values, per-group scales (zeros)
     fp8_gemm: str = "dequantize"  # native | triton | dequantize: e4m3 weights with their scales
     moe: str = "torch"  # native | torch: the routing and experts of mixture-of-experts layers
@@ -166,8 +172,9 @@ class KernelChoice:
         return "triton" if self.fp8_gemm == "triton" and fp8_triton_packable(in_features, group_size) else "dequantize"
 
     def describe(self, quantization: str = "none") -> str:
-        gemm = {"int8": f", int8 GEMM {self.int8_gemm}", "int4": f", int4 GEMM {self.grouped_int4_gemm}", "none": ""}
-        grouped = (f", grouped 4-bit GEMM {self.grouped_int4_gemm}, 8-bit GEMM {self.grouped_int8_gemm}, "
+        int4 = self.grouped_int4_gemm + (" (int8 activations)" if self.int4_activations == "int8" else "")
+        gemm = {"int8": f", int8 GEMM {self.int8_gemm}", "int4": f", int4 GEMM {int4}", "none": ""}
+        grouped = (f", grouped 4-bit GEMM {int4}, 8-bit GEMM {self.grouped_int8_gemm}, "
                    f"FP8 GEMM {self.fp8_gemm}")
         return (f"attention {self.attention}, layer ops {self.layer_ops}, dense linears {self.dense_linears}"
                 f"{gemm.get(quantization, grouped)}, MoE experts {self.moe}")
@@ -189,12 +196,15 @@ def choose(settings: KernelSettings, target: Target, loaded: Loaded) -> KernelCh
     native_cpu = target.cpu and cpu_head_size_ok(target.head_dim) and loaded.cpu_kernels is None
     int8_gemm, int8_fallback = _int8_gemm(target, loaded)
     layer_ops = _layer_ops(settings.layer_ops, target, loaded, native_cpu)
+    grouped_int4 = _grouped(target, loaded.grouped_int4_cpu_kernel, loaded.triton_grouped_int4)
     return KernelChoice(
         attention=_attention(settings.attention, target, loaded, native_cpu),
         layer_ops=layer_ops,
         prepack=_prepack(settings.prepack, target, loaded, native_cpu),
         int8_gemm=int8_gemm, int8_fallback=int8_fallback,
-        grouped_int4_gemm=_grouped(target, loaded.grouped_int4_cpu_kernel, loaded.triton_grouped_int4),
+        grouped_int4_gemm=grouped_int4,
+        int4_activations=_int4_activations(settings.int4_activations, grouped_int4 == "native" and target.cpu,
+                                           loaded),
         grouped_int8_gemm=_grouped(target, loaded.grouped_int8_cpu_kernel, loaded.triton_grouped_int8),
         fp8_gemm=_grouped(target, loaded.fp8_cpu_kernel, loaded.triton_fp8),
         moe="native" if layer_ops == "native" and target.quantization in ("none", "int4", *PREQUANTIZED)
@@ -208,6 +218,16 @@ def _grouped(target: Target, cpu_reason: str | None, triton_reason: str | None) 
     if target.cpu and target.dtype == torch.bfloat16 and cpu_reason is None:
         return "native"
     return "triton" if target.cuda and triton_reason is None else "dequantize"
+
+
+def _int4_activations(kind: str, native_cpu_int4: bool, loaded: Loaded) -> str:
+    """int8 only where the native CPU int4 GEMM runs (the setting means nothing elsewhere) and has it."""
+    if kind not in ("bf16", "int8"):
+        raise ValueError(f"cpu int4 activations {kind!r}: use bf16 or int8")
+    if kind == "int8" and native_cpu_int4 and loaded.int4_int8_activations is not None:
+        raise ValueError(f"int8 activations for the int4 GEMM cannot run here: {loaded.int4_int8_activations}; "
+                         "use --cpu-int4-activations bf16")
+    return kind if native_cpu_int4 else "bf16"
 
 
 def _attention(kind: str, target: Target, loaded: Loaded, native_cpu: bool) -> str:
@@ -301,6 +321,9 @@ def probe(settings: KernelSettings, target: Target) -> Loaded:
         for field, module in (("grouped_int4_cpu_kernel", cpu_int4_gemm),
                               ("grouped_int8_cpu_kernel", cpu_grouped_int8_gemm), ("fp8_cpu_kernel", cpu_fp8_gemm)):
             found[field] = None if module.available() else f"no AVX512-BF16 {module.__name__} in this build"
+        if settings.int4_activations == "int8":
+            found["int4_int8_activations"] = None if cpu_int4_gemm.int8_available() else \
+                "no AVX512-VNNI int8 activations in this build of cpu_int4_gemm"
     if target.cpu and target.dtype == torch.bfloat16 and "cpu_kernels" in found:
         found["moe_cpu_kernel"] = None if cpu_moe.available() else "no AVX512-BF16 cpu_moe in this build"
     if target.quantization == "int4" and target.cuda:  # --quantization int4 computes with the 4-bit grouped GEMM
@@ -382,8 +405,9 @@ def for_engine(config, model_config, tp_size: int = 1) -> KernelChoice:
     return decide(KernelSettings.from_config(config), target)
 
 
-def for_quantized_layer(device: str | torch.device, dtype: torch.dtype, method: str) -> KernelChoice:
+def for_quantized_layer(device: str | torch.device, dtype: torch.dtype, method: str,
+                        int4_activations: str = "bf16") -> KernelChoice:
     """The GEMM choice for a quantized layer built on its own (tests, tools): ``auto`` for ``device``/``dtype``."""
-    settings = KernelSettings(attention="torch", layer_ops="torch", prepack="off")
+    settings = KernelSettings(attention="torch", layer_ops="torch", prepack="off", int4_activations=int4_activations)
     target = Target(str(torch.device(device)), dtype, quantization=method)
     return choose(settings, target, probe(settings, target))

@@ -195,7 +195,8 @@ def int4_layer(linear: nn.Linear, kernels: KernelChoice | None = None):
     if kernels is None:
         kernels = kernel_choice.for_quantized_layer(w.device, w.dtype, "int4")
     path = kernels.grouped_path(4, linear.out_features, linear.in_features, group)
-    return QuantizedLinear(quantize_int4(w, group), 4, path, None if linear.bias is None else linear.bias.detach())
+    return QuantizedLinear(quantize_int4(w, group), 4, path, None if linear.bias is None else linear.bias.detach(),
+                           int8_activations=kernels.int4_activations == "int8")
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:

@@ -133,6 +133,8 @@ NATIVE_SETS: dict[str, tuple[str, Callable[[], str | None], Callable[[], bool]]]
                        cpu_extension.available),
     "native_int8": ("native int8 GEMM (AVX512-BF16)", _expect_native_int8, cpu_int8_gemm.available),
     "native_int4": ("native int4 GEMM (AVX512-BF16)", _expect_native_int8, cpu_int4_gemm.available),
+    "native_int4_int8": ("native int4 GEMM's int8 activations (AVX512-VNNI, every AVX512-BF16 CPU has it)",
+                         _expect_native_int8, cpu_int4_gemm.int8_available),
     "native_grouped_int8": ("native grouped 8-bit GEMM (AVX512-BF16)", _expect_native_int8,
                             cpu_grouped_int8_gemm.available),
     "native_moe": ("native mixture-of-experts kernel (AVX512-BF16)", _expect_native_int8, cpu_moe.available),
@@ -171,6 +173,12 @@ def native_int8(native_kernels) -> None:
 def native_int4(native_kernels) -> None:
     """The native int4 GEMM (CPUs with AVX512-BF16 only); skip without it (fail under CI where the CPU has it)."""
     _require_native("native_int4")
+
+
+@pytest.fixture(scope="session")
+def native_int4_int8(native_int4) -> None:
+    """The native int4 GEMM's int8 activations; skip without them (fail under CI where the CPU has them)."""
+    _require_native("native_int4_int8")
 
 
 @pytest.fixture(scope="session")

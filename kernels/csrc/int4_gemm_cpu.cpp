@@ -28,6 +28,7 @@
 
 #include "gemm_tiles.h"
 #include "int4_tiles.h"
+#include "w4a8_tiles.h"
 
 #ifdef KUBELLM_INT4_TILES
 #define KUBELLM_INT4_GEMM 1
@@ -44,8 +45,28 @@ bool int4_gemm_available() {
 #endif
 }
 
+bool int4_gemm_int8_available() {  // int4_gemm's int8_activations (AVX512-VNNI)
+#if defined(KUBELLM_INT4_GEMM) && defined(KUBELLM_W4A8_TILES)
+  return true;
+#else
+  return false;
+#endif
+}
+
 #ifdef KUBELLM_INT4_GEMM
 constexpr int kMaxRows4 = 12;  // MR group sums + MR outputs + two weights, two broadcasts, two constants <= 32 zmm
+
+// Adds the bias to a tile's float32 results and stores them as bf16 rows of y.
+template <int MR, int NB>
+__attribute__((always_inline)) inline void store_tile(const __m512 (&out)[MR][NB], const float* bias, c10::BFloat16* y,
+                                                      int64_t ldy) {
+  for (int b = 0; b < NB; ++b) {
+    const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + b * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(out[r][b], bi)));
+  }
+}
 
 template <int MR, int NB>
 void micro_kernel4(const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum, int64_t groups,
@@ -54,12 +75,7 @@ void micro_kernel4(const int32_t* x_pairs, int64_t x_pair_stride, const float* x
   __m512 out[MR][NB];
   int4::dot_groups<MR, NB>(x_pairs, x_pair_stride, xsum, groups, w, w_block_stride, K4, group_quads, scales, zeros,
                            N, 16, out, NB * w_block_stride);  // prefetch the next item (int4_tiles.h)
-  for (int b = 0; b < NB; ++b) {
-    const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + b * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(out[r][b], bi)));
-  }
+  store_tile<MR, NB>(out, bias, y, ldy);
 }
 
 // Many rows: the kernel above pays its per-group epilogue (two FMAs per row, block and group) for every row,
@@ -149,8 +165,65 @@ void rows_kernel4(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const f
 }
 #endif
 
+#ifdef KUBELLM_W4A8_TILES
+// int8 activations (w4a8_tiles.h): 1..kW4A8MaxRows rows; more rows keep bf16 activations, where the weight
+// widening is shared by enough rows that it no longer dominates.
+constexpr int64_t kW4A8MaxRows = 4;
+
+template <int MR, int NB>
+void w4a8_kernel(const int32_t* xq, int64_t x_stride, const float* scale, const float* qsum, int64_t groups,
+                 const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads, tiles::GroupParams scales,
+                 tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy) {
+  __m512 out[MR][NB];
+  w4a8::dot_groups<MR, NB>(xq, x_stride, scale, qsum, groups, w, w_block_stride, K4, group_quads, scales, zeros, N,
+                           out, NB * w_block_stride);
+  store_tile<MR, NB>(out, bias, y, ldy);
+}
+
+// y's M (<= kW4A8MaxRows) rows from x quantized to int8; items of nb 16-channel blocks as the bf16 few-rows path.
+void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4, int64_t group_size,
+               tiles::GroupParams sp, tiles::GroupParams zp, const float* bias_p, c10::BFloat16* yp) {
+  const int64_t M = x.size(0), K = x.size(1), N = NBLK * 16, groups = K / group_size;
+  at::Tensor xq_t = at::empty({M, K4}, x.options().dtype(at::kInt));
+  at::Tensor params = at::empty({2, M, groups}, x.options().dtype(at::kFloat));
+  int32_t* xq = xq_t.mutable_data_ptr<int32_t>();
+  float* scale = params.mutable_data_ptr<float>();
+  float* qsum = scale + M * groups;
+  w4a8::quantize_rows(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M, K, group_size, xq, scale, qsum);
+  const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
+  const int nb = M <= 2 ? tiles::blocks_per_item(NBLK, 4) : tiles::blocks_per_item(NBLK, 2);
+  at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t blk = it * nb;
+      const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
+      const uint8_t* w = wp + blk * w_block_stride;
+      const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
+#define KUBELLM_W4A8(R, B)                                                                                         \
+  w4a8_kernel<R, B>(xq, K4, scale, qsum, groups, w, w_block_stride, K4, group_quads, sp.offset(blk * 16),         \
+                    zp.offset(blk * 16), N, bp, yp + blk * 16, N)
+#define KUBELLM_W4A8_NB(R)         \
+  switch (n) {                     \
+    case 4: KUBELLM_W4A8(R, 4); break; \
+    case 3: KUBELLM_W4A8(R, 3); break; \
+    case 2: KUBELLM_W4A8(R, 2); break; \
+    default: KUBELLM_W4A8(R, 1); break; \
+  }
+      switch (M) {
+        case 1: KUBELLM_W4A8_NB(1); break;
+        case 2: KUBELLM_W4A8_NB(2); break;
+        case 3: KUBELLM_W4A8_NB(3); break;
+        default: KUBELLM_W4A8_NB(4); break;
+      }
+#undef KUBELLM_W4A8_NB
+#undef KUBELLM_W4A8
+    }
+  });
+}
+#endif
+
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                     const at::Tensor& zeros, int64_t group_size, const c10::optional<at::Tensor>& bias) {
+                     const at::Tensor& zeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
+                     bool int8_activations) {
 #ifndef KUBELLM_INT4_GEMM
   TORCH_CHECK(false, "int4_gemm needs a build with AVX512-BF16 (-march of a CPU that has it)");
 #else
@@ -180,6 +253,16 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t x_pair_stride = x.stride(0) / 2;
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
+  if (int8_activations) {
+#ifdef KUBELLM_W4A8_TILES
+    if (M <= kW4A8MaxRows) {
+      w4a8_gemm(x, packed.const_data_ptr<uint8_t>(), NBLK, K4, group_size, sp, zp, bias_p, yp);
+      return y;
+    }
+#else
+    TORCH_CHECK(false, "int4_gemm: int8 activations need a build with AVX512-VNNI");
+#endif
+  }
   const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
   if (M >= kDequantMinRows) {
     auto make_side = [&](int64_t blk, int n, __m512i* scratch, __m512* sc) {
@@ -237,8 +320,10 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
 }  // namespace kubellm_cpu
 
 TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
-  m.def("int4_gemm(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size, Tensor? bias) -> Tensor");
+  m.def("int4_gemm(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size, Tensor? bias, "
+        "bool int8_activations=False) -> Tensor");
   m.def("int4_gemm_available() -> bool", &kubellm_cpu::int4_gemm_available);  // no tensors: not dispatched
+  m.def("int4_gemm_int8_available() -> bool", &kubellm_cpu::int4_gemm_int8_available);
 }
 
 TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) { m.impl("int4_gemm", &kubellm_cpu::int4_gemm); }

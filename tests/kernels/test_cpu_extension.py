@@ -30,7 +30,7 @@ ZEN3 = ("fpu vme sse sse2 ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes xsave av
         "clwb sha_ni xsaveopt xsavec vaes vpclmulqdq")
 NEHALEM = "fpu vme sse sse2 ssse3 cx16 sse4_1 sse4_2 popcnt lahf_lm"
 GRAVITON2 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp"
-ZEN4 = SKYLAKE_X + " avx512_bf16 avx512vnni avx512_vbmi2"
+ZEN4 = SKYLAKE_X + " avx512_bf16 avx512_vnni avx512_vbmi2"
 ALL_LEVELS = ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64-v2"]
 
 
@@ -184,7 +184,7 @@ def test_build_portable_loads_only_a_level_this_cpu_runs(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("march,cflags", [("x86-64-v4", ["-march=x86-64-v4"]),
-                                          ("x86-64-v4-bf16", ["-march=x86-64-v4", "-mavx512bf16"])])
+                                          ("x86-64-v4-bf16", ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"])])
 def test_build_without_loading_restores_the_loader(monkeypatch, tmp_path, march, cflags):
     """_build(load=False) goes through cpp_extension.load with its loader swapped out, then puts it back."""
     from torch.utils import cpp_extension

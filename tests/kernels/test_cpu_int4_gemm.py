@@ -108,3 +108,63 @@ def test_bad_inputs_are_refused(bad, match):
     x, q, scales, zeros, _ = _case(2, 32, 256, 128)
     with pytest.raises(RuntimeError, match=match):
         k4.int4_gemm(*bad(x, k4.pack(q), scales, zeros))
+
+
+# ---- int8 activations (w4a8_tiles.h): 1..INT8_ACTIVATION_ROWS rows --------------------------------------------
+def _w4a8(x, q, scales, zeros, group, bias=None):
+    return k4.int4_gemm(x, k4.pack(q), scales, zeros, group, bias, int8_activations=True)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k", "group"), [(16, 128, 128), (48, 256, 64), (80, 576, 32), (144, 1536, 128),
+                                               (32, 96, 32), (64, 192, 12)])
+def test_int8_activations_match_their_reference(m, n, k, group, native_int4_int8):
+    """Odd numbers of blocks (items of 1-4), groups of 32/64/128 and odd quads per group (12), several items per
+    thread: the kernel computes exactly reference_w4a8_gemm's integers, so only float32 sums and the bf16 output
+    differ."""
+    x, q, scales, zeros, b = _case(m, n, k, group, seed=m * n + group, bias=True)
+    out = _w4a8(x, q, scales, zeros, group, b)
+    ref = k4.reference_w4a8_gemm(x, q, scales, zeros, group, b)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("zeros_of", ["symmetric", "float"])
+def test_int8_activations_with_symmetric_and_float_zeros(zeros_of, native_int4_int8):
+    """z = 8 (GPTQ, W4A16, Q4_0) and fractional zero points (GGUF Q4_1 / Q4_K: -min / d), float16 scales."""
+    x, q, scales, _, _ = _case(3, 64, 512, 32, seed=5)
+    g = torch.Generator().manual_seed(6)
+    zeros = torch.full_like(scales, 8.0) if zeros_of == "symmetric" else torch.rand(scales.shape, generator=g) * 15
+    scales = scales.half()
+    out = _w4a8(x, q, scales, zeros, 32)
+    torch.testing.assert_close(out.float(), k4.reference_w4a8_gemm(x, q, scales.float(), zeros, 32).float(),
+                               rtol=2**-7, atol=1e-3)
+
+
+def test_int8_activations_are_what_the_kernel_computes(native_int4_int8):
+    """The flag takes the int8 path (closer to its own reference than to the bf16 one, which differs by the
+    activations' rounding), within 1% of the bf16 activations' result on random data; from 5 rows the flag is
+    ignored (the bf16 path, bit for bit)."""
+    x, q, scales, zeros, _ = _case(8, 96, 1536, 64, seed=7)
+    packed = k4.pack(q)
+    out = _w4a8(x[:1], q, scales, zeros, 64).float()
+    exact = k4.reference_int4_gemm(x[:1], q, scales, zeros, 64).float()
+    own = k4.reference_w4a8_gemm(x[:1], q, scales, zeros, 64).float()
+    assert (out - own).abs().max() * 4 < (out - exact).abs().max()
+    assert (out - exact).norm() < 0.01 * exact.norm()
+    assert torch.equal(k4.int4_gemm(x, packed, scales, zeros, 64, int8_activations=True),
+                       k4.int4_gemm(x, packed, scales, zeros, 64))
+
+
+def test_int8_activations_of_zero_and_extreme_rows(native_int4_int8):
+    """An all-zero group quantizes to 0 (scale 0, no division by zero), a group's largest value to +-127 exactly,
+    and values halfway between two integers round to even, as torch.round does."""
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    x[0, 32:36] = torch.tensor([-2.0, 1.0, 0.5, 0.25])  # first group all zero; 127/2 * 1 = 63.5 -> 64 (even)
+    x[1] = torch.randn(64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    xq, a = k4.quantize_activations(x, 32)
+    assert torch.equal(xq[0, :32], torch.zeros(32)) and a[0, 0] == 0
+    assert xq[0, 32:36].tolist() == [-127.0, 64.0, 32.0, 16.0]
+    q = torch.randint(0, 16, (16, 64), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    scales, zeros = torch.full((2, 16), 0.01), torch.full((2, 16), 8.0)
+    torch.testing.assert_close(_w4a8(x, q, scales, zeros, 32).float(),
+                               k4.reference_w4a8_gemm(x, q, scales, zeros, 32).float(), rtol=2**-7, atol=1e-4)

@@ -76,3 +76,17 @@ def test_the_kernel_of_each_form_matches_gguf(type_name, m, native_grouped_int8,
     w = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[type_name]).reshape(n, k))
     ref = x.float() @ w.T
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("type_name", [t for t in gguf_blocks.BLOCKS if gguf_blocks.unpack(
+    t, torch.from_numpy(_random_blocks(t, 1, 256)), 256).kernel == "int4"])
+def test_int8_activations_on_each_4bit_form(type_name, native_int4_int8):
+    """Q4_0 (z = 8), Q4_1 and Q4_K (float zeros, -min / d) through the int8-activation path: its reference."""
+    n, k = 48, 512
+    form = gguf_blocks.unpack(type_name, torch.from_numpy(_random_blocks(type_name, n, k, seed=3)), k)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    scales, zeros = form.scales.t().contiguous(), form.zeros.t().contiguous()
+    y = cpu_int4_gemm.int4_gemm(x, cpu_int4_gemm.pack(form.values), scales, zeros, form.group_size,
+                                int8_activations=True)
+    ref = cpu_int4_gemm.reference_w4a8_gemm(x, form.values, scales.float(), zeros.float(), form.group_size)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=1e-3 * float(ref.abs().max()))

@@ -264,6 +264,32 @@ def test_quantized_linear_equals_a_matmul_on_the_dequantized_weight(bits, act_or
     assert torch.equal(layer.values().long() + shift, values[:, order])
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int8_activations_of_a_4bit_layer_are_the_kernels_reference_on_the_gathered_columns(act_order,
+                                                                                            native_int4_int8):
+    """``--cpu-int4-activations int8``: at 1-4 rows the layer computes reference_w4a8_gemm of x's columns in its
+    sorted order (act-order gathers them first, so each group's int8 scale covers that group's inputs), from 5
+    rows what the bf16-activation layer computes."""
+    from kubellm.kernels import cpu_int4_gemm as k4
+
+    out_f, in_f, group = 48, 256, 64
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randint(0, 16, (out_f, in_f), generator=gen)
+    scales = torch.rand(out_f, in_f // group, generator=gen) / 8 + 0.01
+    zeros = torch.randint(0, 16, (out_f, in_f // group), generator=gen).float()
+    g_idx = (torch.randperm(in_f, generator=gen) // group).to(torch.int32) if act_order else None
+    weight, bias = QuantizedWeight(values, scales, zeros, group, g_idx), torch.randn(out_f, generator=gen)
+    layer = QuantizedLinear(weight, 4, "native", bias, int8_activations=True)
+    plain = QuantizedLinear(weight, 4, "native", bias)
+    order = layer.perm if act_order else torch.arange(in_f)
+    x = torch.randn(5, in_f, generator=gen).to(torch.bfloat16)
+    expected = k4.reference_w4a8_gemm(x[:3, order], values[:, order].to(torch.uint8), layer.scales.float(),
+                                      layer.zeros.float(), group, bias)
+    torch.testing.assert_close(layer(x[:3]).float(), expected.float(), rtol=2**-7, atol=1e-3)
+    assert not torch.equal(layer(x[:3]), plain(x[:3]))
+    assert torch.equal(layer(x), plain(x))
+
+
 def test_scales_and_zeros_are_kept_in_float16_only_where_that_is_exact():
     """fp16 checkpoint scales and integer zero points narrow to float16 (half the bytes, the same weight); a
     scale float16 would round stays float32."""

@@ -218,6 +218,14 @@ def test_int4_layer_equals_a_matmul_on_the_dequantized_weight(dtype, bias):
     torch.testing.assert_close(out.float(), nn.functional.linear(x.float(), weight, expected_bias), **tol)
 
 
+def test_int4_layer_takes_int8_activations_from_the_kernel_choice():
+    from kubellm.runtime.kernel_choice import KernelChoice
+
+    linear = nn.Linear(64, 32).to(torch.bfloat16)
+    assert not int4_layer(linear, KernelChoice(grouped_int4_gemm="native")).int8_activations
+    assert int4_layer(linear, KernelChoice(grouped_int4_gemm="native", int4_activations="int8")).int8_activations
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_layer_on_cuda_runs_the_triton_grouped_gemm_on_the_same_weights(dtype):
     """The CUDA path of --quantization int4 (Triton's interpreter here): float zero points and all."""

@@ -1,0 +1,126 @@
+// The int8-activation few-rows tile of the int4 GEMM (int4_gemm_cpu.cpp; layout there): llama.cpp's Q4 x Q8
+// idea on the same packed weights. Each row's activations are quantized to int8 per weight group
+// (quantize_rows), and the nibbles meet them in AVX512-VNNI integer dot products with int32 group accumulators:
+//   y[m, n] = sum_g s[g, n] * a[m, g] * (sum_{k in g} q[n, k] * xq[m, k] - z[g, n] * sum_{k in g} xq[m, k])
+// with a[m, g] = max|x[m, g]| / 127 and xq = round(x / a) in -127..127 (kernels/cpu_int4_gemm.py's
+// reference_w4a8_gemm is the same math in PyTorch).
+// Why: the bf16-activation tile spends, per 64 weights and row, a zero-extension, a shift, two ternary ORs and
+// two vdpbf16ps, and at one row it is instruction-bound (benchmarks/README.md, issue 12). Here a quad's 32
+// packed bytes become the 64 unsigned bytes vpdpbusd multiplies in three instructions shared by all rows, and
+// each row adds one vpdpbusd (an embedded broadcast of its four int8 activations) per 64 weights.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "gemm_tiles.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define KUBELLM_W4A8_TILES 1
+
+namespace kubellm_cpu {
+namespace w4a8 {
+
+// Rows of x quantized per group of `group` inputs (a multiple of 4): xq[m * K4 + kq] holds the int8 of inputs
+// 4kq, 4kq+2, 4kq+1, 4kq+3 (the byte order the widened nibbles take in dot_groups), scale[m * groups + g] =
+// max|x| / 127 over the group and qsum[...] the sum of its int8 values; xq = round(x * (127 / max|x|)), half to
+// even (vcvtps2dq under the default rounding mode). An all-zero group has scale 0 and values 0.
+inline void quantize_rows(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t group, int32_t* xq,
+                          float* scale, float* qsum) {
+  const int64_t groups = K / group;
+  const __m128i quad_order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+  auto load = [](const c10::BFloat16* p, __mmask16 mask) {  // 16 bf16 as float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+  };
+  for (int64_t m = 0; m < M; ++m) {
+    const c10::BFloat16* row = x + m * ldx;
+    int8_t* out = reinterpret_cast<int8_t*>(xq + m * (K / 4));
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t k0 = g * group;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < group; k += 16) {
+        const __mmask16 mask = group - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (group - k)) - 1);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(load(row + k0 + k, mask)));
+      }
+      const float a = _mm512_reduce_max_ps(amax);
+      const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t k = 0; k < group; k += 16) {
+        const __mmask16 mask = group - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (group - k)) - 1);
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load(row + k0 + k, mask), inv));  // |v| <= 127
+        sum = _mm512_add_epi32(sum, v);
+        _mm_mask_storeu_epi8(out + k0 + k, mask, _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(v), quad_order));
+      }
+      scale[m * groups + g] = a / 127.f;
+      qsum[m * groups + g] = static_cast<float>(_mm512_reduce_add_epi32(sum));
+    }
+  }
+}
+
+// out[r][b] = sum over groups g of s * a[r, g] * (xq_r . q_b over g - z * qsum[r, g]) for MR rows of quantized
+// activations (quantize_rows; x_stride int32 apart) and NB 16-channel weight blocks (w_block_stride bytes apart);
+// scales and zeros as in int4::dot_groups (param_row apart per group, 16 per block).
+// Widening: a quad's bytes zero-extended to words (word 2i + j = channel i's byte j), OR'd with themselves
+// shifted left by 4 and masked with 0x0F0F, hold channel i's q[k], q[k+2], q[k+1], q[k+3] as the four bytes of
+// dword lane i: the order quantize_rows stores each row's four activations in.
+// At 1-2 rows consecutive quads go to two accumulator sets (as int4::dot_groups does), so the additions into
+// one do not wait on each other. prefetch_bytes > 0: each cache line of the weights prefetches that far ahead
+// (the GEMM passes its item's size, as for int4::dot_groups), at one row too: with the widening this cheap,
+// the hardware prefetcher alone left one row from memory slower than two (benchmarks/README.md).
+template <int MR, int NB>
+__attribute__((always_inline)) inline void dot_groups(const int32_t* xq, int64_t x_stride, const float* scale,
+                                                      const float* qsum, int64_t groups, const uint8_t* w,
+                                                      int64_t w_block_stride, int64_t K4, int64_t group_quads,
+                                                      tiles::GroupParams scales, tiles::GroupParams zeros,
+                                                      int64_t param_row, __m512 (&out)[MR][NB],
+                                                      int64_t prefetch_bytes = 0) {
+  const __m512i low_nibbles = _mm512_set1_epi16(0x0F0F);
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NB; ++b) out[r][b] = _mm512_setzero_ps();
+  constexpr int KC = MR <= 2 ? 2 : 1;  // accumulator sets
+  for (int64_t g = 0, kq0 = 0; kq0 < K4; ++g, kq0 += group_quads) {
+    __m512i acc[KC][MR][NB];
+    for (int c = 0; c < KC; ++c)
+      for (int r = 0; r < MR; ++r)
+        for (int b = 0; b < NB; ++b) acc[c][r][b] = _mm512_setzero_si512();
+    const int64_t kq1 = std::min(K4, kq0 + group_quads);
+    auto quad = [&](int64_t kq, int c) __attribute__((always_inline)) {
+      __m512i wq[NB];
+      if (prefetch_bytes > 0 && (kq & 1) == 0)  // one line (two quads) at a time
+        for (int b = 0; b < NB; ++b)
+          _mm_prefetch(reinterpret_cast<const char*>(w + b * w_block_stride + kq * 32) + prefetch_bytes, _MM_HINT_T0);
+      for (int b = 0; b < NB; ++b) {
+        const __m512i words =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * w_block_stride + kq * 32)));
+        wq[b] = _mm512_ternarylogic_epi32(words, _mm512_slli_epi16(words, 4), low_nibbles, 0xA8);  // (a | b) & c
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m512i xr = _mm512_set1_epi32(xq[r * x_stride + kq]);
+        for (int b = 0; b < NB; ++b) acc[c][r][b] = _mm512_dpbusd_epi32(acc[c][r][b], wq[b], xr);
+      }
+    };
+    int64_t kq = kq0;
+    for (; kq + KC <= kq1; kq += KC)
+      for (int c = 0; c < KC; ++c) quad(kq + c, c);
+    if (kq < kq1) quad(kq, 0);
+    if constexpr (KC == 2)
+      for (int r = 0; r < MR; ++r)
+        for (int b = 0; b < NB; ++b) acc[0][r][b] = _mm512_add_epi32(acc[0][r][b], acc[1][r][b]);
+    // out += s * a * (acc - z * qsum)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t at = g * param_row + b * 16;
+      const __m512 s = scales.load16(at);
+      const __m512 z = zeros.load16(at);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 centred =
+            _mm512_fnmadd_ps(z, _mm512_set1_ps(qsum[r * groups + g]), _mm512_cvtepi32_ps(acc[0][r][b]));
+        out[r][b] = _mm512_fmadd_ps(centred, _mm512_mul_ps(s, _mm512_set1_ps(scale[r * groups + g])), out[r][b]);
+      }
+    }
+  }
+}
+
+}  // namespace w4a8
+}  // namespace kubellm_cpu
+#endif

@@ -288,13 +288,14 @@ def test_native_bf16_linears_in_a_bfloat16_engine_match_transformers(arch, tp, t
     assert errors["native"] < 2 * errors["onednn"] + 1e-3, errors
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_window", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_window", "qwen3", "qwen3_moe", "mixtral", "phi3_long"])
 def test_fused_decode_layers_give_the_module_trees_logits_bit_for_bit(arch, tiny_checkpoint_factory, monkeypatch,
                                                                      native_bf16_gemm, native_moe):
     """bfloat16 on the native kernels: pure decode steps (one or several rows) run one native call per layer
     (kernels/cpu_decode_layer.py), which calls the module tree's own kernels in its order, so every sampled row's
     logits are the same bits as with ``KUBELLM_FUSED_DECODE=0``; Qwen2's qkv bias, Mistral's window, Qwen3's q/k
-    norms and the packed experts of Qwen3-MoE (with its dense layer 1) and Mixtral included."""
+    norms, the packed experts of Qwen3-MoE (with its dense layer 1) and Mixtral, and Phi-3's longrope tables
+    (served past the pre-trained length: the long factors) included."""
     from kubellm.runtime.models import llama
 
     model_dir = (tiny_checkpoint_factory("mistral", dtype=torch.bfloat16, sliding_window=12) if arch == "mistral_window"

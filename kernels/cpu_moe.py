@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm
 from kubellm.kernels.cpu_extension import available as extension_available
 
-__all__ = ["QuantizedExperts", "available", "moe_experts", "moe_quantized_experts", "pack", "packable",
-           "quantized_packable", "reference_moe_experts", "reference_quantized_moe_experts", "unpack"]
+__all__ = ["QuantizedExperts", "available", "block_params", "moe_experts", "moe_quantized_experts", "pack", "packable",
+           "quantized_packable", "reference_moe_experts", "reference_quantized_moe_experts", "table_low", "unpack"]
 
 
 def available() -> bool:
@@ -71,8 +71,11 @@ class QuantizedExperts(NamedTuple):
     """A layer's quantized experts, stacked: per linear every expert's packed values (4-bit as cpu_int4_gemm packs
     them, uint8 ``w13`` ``[E, 2I/16, H/4, 16, 2]``, ``w2`` ``[E, H/16, I/4, 16, 2]``; 8-bit as
     cpu_grouped_int8_gemm does, int8 ``[E, 2I/16, H/2, 16, 2]`` and ``[E, H/16, I/2, 16, 2]``; gate rows then up
-    rows), the scales and zero points ``[E, inputs / group, outputs]`` (float32 or float16, in the values' range
-    as those GEMMs read them; zero points None: symmetric 8-bit values) and the group size."""
+    rows), the scales and zero points ``[E, outputs / 16, inputs / group, 16]`` (:func:`block_params` of the
+    GEMMs' ``[inputs / group, outputs]``; float32 or float16, in the values' range as those GEMMs read them; zero
+    points None: symmetric 8-bit values) and the group size; ``low13``/``low2``
+    (:func:`table_low`) where a linear's 8-bit values lie within 64 consecutive ones, which the kernel then widens
+    by a table (GGUF Q6_K, Q5_K)."""
 
     w13: torch.Tensor
     s13: torch.Tensor
@@ -82,6 +85,8 @@ class QuantizedExperts(NamedTuple):
     s2: torch.Tensor
     z2: torch.Tensor | None
     group2: int
+    low13: int | None = None
+    low2: int | None = None
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gate_up [E, 2I, H], down [E, H, I])`` in float32: the reference's weights."""
@@ -89,9 +94,26 @@ class QuantizedExperts(NamedTuple):
             unpack = cpu_int4_gemm.unpack if packed.dtype == torch.uint8 else cpu_grouped_int8_gemm.unpack
             q = torch.stack([unpack(p) for p in packed]).float()  # [E, N, K]
             g = torch.arange(q.shape[2]) // group
-            w = q if zeros is None else q - zeros.float().transpose(1, 2)[:, :, g]
-            return w * scales.float().transpose(1, 2)[:, :, g]
+            def per_input(params):  # [E, N/16, groups, 16] -> [E, N, K]
+                return params.float().transpose(1, 2).flatten(2).transpose(1, 2)[:, :, g]
+            w = q if zeros is None else q - per_input(zeros)
+            return w * per_input(scales)
         return linear(self.w13, self.s13, self.z13, self.group13), linear(self.w2, self.s2, self.z2, self.group2)
+
+
+def block_params(t: torch.Tensor) -> torch.Tensor:
+    """Scales or zero points ``[..., groups, N]`` (the GEMMs' order) → ``[..., N/16, groups, 16]``: per block of 16
+    channels its groups one after another, so that a work item of the kernel reads them as one stream."""
+    return t.unflatten(-1, (t.shape[-1] // 16, 16)).transpose(-3, -2).contiguous()
+
+
+def table_low(packed: torch.Tensor) -> int | None:
+    """For 8-bit values (int8) that lie within ``[low, low + 63]``, ``low`` (the least of them, at most 64); else
+    None (4-bit values, or wider 8-bit ones)."""
+    if packed.dtype != torch.int8 or packed.numel() == 0:
+        return None
+    low, high = int(packed.min()), int(packed.max())
+    return min(low, 64) if high - min(low, 64) < 64 else None
 
 
 def quantized_packable(hidden: int, inter: int, linears: tuple[tuple[int, int], tuple[int, int]]) -> bool:

@@ -17,8 +17,8 @@ namespace int4 {
 // out[r][b] = sum over groups g of s * (x_r . q_b over g - z * sum(x_r over g)) for MR rows of x (bf16 pairs,
 // x_pair_stride int32 apart; xsum[r * groups + g] their group sums) and NB 16-channel weight blocks
 // (w_block_stride bytes apart). Block b's scales and zero points of group g are 16 values at
-// g * param_row + b * param_block_stride (the GEMM's blocks are adjacent: stride 16; a MoE expert's gate and up
-// blocks are I channels apart).
+// g * param_row + b * param_block_stride (the GEMM's [K/group][N]: N and 16; the MoE kernel's per-block layout:
+// 16 and a block's groups).
 // Nibbles widen to bf16 in registers: a nibble v OR'd into the bits 0x4300 is the bf16 of 128 + v (exact), so
 // the products sum x * (q + 128) and the group's epilogue subtracts (z + 128) * sum(x).
 // At 1-2 rows the two products of a quad go to two accumulator sets, so the additions into one do not wait on

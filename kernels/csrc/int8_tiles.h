@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <c10/util/BFloat16.h>
+
 #include "gemm_tiles.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -14,20 +16,50 @@
 namespace kubellm_cpu {
 namespace int8 {
 
+// How a line of 32 int8 weights becomes 16 lanes of bf16 pairs (byte i -> bf16 element i, as vdpbf16ps reads them).
+// Any int8: widened through float32 (five instructions).
+struct WidenAny {
+  __attribute__((always_inline)) __m512i operator()(const int8_t* src) const { return tiles::widen_int8_pairs(src); }
+};
+
+// Values that span at most 64 (GGUF Q6_K's -32..31, Q5_K's 0..31): two instructions. Each int8, sign-extended to
+// 16 bits, indexes a table of 64 bf16 by its low 6 bits (vpermi2w), which tell apart any 64 consecutive values:
+// entry i holds the value v in [low, low + 63] with v = i modulo 64. At one row the tile is bound by its
+// instructions rather than by reading the weights: the Q6_K-shaped experts went 1.05-1.08x -> 1.17-1.24x bf16
+// with it (benchmarks/README.md).
+struct WidenTable {
+  __m512i lo, hi;  // entries 0..31, 32..63
+
+  explicit WidenTable(int low) {
+    alignas(64) uint16_t entries[64];
+    for (int i = 0; i < 64; ++i) {
+      const int v = low + (((i - low) % 64) + 64) % 64;
+      entries[i] = c10::BFloat16(static_cast<float>(v)).x;  // exact: |v| <= 128
+    }
+    lo = _mm512_load_si512(entries);
+    hi = _mm512_load_si512(entries + 32);
+  }
+  __attribute__((always_inline)) __m512i operator()(const int8_t* src) const {
+    const __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    return _mm512_permutex2var_epi16(lo, words, hi);
+  }
+};
+
 // out[r][b] = sum over groups g of s * (x_r . q_b over g - z * sum(x_r over g)) (no z without ZP) for MR rows of
 // x (bf16 pairs, x_pair_stride int32 apart; xsum[r * groups + g] their group sums, read only with ZP) and NB
 // 16-channel weight blocks ([K/2][16][2] int8 each, w_block_stride bytes apart). Block b's scales and zero points
-// of group g are 16 values at g * param_row + b * param_block_stride (the GEMM's blocks are adjacent: stride 16;
-// a MoE expert's gate and up blocks are I channels apart); `tail` masks the last block's channels that exist.
-// Each int8 widens to bf16 in registers (exact), vdpbf16ps sums in float32, the group's epilogue scales once.
+// of group g are 16 values at g * param_row + b * param_block_stride (the GEMM's [K/group][N]: N and 16; the MoE
+// kernel's per-block layout: 16 and a block's groups); `tail` masks the last block's channels that exist.
+// Each int8 widens to bf16 in registers (exact; `widen`), vdpbf16ps sums in float32, the group's epilogue scales
+// once.
 // (Inlined by force so the accumulators stay in registers in the caller's tile loop.)
-template <int MR, int NB, bool ZP>
+template <int MR, int NB, bool ZP, class Widen = WidenAny>
 __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, int64_t x_pair_stride,
                                                       const float* xsum, int64_t groups, const int8_t* w,
                                                       int64_t w_block_stride, int64_t K2, int64_t group_pairs,
                                                       tiles::GroupParams scales, tiles::GroupParams zeros,
                                                       int64_t param_row, int64_t param_block_stride, __mmask16 tail,
-                                                      __m512 (&out)[MR][NB]) {
+                                                      __m512 (&out)[MR][NB], const Widen& widen = Widen{}) {
   for (int r = 0; r < MR; ++r)
     for (int b = 0; b < NB; ++b) out[r][b] = _mm512_setzero_ps();
   for (int64_t g = 0, kp0 = 0; kp0 < K2; ++g, kp0 += group_pairs) {
@@ -37,7 +69,7 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, in
     const int64_t kp1 = std::min(K2, kp0 + group_pairs);
     for (int64_t kp = kp0; kp < kp1; ++kp) {
       __m512i wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = tiles::widen_int8_pairs(w + b * w_block_stride + kp * 32);
+      for (int b = 0; b < NB; ++b) wv[b] = widen(w + b * w_block_stride + kp * 32);
       for (int r = 0; r < MR; ++r) {
         const __m512i xb = _mm512_set1_epi32(x_pairs[r * x_pair_stride + kp]);
         for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xb, (__m512bh)wv[b]);

@@ -21,9 +21,12 @@
 // packs it, one of 8-bit values (GPTQ 8-bit, W8A16, GGUF Q8_0/Q5_K/Q6_K) as grouped_int8_gemm_cpu.cpp does, and
 // stacked over the experts:
 //   w13 [E, 2I/16, H/4, 16, 2] uint8 or [E, 2I/16, H/2, 16, 2] int8 (gate blocks, then up blocks),
-//       s13/z13 [E, H/group13, 2I];
-//   w2  [E, H/16, I/4, 16, 2] uint8 or [E, H/16, I/2, 16, 2] int8, s2/z2 [E, I/group2, H];
-// scales and zero points float32 or float16; zero points required for 4-bit values, optional for 8-bit ones. Rows
+//       s13/z13 [E, 2I/16, H/group13, 16];
+//   w2  [E, H/16, I/4, 16, 2] uint8 or [E, H/16, I/2, 16, 2] int8, s2/z2 [E, H/16, I/group2, 16];
+// (scales and zero points per block of 16 channels, its groups one after another: a work item reads them as one
+// stream, where the GEMMs' [K/group, N] spread them over K/group lines N apart, each a separate miss at one row);
+// scales and zero points float32 or float16; zero points required for 4-bit values, optional for 8-bit ones;
+// low13/low2, given for 8-bit values that lie within [low, low + 63] (Q6_K, Q5_K), widen them by table. Rows
 // run through int4_tiles.h's or int8_tiles.h's tile (weights widened in registers), gate block j beside up block
 // j. The per-expert path's rounding is kept: bfloat16 gate, up, activation and down outputs.
 #include <ATen/Parallel.h>
@@ -219,13 +222,16 @@ struct ExpertLinear {
   bool int4 = false;  // else int8 values
   int64_t N = 0, K = 0, group = 0, groups = 0, block_bytes = 0;
   tiles::GroupParams scales, zeros;  // over [E * groups, N]; zeros without data: none (8-bit values only)
+  bool table = false;  // int8 values within [low, low + 63]: widened by int8_tiles.h's table
+  int8::WidenTable widen{0};
 
   bool needs_sums() const { return int4 || zeros.data; }  // the sums of x per group that zero points multiply
 };
 
 // Checks one stacked linear (see the top of the file) and describes it.
 ExpertLinear expert_linear(const char* name, const at::Tensor& packed, const at::Tensor& scales,
-                           const c10::optional<at::Tensor>& zeros, int64_t E, int64_t N, int64_t K, int64_t group) {
+                           const c10::optional<at::Tensor>& zeros, int64_t group, c10::optional<int64_t> low,
+                           int64_t E, int64_t N, int64_t K) {
   ExpertLinear l;
   l.int4 = packed.scalar_type() == at::kByte;
   const int per_byte = l.int4 ? 2 : 1;
@@ -240,12 +246,45 @@ ExpertLinear expert_linear(const char* name, const at::Tensor& packed, const at:
   const bool has_zeros = zeros.has_value() && zeros->defined();
   TORCH_CHECK(has_zeros || !l.int4, name, ": 4-bit values need zero points");
   l.N = N, l.K = K, l.group = group, l.groups = K / group, l.block_bytes = K / per_byte * 16;
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == E && (!has_zeros || (zeros->dim() == 3 && zeros->size(0) == E)),
-              name, "'s scales and zero points must be [E, K/group, N]");
-  l.scales = tiles::group_params(scales.flatten(0, 1), "scales", E * l.groups, N);
-  if (has_zeros) l.zeros = tiles::group_params(zeros->flatten(0, 1), "zeros", E * l.groups, N);
+  const int64_t rows = E * (N / 16) * l.groups;  // [E, N/16, K/group, 16] as [rows, 16]
+  const auto params = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == E && t.size(1) * 16 == N && t.size(2) == l.groups && t.size(3) == 16,
+                name, "'s ", what, " must be [E, N/16, K/group, 16] = [", E, ", ", N / 16, ", ", l.groups,
+                ", 16], got ", t.sizes());
+    return tiles::group_params(t.view({rows, 16}), what, rows, 16);
+  };
+  l.scales = params(scales, "scales");
+  if (has_zeros) l.zeros = params(*zeros, "zeros");
+  if (low.has_value()) {
+    TORCH_CHECK(!l.int4 && *low >= -128 && *low <= 64, name, ": a value table (low ", *low,
+                ") is for int8 values within [low, low + 63]");
+    l.table = true;
+    l.widen = int8::WidenTable(static_cast<int>(*low));
+  }
   l.w = static_cast<const uint8_t*>(packed.const_data_ptr());
   return l;
+}
+
+// int8_tiles.h's tile for R rows of an 8-bit linear, with or without zero points and the value table.
+template <int R, int NB>
+__attribute__((always_inline)) inline void int8_tile(const ExpertLinear& l, const int32_t* x_pairs,
+                                                     int64_t x_pair_stride, const float* xsum, const int8_t* w,
+                                                     int64_t w_stride, tiles::GroupParams s, tiles::GroupParams z,
+                                                     int64_t param_block_stride, __m512 (&acc)[R][NB]) {
+#define KUBELLM_INT8_TILE(ZP, ...)                                                                                 \
+  int8::dot_groups<R, NB, ZP>(x_pairs, x_pair_stride, xsum, l.groups, w, w_stride, l.K / 2, l.group / 2, s, z, 16,  \
+                              param_block_stride, 0xFFFF, acc __VA_OPT__(, ) __VA_ARGS__)
+  if (l.table) {
+    if (z.data)
+      KUBELLM_INT8_TILE(true, l.widen);
+    else
+      KUBELLM_INT8_TILE(false, l.widen);
+  } else if (z.data) {
+    KUBELLM_INT8_TILE(true);
+  } else {
+    KUBELLM_INT8_TILE(false);
+  }
+#undef KUBELLM_INT8_TILE
 }
 
 // out[r * NB * 16 + b * 16 + c] (float32): mr (1..kMaxRowsQuantized) rows of x (bf16 pairs, x_pair_stride int32
@@ -255,23 +294,20 @@ template <int NB>
 void linear_rows(const ExpertLinear& l, int mr, const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum,
                  int64_t e, int64_t blk, int64_t block_step, float* out) {
   const uint8_t* w = l.w + (e * (l.N / 16) + blk) * l.block_bytes;
-  const int64_t params = e * l.groups * l.N + blk * 16, w_stride = block_step * l.block_bytes;
+  // An item's scales and zero points: its blocks' groups one after another (16 values each), block_step blocks on.
+  const int64_t params = (e * (l.N / 16) + blk) * l.groups * 16, w_stride = block_step * l.block_bytes;
+  const int64_t param_block_stride = block_step * l.groups * 16;
   const tiles::GroupParams s = l.scales.offset(params), z = l.zeros.offset(params);
   const auto* w8 = reinterpret_cast<const int8_t*>(w);
-  const __mmask16 all = 0xFFFF;
   switch (mr) {
 #define KUBELLM_ROWS(R)                                                                                            \
   case R: {                                                                                                        \
     __m512 acc[R][NB];                                                                                             \
     if (l.int4)                                                                                                    \
-      int4::dot_groups<R, NB>(x_pairs, x_pair_stride, xsum, l.groups, w, w_stride, l.K / 4, l.group / 4, s, z, l.N, \
-                              block_step * 16, acc);                                                               \
-    else if (z.data)                                                                                               \
-      int8::dot_groups<R, NB, true>(x_pairs, x_pair_stride, xsum, l.groups, w8, w_stride, l.K / 2, l.group / 2, s, \
-                                    z, l.N, block_step * 16, all, acc);                                            \
+      int4::dot_groups<R, NB>(x_pairs, x_pair_stride, xsum, l.groups, w, w_stride, l.K / 4, l.group / 4, s, z, 16,  \
+                              param_block_stride, acc);                                                            \
     else                                                                                                           \
-      int8::dot_groups<R, NB, false>(x_pairs, x_pair_stride, xsum, l.groups, w8, w_stride, l.K / 2, l.group / 2,  \
-                                     s, z, l.N, block_step * 16, all, acc);                                        \
+      int8_tile<R, NB>(l, x_pairs, x_pair_stride, xsum, w8, w_stride, s, z, param_block_stride, acc);             \
     for (int r = 0; r < R; ++r)                                                                                    \
       for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + (r * NB + b) * 16, acc[r][b]);                           \
     break;                                                                                                         \
@@ -376,7 +412,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& logits, const at::
 at::Tensor moe_quantized_experts(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& w13,
                                  const at::Tensor& s13, const c10::optional<at::Tensor>& z13, int64_t group13,
                                  const at::Tensor& w2, const at::Tensor& s2, const c10::optional<at::Tensor>& z2,
-                                 int64_t group2, int64_t top_k, bool renormalize) {
+                                 int64_t group2, c10::optional<int64_t> low13, c10::optional<int64_t> low2,
+                                 int64_t top_k, bool renormalize) {
 #ifndef KUBELLM_MOE_CPU
   TORCH_CHECK(false, "moe_quantized_experts needs a build with AVX512-BF16 (-march of a CPU that has it)");
 #else
@@ -385,8 +422,8 @@ at::Tensor moe_quantized_experts(const at::Tensor& x, const at::Tensor& logits, 
   const int64_t T = x.size(0), H = x.size(1), E = w13.size(0), I = w13.size(1) * 8, IB = I / 16, HB = H / 16;
   TORCH_CHECK(I % 16 == 0 && H % 16 == 0, "moe_quantized_experts: hidden (", H, ") and intermediate (", I,
               ") sizes must be multiples of 16");
-  const ExpertLinear l13 = expert_linear("w13", w13, s13, z13, E, 2 * I, H, group13);
-  const ExpertLinear l2 = expert_linear("w2", w2, s2, z2, E, H, I, group2);
+  const ExpertLinear l13 = expert_linear("w13", w13, s13, z13, group13, low13, E, 2 * I, H);
+  const ExpertLinear l2 = expert_linear("w2", w2, s2, z2, group2, low2, E, H, I);
   TORCH_CHECK(logits.dim() == 2 && logits.size(0) == T && logits.size(1) == E, "logits must be [T, E], got ",
               logits.sizes());
   TORCH_CHECK(top_k >= 1 && top_k <= E, "top_k must be 1..", E);
@@ -460,7 +497,7 @@ at::Tensor moe_quantized_experts(const at::Tensor& x, const at::Tensor& logits, 
 TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
   m.def("moe_experts(Tensor x, Tensor logits, Tensor w13, Tensor w2, int top_k, bool renormalize) -> Tensor");
   m.def("moe_quantized_experts(Tensor x, Tensor logits, Tensor w13, Tensor s13, Tensor? z13, int group13, "
-        "Tensor w2, Tensor s2, Tensor? z2, int group2, int top_k, bool renormalize) -> Tensor");
+        "Tensor w2, Tensor s2, Tensor? z2, int group2, int? low13, int? low2, int top_k, bool renormalize) -> Tensor");
   m.def("moe_experts_available() -> bool", &kubellm_cpu::moe_experts_available);  // no tensors: not dispatched
 }
 

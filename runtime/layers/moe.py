@@ -145,21 +145,28 @@ class FusedMoE(nn.Module):
                 half = all(getattr(m, key).dtype == torch.float16 for m in layers)
                 return torch.float16 if half else torch.float32
 
+            def shape(key: str) -> tuple[int, ...]:  # the kernel's scales and zero points: cpu_moe.block_params
+                if key == "qweight":
+                    return tuple(first.qweight.shape)
+                groups, n = getattr(first, key).shape
+                return n // 16, groups, 16
+
             out = [None if getattr(first, key) is None else
-                   torch.empty(len(layers), *getattr(first, key).shape,
-                               dtype=first.qweight.dtype if key == "qweight" else dtype(key))
+                   torch.empty(len(layers), *shape(key), dtype=first.qweight.dtype if key == "qweight" else dtype(key))
                    for key in ("qweight", "scales", "zeros")]
             for i, m in enumerate(layers):
-                for dst, src in zip(out, (m.qweight, m.scales, m.zeros), strict=True):
+                for key, dst, src in zip(("qweight", "scales", "zeros"), out, (m.qweight, m.scales, m.zeros),
+                                         strict=True):
                     if dst is not None:
-                        dst[i] = src
+                        dst[i] = src if key == "qweight" else cpu_moe.block_params(src)
                 m.qweight = m.scales = m.zeros = None
             return (*out, first.group_size)
 
         w13, s13, z13, group13 = stacked("gate_up_proj")
         w2, s2, z2, group2 = stacked("down_proj")
         self.experts = nn.ModuleList()
-        self.packed = cpu_moe.QuantizedExperts(w13, s13, z13, group13, w2, s2, z2, group2)
+        self.packed = cpu_moe.QuantizedExperts(w13, s13, z13, group13, w2, s2, z2, group2, cpu_moe.table_low(w13),
+                                               cpu_moe.table_low(w2))
 
     def quantized_stackable_for_cpu_kernel(self) -> bool:
         """Every expert linear a native 4-bit or 5..8-bit ``QuantizedLinear`` without act-order or bias, one width,

@@ -85,9 +85,11 @@ def test_pack_layout():
 
 
 # A linear's form as the loaders hand it to the kernel: (bits, zero points). 4-bit values always have zero points
-# (anywhere in 0..15, fractional for GGUF Q4_1/Q4_K); 8-bit ones none (GGUF Q8_0, Q6_K, GPTQ symmetric) or float
-# ones (GGUF Q5_K, GPTQ asymmetric shifted by -128).
-INT4, INT8, INT8_ZEROS = (4, True), (8, False), (8, True)
+# (anywhere in 0..15, fractional for GGUF Q4_1/Q4_K); 8-bit ones none (GGUF Q8_0, GPTQ symmetric) or float ones
+# (GGUF Q5_K, GPTQ asymmetric shifted by -128). 6-bit values (-32..31, GGUF Q6_K) and 5-bit ones (0..31 with float
+# zero points, GGUF Q5_K) are int8 that the kernel widens by table.
+INT4, INT8, INT8_ZEROS, INT6, INT5_ZEROS = (4, True), (8, False), (8, True), (6, False), (5, True)
+_RANGES = {4: (0, 16), 8: (-128, 128), 6: (-32, 32), 5: (0, 32)}
 
 
 def _quantized_case(tokens, hidden, inter, experts, group13, group2, seed=0, half=False, forms=(INT4, INT4)):
@@ -99,19 +101,21 @@ def _quantized_case(tokens, hidden, inter, experts, group13, group2, seed=0, hal
 
     def linear(n, k, group, form):
         bits, with_zeros = form
-        top = 16 if bits == 4 else 128
-        q = torch.randint(0 if bits == 4 else -128, top, (experts, n, k), generator=g)
-        scales = (torch.rand(experts, k // group, n, generator=g) + 0.5) / (top / 2 * k**0.5)
+        low, top = _RANGES[bits]
+        q = torch.randint(low, top, (experts, n, k), generator=g)
+        scales = (torch.rand(experts, k // group, n, generator=g) + 0.5) / ((top - low) / 2 * k**0.5)
         zeros = torch.randint(0, 16, (experts, k // group, n), generator=g).float() if bits == 4 else \
             (torch.rand(experts, k // group, n, generator=g) - 0.5) * 64 if with_zeros else None
         if half:
             scales, zeros = scales.half(), None if zeros is None else zeros.half()
         pack = cpu_int4_gemm.pack if bits == 4 else cpu_grouped_int8_gemm.pack
-        return torch.stack([pack(w.to(torch.uint8 if bits == 4 else torch.int8)) for w in q]), scales, zeros
+        return (torch.stack([pack(w.to(torch.uint8 if bits == 4 else torch.int8)) for w in q]),
+                cpu_moe.block_params(scales), None if zeros is None else cpu_moe.block_params(zeros))
 
     w13, s13, z13 = linear(2 * inter, hidden, group13, forms[0])
     w2, s2, z2 = linear(hidden, inter, group2, forms[1])
-    return x, logits, cpu_moe.QuantizedExperts(w13, s13, z13, group13, w2, s2, z2, group2)
+    return x, logits, cpu_moe.QuantizedExperts(w13, s13, z13, group13, w2, s2, z2, group2, cpu_moe.table_low(w13),
+                                               cpu_moe.table_low(w2))
 
 
 def _check_quantized(x, logits, experts, top_k, renormalize):
@@ -135,12 +139,15 @@ def test_int4_experts_match_the_reference(tokens, hidden, inter, experts, top_k,
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 @pytest.mark.parametrize(("forms", "hidden", "inter", "group13", "group2"), [
     ((INT8, INT8), 96, 64, 32, 32),  # GGUF Q8_0
-    ((INT8, INT8), 80, 48, 16, 16),  # GGUF Q6_K
-    ((INT8_ZEROS, INT8_ZEROS), 96, 64, 32, 32),  # GGUF Q5_K
-    ((INT8_ZEROS, INT8), 80, 48, 80, 48),  # per channel (group = inputs), with and without zero points
-    ((INT4, INT8), 96, 64, 32, 16),  # GGUF Q4_K_M: Q4_K gate/up, Q6_K down
-    ((INT8, INT4), 80, 48, 16, 16),  # and the other way round
-], ids=["q8_0", "q6_k", "q5_k", "per-channel", "4-bit-gate-up-8-bit-down", "8-bit-gate-up-4-bit-down"])
+    ((INT6, INT6), 80, 48, 16, 16),  # GGUF Q6_K
+    ((INT5_ZEROS, INT5_ZEROS), 96, 64, 32, 32),  # GGUF Q5_K
+    ((INT8, INT8), 80, 48, 16, 16),  # groups of 16, full int8 range
+    ((INT8_ZEROS, INT8_ZEROS), 96, 64, 32, 32),  # GPTQ 8-bit asymmetric
+    ((INT8_ZEROS, INT6), 80, 48, 80, 48),  # per channel (group = inputs), with and without zero points
+    ((INT4, INT6), 96, 64, 32, 16),  # GGUF Q4_K_M: Q4_K gate/up, Q6_K down
+    ((INT8, INT4), 80, 48, 16, 16),  # and 8-bit gate/up beside 4-bit down
+], ids=["q8_0", "q6_k", "q5_k", "int8-g16", "int8-zeros", "per-channel", "4-bit-gate-up-6-bit-down",
+        "8-bit-gate-up-4-bit-down"])
 @pytest.mark.parametrize("top_k", [1, 2, 8])
 def test_8bit_and_mixed_experts_match_the_reference(tokens, forms, hidden, inter, group13, group2, top_k):
     """8-bit experts (int8 values over their whole range) with the group sizes of the forms that occur, with and
@@ -148,6 +155,33 @@ def test_8bit_and_mixed_experts_match_the_reference(tokens, forms, hidden, inter
     odd numbers of 16-channel output blocks (hidden 80), top-k 1 to 8 of 16 experts."""
     _check_quantized(*_quantized_case(tokens, hidden, inter, 16, group13, group2, seed=tokens + top_k, forms=forms),
                      top_k, True)
+
+
+def test_narrow_8bit_values_get_a_value_table():
+    """table_low gives the least value of int8 values within 64 consecutive ones (what the kernel's table widens):
+    Q6_K's -32..31 and Q5_K's 0..31 get one, full-range int8 and 4-bit values none."""
+    assert cpu_moe.table_low(torch.tensor([-32, 31, 0], dtype=torch.int8)) == -32
+    assert cpu_moe.table_low(torch.tensor([0, 31], dtype=torch.int8)) == 0
+    assert cpu_moe.table_low(torch.tensor([100, 127], dtype=torch.int8)) == 64  # the table stays within int8
+    assert cpu_moe.table_low(torch.tensor([-32, 32], dtype=torch.int8)) is None
+    assert cpu_moe.table_low(torch.tensor([0, 15], dtype=torch.uint8)) is None
+
+
+def test_a_value_table_too_narrow_for_the_values_changes_the_result():
+    """The table is what widens the values (a low 32 too high maps -32..-1 to 32..63): the kernel must take it from
+    the values, not from their width."""
+    x, logits, experts = _quantized_case(3, 80, 48, 16, 16, 16, forms=(INT6, INT6))
+    assert experts.low13 == experts.low2 == -32
+    good = cpu_moe.moe_quantized_experts(x, logits, experts, 2, True)
+    bad = cpu_moe.moe_quantized_experts(x, logits, experts._replace(low2=0), 2, True)
+    assert not torch.allclose(good.float(), bad.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_block_params_put_each_blocks_groups_one_after_another():
+    """[E, groups, N] -> [E, N/16, groups, 16]: expert 1, channel 16 + 5, group 2 is block 1, group 2, lane 5."""
+    t = torch.arange(2 * 3 * 32, dtype=torch.float32).view(2, 3, 32)
+    b = cpu_moe.block_params(t)
+    assert b.shape == (2, 2, 3, 16) and b.is_contiguous() and b[1, 1, 2, 5] == t[1, 2, 21]
 
 
 def test_8bit_experts_take_float16_scales():

@@ -777,8 +777,9 @@ def _fused_moes(served, count: int) -> list:
 def test_packed_gguf_experts_stack_for_the_fused_moe_kernel(case, tmp_path, byte_tokenizer, native_moe):
     """Experts of every packed type loaded in bfloat16 on the native GEMMs (4-bit: Q4_0's zero point 8, Q4_K's
     fractional float zero points; 8-bit: Q8_0, Q6_K's groups of 16, Q5_K's float zero points; Q4_K_M's 4-bit
-    gate/up beside a 6-bit down) stack into kernels/cpu_moe.py's QuantizedExperts, each linear in its own width,
-    and the fused kernel's layer output equals the per-expert path's on the same packed weights."""
+    gate/up beside a 6-bit down) stack into kernels/cpu_moe.py's QuantizedExperts, each linear in its own width
+    (Q6_K's and Q5_K's values with a value table), and the fused kernel's layer output equals the per-expert path's
+    on the same packed weights."""
     from kubellm.runtime.layers.moe import FusedMoE, pack_experts
     from kubellm.runtime.models.loader import build_model
 
@@ -792,6 +793,7 @@ def test_packed_gguf_experts_stack_for_the_fused_moe_kernel(case, tmp_path, byte
     for m, want in zip(_fused_moes(served, 2), per_expert, strict=True):
         width = {Q.Q4_0: torch.uint8, Q.Q4_1: torch.uint8, Q.Q4_K: torch.uint8}.get(experts[2], torch.int8)
         assert m.packed.w2.dtype == width  # the down projection's own width (Q4_K_M: 6-bit)
+        assert (m.packed.low2 is not None) == (experts[2] in (Q.Q6_K, Q.Q5_K))  # 6- and 5-bit: widened by table
         # bfloat16 rounding of the outputs' sum (per expert path) against float32 (kernel), scaled as the outputs
         # are (Q6_K's random blocks make them larger than 1)
         torch.testing.assert_close(m(x), want, atol=2e-2 * max(1.0, want.abs().max().item()), rtol=2e-2)

@@ -9,7 +9,10 @@
 
 Run: ``python benchmarks/decode_profile.py --threads 2`` (SmolLM2-135M bf16, as ``cpu_targets.py``). With
 ``--ab`` it alternates the fused decode layer on and off in one engine (``KUBELLM_FUSED_DECODE``'s two paths);
-``--model`` takes offline.py's names (``qwen3-0.6b-shape``, ``qwen3-30b-a3b-4l-shape``) or a folder.
+with ``--ab-region`` one engine's steps, 4 at a time, with the fused layer in one parallel region and with each
+kernel in its own (``KUBELLM_LAYER_REGION``, read at every call), timed step by step: on a shared host the low
+percentiles are the steps no other job interrupted. ``--model`` takes offline.py's names (``qwen3-0.6b-shape``,
+``qwen3-30b-a3b-4l-shape``) or a folder.
 """
 
 from __future__ import annotations
@@ -146,6 +149,41 @@ def ab(args, model_dir: Path) -> None:
           f"{[round(x, 2) for x in cpu_ms[True]]}: {base / new:.2f}x")
 
 
+def ab_region(args, model_dir: Path) -> None:
+    """One engine, KUBELLM_LAYER_REGION=0/1 alternated every 4 decode steps; per-step wall-time percentiles."""
+    import random
+
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    engine = make_llm(model_dir, args.threads).engine
+    times: dict[str, list[float]] = {"0": [], "1": []}
+    rng = random.Random(0)
+    try:
+        for r in range(args.rounds):
+            prompt = [rng.randrange(engine.model_config.vocab_size) for _ in range(args.prompt)]
+            engine.add_request(prompt, SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True, temperature=0.0))
+            engine.step()
+            step = 0
+            while engine.has_unfinished_requests():
+                value = "01"[(step // 4 + r) % 2]
+                os.environ["KUBELLM_LAYER_REGION"] = value
+                start = time.perf_counter()
+                engine.step()
+                times[value].append(1e3 * (time.perf_counter() - start))
+                step += 1
+    finally:
+        os.environ.pop("KUBELLM_LAYER_REGION", None)
+
+    def pct(value: str, q: float) -> float:
+        return sorted(times[value])[int(q * (len(times[value]) - 1))]
+
+    print(f"{len(times['0'])} steps each, load {os.getloadavg()[0]:.1f}; ms/step at p10 / p25 / median:")
+    for value, name in (("0", "one region per kernel"), ("1", "one region per layer")):
+        print(f"  {name:22s} {pct(value, .1):7.3f} / {pct(value, .25):7.3f} / {pct(value, .5):7.3f}")
+    print("  per layer / per kernel speed: " + ", ".join(f"{name} {pct('0', q) / pct('1', q):.3f}x"
+                                                      for name, q in (("p10", .1), ("p25", .25), ("median", .5))))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
@@ -154,6 +192,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--ab", action="store_true", help="alternate the fused decode layer on and off")
+    p.add_argument("--ab-region", action="store_true", help="alternate the fused layer's one parallel region on and off")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--batch", type=int, default=1, help="--ab: requests decoding together (one prefill step)")
     args = p.parse_args()
@@ -162,6 +201,8 @@ def main() -> int:
     print(f"load average {os.getloadavg()}")
     if args.ab:
         ab(args, model_dir)
+    elif args.ab_region:
+        ab_region(args, model_dir)
     else:
         profile(make_llm(model_dir, args.threads), args)
     print(f"load average after {os.getloadavg()}")

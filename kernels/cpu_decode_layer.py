@@ -22,6 +22,8 @@ Contract (bfloat16 activations and pool; the weights packed by :func:`kubellm.ke
 The kernel calls the same native kernels the unfused model runs (bf16 linear, add + RMSNorm, rotary or q/k norm +
 rotary, paged decode attention, SiLU-and-mul or the experts), in the same order on the same inputs, so its output equals the unfused path's
 bit for bit; against the reference below (float32 GEMM sums in another order) it agrees to bfloat16 rounding.
+A one-row layer on several threads runs in one parallel region whose threads share each GEMM's work items, not
+one region per kernel (``KUBELLM_LAYER_REGION=0`` turns that off, for A/B runs; the bits are the same).
 """
 
 from __future__ import annotations

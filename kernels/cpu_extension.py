@@ -52,8 +52,9 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "prefill_attention_cpu.cpp", "int8_gemm_cpu.cpp",
                  "int4_gemm_cpu.cpp", "grouped_int8_gemm_cpu.cpp", "moe_cpu.cpp", "bf16_gemm_cpu.cpp",
                  "fp8_gemm_cpu.cpp", "decode_layer_cpu.cpp")
-_HEADER_NAMES = ("scalar_math.h", "gemm_tiles.h", "int4_tiles.h", "int8_tiles.h",
-                 "w4a8_tiles.h")  # part of the build's cache key, not compiled on their own
+# Part of the build's cache key, not compiled on their own.
+_HEADER_NAMES = ("scalar_math.h", "gemm_tiles.h", "int4_tiles.h", "int8_tiles.h", "w4a8_tiles.h", "bf16_linear.h",
+                 "shared_items.h")
 OP_NAMESPACE = "kubellm_cpu"
 # One op per source: the extension counts as loaded when all of them are registered.
 _OPS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_",

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "bf16_linear.h"
 #include "gemm_tiles.h"
 
 namespace kubellm_cpu {
@@ -108,8 +109,10 @@ void item_rows(int64_t M, const int32_t* x_pairs, int64_t x_pair_stride, const _
 }
 #endif
 
-at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
-                       const c10::optional<at::Tensor>& bias) {
+}  // namespace
+
+Bf16LinearItems bf16_linear_items(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
+                                  const c10::optional<at::Tensor>& bias) {
 #ifndef KUBELLM_BF16_TILE
   TORCH_CHECK(false, "bf16_linear needs a build with AVX512-BF16 (-march of a CPU that has it)");
 #else
@@ -117,57 +120,71 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(2) == 16 && packed.size(3) == 2,
               "packed must be a contiguous [ceil(N/16), ceil(K/2), 16, 2] bfloat16 tensor (cpu_bf16_gemm.pack)");
-  const int64_t M = x_in.size(0), K = x_in.size(1), NBLK = packed.size(0), K2 = packed.size(1);
-  TORCH_CHECK(K2 == (K + 1) / 2, "x has ", K, " columns, the packed weight ", 2 * K2, " (pairs of inputs)");
-  TORCH_CHECK(N > 16 * (NBLK - 1) && N <= 16 * NBLK, "N (", N, ") does not fit ", NBLK, " blocks of 16 channels");
-  const float* bias_p = nullptr;
+  Bf16LinearItems it;
+  const int64_t K = x_in.size(1);
+  it.M = x_in.size(0), it.N = N, it.NBLK = packed.size(0), it.K2 = packed.size(1);
+  TORCH_CHECK(it.K2 == (K + 1) / 2, "x has ", K, " columns, the packed weight ", 2 * it.K2, " (pairs of inputs)");
+  TORCH_CHECK(N > 16 * (it.NBLK - 1) && N <= 16 * it.NBLK, "N (", N, ") does not fit ", it.NBLK,
+              " blocks of 16 channels");
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 "bias must be [N] float32");
-    bias_p = bias->const_data_ptr<float>();
+    it.bias = bias->const_data_ptr<float>();
   }
   // Pairs of x are read as int32: an odd K (or row stride) gets a zero-padded copy, like the weight's last pair.
-  at::Tensor x = x_in;
-  if (K % 2 != 0 || x.stride(1) != 1 || x.stride(0) % 2 != 0) {
-    x = at::zeros({M, 2 * K2}, x_in.options());
-    x.narrow(1, 0, K).copy_(x_in);
+  it.x = x_in;
+  if (K % 2 != 0 || x_in.stride(1) != 1 || x_in.stride(0) % 2 != 0) {
+    it.x = at::zeros({it.M, 2 * it.K2}, x_in.options());
+    it.x.narrow(1, 0, K).copy_(x_in);
   }
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  it.y = at::empty({it.M, N}, it.x.options());
+  it.weight = packed.const_data_ptr<c10::BFloat16>();
+  it.nb = tiles::blocks_per_item(it.NBLK, it.M <= kStreamMaxRows && it.M > 4 ? 3 : 4);
+  it.items = it.M == 0 || N == 0 ? 0 : (it.NBLK + it.nb - 1) / it.nb;
+  return it;
+#endif
+}
+
+void Bf16LinearItems::run(int64_t begin, int64_t end) const {
+#ifdef KUBELLM_BF16_TILE
   const auto* xp = reinterpret_cast<const int32_t*>(x.const_data_ptr<c10::BFloat16>());
   const int64_t x_pair_stride = x.stride(0) / 2;
-  const auto* wp = reinterpret_cast<const __m512i*>(packed.const_data_ptr<c10::BFloat16>());
-  c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
-  const bool stream = M <= kStreamMaxRows;
-  const int nb = tiles::blocks_per_item(NBLK, stream && M > 4 ? 3 : 4);
-  at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t blk = it * nb;
-      const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
-      const __m512i* w = wp + blk * K2;
-      const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
-      c10::BFloat16* yb = yp + blk * 16;
-      const int64_t valid = std::min<int64_t>(16 * n, N - 16 * blk);
-      if (stream) {
-        switch (M) {
+  const auto* wp = static_cast<const __m512i*>(weight);
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  for (int64_t it = begin; it < end; ++it) {
+    const int64_t blk = it * nb;
+    const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
+    const __m512i* w = wp + blk * K2;
+    const float* bp = bias ? bias + blk * 16 : nullptr;
+    c10::BFloat16* yb = yp + blk * 16;
+    const int64_t valid = std::min<int64_t>(16 * n, N - 16 * blk);
+    if (M <= kStreamMaxRows) {
+      switch (M) {
 #define KUBELLM_STREAM(R) \
   case R: stream_rows<R>(n, xp, x_pair_stride, w, K2, bp, yb, N, valid); break;
-          KUBELLM_STREAM(1) KUBELLM_STREAM(2) KUBELLM_STREAM(3) KUBELLM_STREAM(4)
-          KUBELLM_STREAM(5) KUBELLM_STREAM(6) KUBELLM_STREAM(7) KUBELLM_STREAM(8)
+        KUBELLM_STREAM(1) KUBELLM_STREAM(2) KUBELLM_STREAM(3) KUBELLM_STREAM(4)
+        KUBELLM_STREAM(5) KUBELLM_STREAM(6) KUBELLM_STREAM(7) KUBELLM_STREAM(8)
 #undef KUBELLM_STREAM
-        }
-        continue;
       }
-      switch (n) {
-        case 4: item_rows<4>(M, xp, x_pair_stride, w, K2, bp, yb, N, valid); break;
-        case 3: item_rows<3>(M, xp, x_pair_stride, w, K2, bp, yb, N, valid); break;
-        case 2: item_rows<2>(M, xp, x_pair_stride, w, K2, bp, yb, N, valid); break;
-        default: item_rows<1>(M, xp, x_pair_stride, w, K2, bp, yb, N, valid); break;
-      }
+      continue;
     }
-  });
-  return y;
+    switch (n) {
+      case 4: item_rows<4>(M, xp, x_pair_stride, w, K2, bp, yb, N, valid); break;
+      case 3: item_rows<3>(M, xp, x_pair_stride, w, K2, bp, yb, N, valid); break;
+      case 2: item_rows<2>(M, xp, x_pair_stride, w, K2, bp, yb, N, valid); break;
+      default: item_rows<1>(M, xp, x_pair_stride, w, K2, bp, yb, N, valid); break;
+    }
+  }
 #endif
+}
+
+namespace {
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                       const c10::optional<at::Tensor>& bias) {
+  const Bf16LinearItems items = bf16_linear_items(x, packed, N, bias);
+  at::parallel_for(0, items.items, 1, [&](int64_t begin, int64_t end) { items.run(begin, end); });
+  return items.y;
 }
 
 }  // namespace

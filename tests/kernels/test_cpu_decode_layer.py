@@ -110,3 +110,40 @@ def test_a_q_norm_without_a_k_norm_is_refused():
         decode_layer_(torch.randn(1, HIDDEN).to(torch.bfloat16), torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
                       torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),
                       torch.tensor([1], dtype=torch.int32), k_cache=k_cache, v_cache=k_cache.clone(), **layer)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("context_lens,bias,qk_norm", [([13], True, False), ([60], False, False), ([30], False, True)])
+def test_one_parallel_region_gives_the_op_by_op_layer_bit_for_bit(threads, context_lens, bias, qk_norm, monkeypatch):
+    """A one-row layer in one parallel region (threads claim each GEMM's items, KUBELLM_LAYER_REGION unset) against
+    each kernel in its own region (=0): the same bits at 2 threads and at 3 (on a 2-core host a thread may come
+    late to a phase and find its share taken; one thread keeps the op-by-op path); Qwen3's q/k norms too."""
+    gen = torch.Generator().manual_seed(threads * 10 + context_lens[0])
+    layer = make_layer(gen, bias, qk_norm=qk_norm)
+    t = len(context_lens)
+    blocks_each = -(-max(context_lens) // BLOCK)
+    shape = (t * blocks_each, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    tables = torch.arange(t * blocks_each, dtype=torch.int32).view(t, blocks_each)
+    positions = torch.tensor([n - 1 for n in context_lens])
+    slots = torch.stack([tables[i, p // BLOCK].long() * BLOCK + p % BLOCK for i, p in enumerate(positions.tolist())])
+    hidden = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runs = {}
+        for region in ("1", "0"):
+            monkeypatch.setenv("KUBELLM_LAYER_REGION", region)
+            h, r, k, v = hidden.clone(), residual.clone(), k_cache.clone(), v_cache.clone()
+            outs = []
+            for _ in range(3):  # three layers on one residual stream
+                h = decode_layer_(h, r, positions, slots, tables, torch.tensor(context_lens, dtype=torch.int32),
+                                  k_cache=k, v_cache=v, **layer)
+                outs.append(h)
+            runs[region] = (*outs, r, k, v)
+    finally:
+        torch.set_num_threads(before)
+    for one, by_ops in zip(runs["1"], runs["0"], strict=True):
+        assert torch.equal(one, by_ops)

@@ -225,6 +225,24 @@ def test_the_engine_passes_its_choice_down(tiny_llama):
                    if isinstance(getattr(type(m), "native", None), bool))
 
 
+def test_the_engine_gives_its_int4_layers_int8_activations_when_asked(tiny_llama, native_int4_int8):
+    """--cpu-int4-activations int8 reaches every native 4-bit layer, and the engine decodes with them."""
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+    from kubellm.runtime.sampling_params import SamplingParams
+
+    for activations in ("bf16", "int8"):
+        llm = LLM(str(tiny_llama), progress=False, dtype="bfloat16", num_kv_blocks=16, max_model_len=64,
+                  quantization="int4", cpu_int4_activations=activations)
+        layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear) and m.path == "native"]
+        assert llm.engine.kernels.int4_activations == activations and layers
+        assert {m.int8_activations for m in layers} == {activations == "int8"}
+        out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].token_ids) == 4
+        llm.close()
+
+
 def test_moe_experts_run_natively_for_bfloat16_unquantized_or_4bit_experts_with_native_layer_ops():
     bf16 = Target("cpu", torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=64)
     loaded = dataclasses.replace(ALL_LOADED, moe_cpu_kernel=None)

@@ -51,7 +51,7 @@ struct WidenTable {
 // of group g are 16 values at g * param_row + b * param_block_stride (the GEMM's [K/group][N]: N and 16; the MoE
 // kernel's per-block layout: 16 and a block's groups); `tail` masks the last block's channels that exist.
 // Each int8 widens to bf16 in registers (exact; `widen`), vdpbf16ps sums in float32, the group's epilogue scales
-// once.
+// once. prefetch_bytes > 0: every other pair (a cache line of each block) prefetches that far ahead.
 // (Inlined by force so the accumulators stay in registers in the caller's tile loop.)
 template <int MR, int NB, bool ZP, class Widen = WidenAny>
 __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, int64_t x_pair_stride,
@@ -59,7 +59,8 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, in
                                                       int64_t w_block_stride, int64_t K2, int64_t group_pairs,
                                                       tiles::GroupParams scales, tiles::GroupParams zeros,
                                                       int64_t param_row, int64_t param_block_stride, __mmask16 tail,
-                                                      __m512 (&out)[MR][NB], const Widen& widen = Widen{}) {
+                                                      __m512 (&out)[MR][NB], const Widen& widen = Widen{},
+                                                      int64_t prefetch_bytes = 0) {
   for (int r = 0; r < MR; ++r)
     for (int b = 0; b < NB; ++b) out[r][b] = _mm512_setzero_ps();
   for (int64_t g = 0, kp0 = 0; kp0 < K2; ++g, kp0 += group_pairs) {
@@ -69,6 +70,9 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, in
     const int64_t kp1 = std::min(K2, kp0 + group_pairs);
     for (int64_t kp = kp0; kp < kp1; ++kp) {
       __m512i wv[NB];
+      if (prefetch_bytes > 0 && (kp & 1) == 0)
+        for (int b = 0; b < NB; ++b)
+          _mm_prefetch(reinterpret_cast<const char*>(w + b * w_block_stride + kp * 32) + prefetch_bytes, _MM_HINT_T0);
       for (int b = 0; b < NB; ++b) wv[b] = widen(w + b * w_block_stride + kp * 32);
       for (int r = 0; r < MR; ++r) {
         const __m512i xb = _mm512_set1_epi32(x_pairs[r * x_pair_stride + kp]);

@@ -270,19 +270,20 @@ template <int R, int NB>
 __attribute__((always_inline)) inline void int8_tile(const ExpertLinear& l, const int32_t* x_pairs,
                                                      int64_t x_pair_stride, const float* xsum, const int8_t* w,
                                                      int64_t w_stride, tiles::GroupParams s, tiles::GroupParams z,
-                                                     int64_t param_block_stride, __m512 (&acc)[R][NB]) {
+                                                     int64_t param_block_stride, __m512 (&acc)[R][NB],
+                                                     int64_t prefetch) {
 #define KUBELLM_INT8_TILE(ZP, ...)                                                                                 \
   int8::dot_groups<R, NB, ZP>(x_pairs, x_pair_stride, xsum, l.groups, w, w_stride, l.K / 2, l.group / 2, s, z, 16,  \
-                              param_block_stride, 0xFFFF, acc __VA_OPT__(, ) __VA_ARGS__)
+                              param_block_stride, 0xFFFF, acc, __VA_ARGS__)
   if (l.table) {
     if (z.data)
-      KUBELLM_INT8_TILE(true, l.widen);
+      KUBELLM_INT8_TILE(true, l.widen, prefetch);
     else
-      KUBELLM_INT8_TILE(false, l.widen);
+      KUBELLM_INT8_TILE(false, l.widen, prefetch);
   } else if (z.data) {
-    KUBELLM_INT8_TILE(true);
+    KUBELLM_INT8_TILE(true, int8::WidenAny{}, prefetch);
   } else {
-    KUBELLM_INT8_TILE(false);
+    KUBELLM_INT8_TILE(false, int8::WidenAny{}, prefetch);
   }
 #undef KUBELLM_INT8_TILE
 }
@@ -292,7 +293,7 @@ __attribute__((always_inline)) inline void int8_tile(const ExpertLinear& l, cons
 // blk on, block_step blocks apart (gate/up: the up block of gate block j is I/16 blocks on).
 template <int NB>
 void linear_rows(const ExpertLinear& l, int mr, const int32_t* x_pairs, int64_t x_pair_stride, const float* xsum,
-                 int64_t e, int64_t blk, int64_t block_step, float* out) {
+                 int64_t e, int64_t blk, int64_t block_step, float* out, int64_t prefetch = 0) {
   const uint8_t* w = l.w + (e * (l.N / 16) + blk) * l.block_bytes;
   // An item's scales and zero points: its blocks' groups one after another (16 values each), block_step blocks on.
   const int64_t params = (e * (l.N / 16) + blk) * l.groups * 16, w_stride = block_step * l.block_bytes;
@@ -307,7 +308,7 @@ void linear_rows(const ExpertLinear& l, int mr, const int32_t* x_pairs, int64_t 
       int4::dot_groups<R, NB>(x_pairs, x_pair_stride, xsum, l.groups, w, w_stride, l.K / 4, l.group / 4, s, z, 16,  \
                               param_block_stride, acc);                                                            \
     else                                                                                                           \
-      int8_tile<R, NB>(l, x_pairs, x_pair_stride, xsum, w8, w_stride, s, z, param_block_stride, acc);             \
+      int8_tile<R, NB>(l, x_pairs, x_pair_stride, xsum, w8, w_stride, s, z, param_block_stride, acc, prefetch);   \
     for (int r = 0; r < R; ++r)                                                                                    \
       for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + (r * NB + b) * 16, acc[r][b]);                           \
     break;                                                                                                         \
@@ -451,13 +452,18 @@ at::Tensor moe_quantized_experts(const at::Tensor& x, const at::Tensor& logits, 
   // Phase 1: h[p] = T(T(silu(T(gate))) * T(up)) for every pair, an item per (hit expert, 16 channels).
   at::Tensor h_buf = at::empty({P, I}, x.options());  // not zeroed: every element is written below
   BF16* h = h_buf.mutable_data_ptr<BF16>();
+  // One row of 8-bit gate/up: each pair of inputs also prefetches the next item's (the next 16 channels' blocks,
+  // block_bytes on): 0.95-1.19x, 5 of 6 one-process A/B runs faster at one row (presumably each item's start
+  // waited on memory; benchmarks/README.md). Not for 4-bit values, whose tile was slower with it at one row.
+  const int64_t prefetch1 = l13.block_bytes;
   const std::vector<Item> items1 = work_items(off, E, IB);
   dynamic_for(static_cast<int64_t>(items1.size()), [&](int64_t it, std::vector<float>&) {
     float acc[kMaxRowsQuantized * 2 * 16];
     const auto [e, j] = items1[it];
     for (int64_t p0 = off[e]; p0 < off[e + 1]; p0 += kMaxRowsQuantized) {
       const int mr = static_cast<int>(std::min<int64_t>(kMaxRowsQuantized, off[e + 1] - p0));
-      linear_rows<2>(l13, mr, xp + p0 * (H / 2), H / 2, xsum ? xsum + p0 * G13 : nullptr, e, j, IB, acc);
+      linear_rows<2>(l13, mr, xp + p0 * (H / 2), H / 2, xsum ? xsum + p0 * G13 : nullptr, e, j, IB, acc,
+                     mr == 1 ? prefetch1 : 0);
       store_activations(mr, acc, h + p0 * I + j * 16, I);
     }
   });

@@ -6,7 +6,7 @@ Three numbers, each next to the ceiling it is judged by:
    every weight once (the embedding table only by its one row, unless the LM head is tied to it) plus the
    K/V cache up to that step's context. Bytes read per token × tokens/s is the achieved read rate, as a % of
    the host's read bandwidth (the best of ``--repeats`` ``sum`` passes over a 512 MiB buffer, bf16 and
-   float32, with the same threads). Target: >= 75%.
+   float32, with the same threads, taken before and after the decode runs). Target: >= 75%.
 2. **256 requests at once vs the bf16 GEMM ceiling.** The offline workload (``--num-requests`` requests,
    prompts 32-256, outputs 32-128 tokens, ``random.Random(--seed)``) submitted together; the model FLOPs of
    that work (2 per linear weight per token, the LM head once per output token, 4 · heads · head_dim per
@@ -216,8 +216,11 @@ def main() -> int:
         cost = ModelCost(llm.engine)
         llm.engine.warmup()
         if "decode" not in skip:
+            # Probed before and after the decode runs, the best pass of both: other tenants' traffic moves a single
+            # probe by up to 1.5x (34-52 GB/s within two minutes), and the ceiling is the best the window allows.
             bandwidth = read_bandwidth(args.repeats)
             b1 = batch1_decode(llm, cost, args.b1_prompt, args.b1_tokens, args.repeats, vocab)
+            bandwidth = max(bandwidth, read_bandwidth(args.repeats))
             b1 |= {"host_read_bytes_s": bandwidth, "pct": 100 * b1["read_bytes_s"] / bandwidth}
             report["decode_batch1"] = b1
             print(f"batch-1 decode: {b1['tok_s']:.1f} tok/s x {b1['bytes_per_token'] / 2**20:.1f} MiB read per token"

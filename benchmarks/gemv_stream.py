@@ -6,8 +6,11 @@ Issue 14's batch-1 target is judged against a ``sum`` pass over 512 MiB (cpu_tar
 of one-row GEMVs, so this asks what the GEMV itself reaches: per layer shape (SmolLM2-135M's, from
 bf16_gemm_cpu.py), ``bf16_linear`` at one row over enough distinct packed copies of the weight to fill ``--mib``
 MiB, so no call finds its weight in cache (the L3 here is 32 MiB), best of ``--repeats``; then a ``sum`` over
-512 MiB of float32 right after it, best of ``--repeats``. GB/s = weight bytes over the time. Run it on an idle
-host; the ``sum`` column moves with the host (35-77 GB/s seen), so read the GEMV/``sum`` ratio of each line.
+512 MiB of float32 right after it, best of ``--repeats``. GB/s = weight bytes over the time. Each call from
+Python also pays a fixed cost (the op's Python and dispatcher layers, output allocation, the OpenMP fork/join)
+that the fused decode layer mostly does not; it is measured once on a tiny in-cache weight and the "net" column
+takes it off every call. Run it on an idle host; the ``sum`` column moves with the host (35-80 GB/s seen), so read
+the ratios of each line.
 """
 
 from __future__ import annotations
@@ -36,8 +39,19 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def gemv_rate(n: int, k: int, mib: int, repeats: int) -> float:
-    """Bytes/s of one-row bf16_linear calls over distinct packed [n, k] weights filling ``mib`` MiB."""
+def call_cost(repeats: int, calls: int = 20000) -> float:
+    """Seconds of one one-row call on a 32 x 64 weight in cache: the per-call cost besides the stream."""
+    w, x = cpu_bf16_gemm.pack(torch.randn(32, 64, dtype=torch.bfloat16)), torch.randn(1, 64, dtype=torch.bfloat16)
+
+    def run():
+        for _ in range(calls):
+            cpu_bf16_gemm.bf16_linear(x, w, 32)
+
+    return best_seconds(run, repeats) / calls
+
+
+def gemv_seconds(n: int, k: int, mib: int, repeats: int) -> tuple[float, int]:
+    """Seconds per one-row bf16_linear call over distinct packed [n, k] weights filling ``mib`` MiB, and calls."""
     copies = max(1, mib * 2**20 // (n * k * 2))
     weights = [cpu_bf16_gemm.pack(torch.randn(n, k, dtype=torch.bfloat16)) for _ in range(copies)]
     x = torch.randn(1, k, dtype=torch.bfloat16)
@@ -46,7 +60,7 @@ def gemv_rate(n: int, k: int, mib: int, repeats: int) -> float:
         for w in weights:
             cpu_bf16_gemm.bf16_linear(x, w, n)
 
-    return copies * n * k * 2 / best_seconds(run, repeats)
+    return best_seconds(run, repeats) / copies, copies
 
 
 def sum_rate(mib: int, repeats: int) -> float:
@@ -66,14 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         print("the native bf16 kernel is not available on this CPU (it needs AVX512-BF16)", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    print(f"threads={args.threads}, load average {os.getloadavg()[0]:.1f}")
-    print("| weight | N x K | MB | GEMV GB/s | sum GB/s | GEMV / sum |")
-    print("|---|---|---:|---:|---:|---:|")
+    cost = call_cost(args.repeats)
+    print(f"threads={args.threads}, load average {os.getloadavg()[0]:.1f}, cost of a call: {cost * 1e6:.2f} us")
+    print("| weight | N x K | MB | us/call | GEMV GB/s | net of the call cost | sum GB/s | GEMV / sum | net / sum |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, n, k in SHAPES[args.model]:
-        gemv = gemv_rate(n, k, args.mib, args.repeats)
+        seconds, _ = gemv_seconds(n, k, args.mib, args.repeats)
         total = sum_rate(args.sum_mib, args.repeats)
-        print(f"| {name} | {n}x{k} | {n * k * 2 / 1e6:.2f} | {gemv / 1e9:.1f} | {total / 1e9:.1f} | "
-              f"{gemv / total:.2f} |", flush=True)
+        gemv, net = n * k * 2 / seconds, n * k * 2 / max(seconds - cost, 1e-9)
+        print(f"| {name} | {n}x{k} | {n * k * 2 / 1e6:.2f} | {seconds * 1e6:.1f} | {gemv / 1e9:.1f} | {net / 1e9:.1f} | "
+              f"{total / 1e9:.1f} | {gemv / total:.2f} | {net / total:.2f} |", flush=True)
     print(f"load average after {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -40,7 +40,7 @@ from offline import prepare_model  # noqa: E402
 TARGETS = {"decode_bandwidth_pct": 75.0, "batch_gemm_pct": 30.0, "startup_s": 5.0}
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
     fn()  # first touch / oneDNN kernel creation
     best = float("inf")
     for _ in range(repeats):
@@ -55,7 +55,7 @@ def read_bandwidth(repeats: int) -> float:
     best = 0.0
     for dtype in (torch.bfloat16, torch.float32):
         buf = torch.ones(512 * 2**20 // dtype.itemsize, dtype=dtype)
-        best = max(best, buf.nbytes / _best_seconds(buf.sum, repeats))
+        best = max(best, buf.nbytes / best_seconds(buf.sum, repeats))
         del buf
     return best
 
@@ -69,7 +69,7 @@ def gemm_ceiling(shapes: list[tuple[int, int]], repeats: int) -> float:
         layer = PackedLinear(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16))
         for rows in (256, 1024):
             x = torch.randn(rows, k, dtype=torch.bfloat16)
-            best = max(best, 2 * rows * k * n / _best_seconds(lambda x=x, layer=layer: layer(x), repeats))
+            best = max(best, 2 * rows * k * n / best_seconds(lambda x=x, layer=layer: layer(x), repeats))
     return best
 
 

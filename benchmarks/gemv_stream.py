@@ -18,25 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # safe-path mode leaves this folder off sys.path
 from bf16_gemm_cpu import SHAPES  # noqa: E402
+from cpu_targets import best_seconds  # noqa: E402
 
 from kubellm.kernels import cpu_bf16_gemm  # noqa: E402
-
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()  # first touch
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def call_cost(repeats: int, calls: int = 20000) -> float:

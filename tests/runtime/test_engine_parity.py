@@ -133,8 +133,9 @@ def test_greedy_equals_transformers_with_chunking_preemption_and_prefix_hits(fix
     assert bm.num_used_blocks == 0, "every block must be free once all requests finished"
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_mixtral",
-                                     "tiny_gemma2", "tiny_gemma3", "tiny_mistral_window", "tiny_phi3_window"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_qwen3_moe",
+                                     "tiny_mixtral", "tiny_gemma2", "tiny_gemma3", "tiny_mistral_window",
+                                     "tiny_phi3_window"])
 def test_torch_reference_attention_backend_also_equals_transformers(fixture, request):
     """`auto` uses the native CPU kernels where they build; the plain-PyTorch references everywhere (attention,
     layer ops, unpacked weights) must agree too."""
@@ -144,7 +145,8 @@ def test_torch_reference_attention_backend_also_equals_transformers(fixture, req
     _run_and_compare(llm, model_dir, _prompts())
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_mistral", "tiny_gemma2", "tiny_gemma3"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_mistral", "tiny_qwen3", "tiny_phi3", "tiny_qwen3_moe",
+                                     "tiny_mixtral", "tiny_gemma2", "tiny_gemma3"])
 def test_triton_attention_backend_equals_transformers(fixture, request):
     """The CUDA path's kernels, run by Triton's interpreter on CPU here (compiled on a GPU): the same greedy
     tokens through chunked prefill over cached context, preemption and prefix hits. Mistral is MQA with

@@ -120,7 +120,10 @@ async def test_held_requests_are_all_answered_once_the_server_starts(cold):
         asyncio.create_task(streamed(p)) for p in prompts[3:]
     ]
     await wait_for_held(activator, len(prompts))  # all six are held: none was refused or lost
-    assert wakes.calls and wakes.calls[0][1] >= 1
+    async with asyncio.timeout(10):  # the activation task calls wake on its own turn of the loop
+        while not wakes.calls:
+            await asyncio.sleep(0.01)
+    assert wakes.calls[0][1] >= 1
     wakes.go.set()  # the "pod" starts now
     answers = await asyncio.gather(*tasks)
 

@@ -190,11 +190,10 @@ void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4,
   thread_local std::vector<float> params;
   xq_buffer.resize(M * K4);
   params.resize(2 * M * groups);
-  const int32_t* xq = xq_buffer.data();
+  int32_t* xq = xq_buffer.data();
   float* scale = params.data();
   float* qsum = scale + M * groups;
-  w4a8::quantize_rows(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M, K, group_size, xq_buffer.data(), scale,
-                      qsum);
+  w4a8::quantize_rows(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M, K, group_size, xq, scale, qsum);
   const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
   const int nb = M <= 2 ? tiles::blocks_per_item(NBLK, 4) : tiles::blocks_per_item(NBLK, 2);
   at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
@@ -261,7 +260,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   if (int8_activations) {
 #ifdef KUBELLM_W4A8_TILES
     if (M <= kW4A8MaxRows) {
-      w4a8_gemm(x, packed.const_data_ptr<uint8_t>(), NBLK, K4, group_size, sp, zp, bias_p, yp);
+      w4a8_gemm(x, wp, NBLK, K4, group_size, sp, zp, bias_p, yp);
       return y;
     }
 #else

@@ -15,7 +15,9 @@ Entry point: ``fp8_gemm(x, weight, scale, bias=None, block=None)``.
 Activations stay in their dtype (weight-only): each program loads a K tile of weight bytes, decodes e4m3 to
 float32 by bit arithmetic (:func:`decode_e4m3`, exact, NaN for 0x7F/0xFF) and runs ``tl.dot`` in ``x``'s dtype
 (e4m3 converts exactly to bf16 and fp16); per-tensor and per-channel scales apply once to the accumulator,
-block scales once per K tile (the tile lies inside one block column). Bytes and bit arithmetic rather than
+block scales once per K tile (the tile lies inside one block column). Tiling ``dot=False`` is the GEMV form
+for a few rows (a broadcast multiply and a float32 sum over K instead of tl.dot), a variant
+benchmarks/gpu_gemm_tiles.py times against the dot form. Bytes and bit arithmetic rather than
 ``tl.float8e4nv``: Triton's interpreter decodes 0x7F as 480 instead of NaN, and the same code then runs on
 every GPU, not only those with FP8 conversion instructions. Dynamic per-token activation quantization
 (W8A8 tensor-core FP8 dots) is not done here: activations are never quantized.
@@ -69,7 +71,7 @@ def _fp8_gemm_kernel(
     y_ptr, x_ptr, w_ptr, scale_ptr, bias_ptr, M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_ys, stride_ym,
     SCALING: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,9 +87,12 @@ def _fp8_gemm_kernel(
                     other=0.0)
         b = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=ks_ok[:, None] & cols_ok[None, :],
                     other=0).to(tl.int32)
-        if UPCAST:
-            x = x.to(tl.float32)
-        part = tl.dot(x, _e4m3_to_float32(b).to(x.dtype), input_precision=PRECISION)
+        if DOT:
+            if UPCAST:
+                x = x.to(tl.float32)
+            part = tl.dot(x, _e4m3_to_float32(b).to(x.dtype), input_precision=PRECISION)
+        else:
+            part = tl.sum(x.to(tl.float32)[:, :, None] * _e4m3_to_float32(b)[None, :, :], axis=1)
         if SCALING == 2:
             s = tl.load(scale_ptr + (cols // SCALE_ROWS) * stride_sn + k0 // SCALE_COLS, mask=cols_ok, other=0.0)
             acc += part * s.to(tl.float32)[None, :]
@@ -131,7 +136,7 @@ def tiling_args(x: torch.Tensor, block: tuple[int, int] | None) -> dict[str, int
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
              block: tuple[int, int] | None = None, **tiling: int) -> torch.Tensor:
     """``x [M, K]`` times the e4m3 ``weight [N, K]`` with its ``scale`` (layouts in the module docstring).
-    ``tiling``: overrides of :func:`gemm_tiles.choose` (block_m, block_n, block_k, split)."""
+    ``tiling``: overrides of :func:`gemm_tiles.choose` (block_m, block_n, block_k, split, dot, ...)."""
     m, k = x.shape
     n, k_w = weight.shape
     if k != k_w:
@@ -151,7 +156,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         buf, x, weight, scale, scale if bias is None else bias, m, n, k, tiles.k_split,
         x.stride(0), weight.stride(0), scale.stride(0) if scaling == PER_BLOCK else 0, stride_split, buf.stride(-2),
         SCALING=scaling, SCALE_ROWS=block[0] if block else 1, SCALE_COLS=block[1] if block else 1,
-        HAS_BIAS=bias is not None, **dot_options(x),
+        HAS_BIAS=bias is not None, DOT=tiles.dot, **dot_options(x),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

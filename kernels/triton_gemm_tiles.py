@@ -8,6 +8,12 @@ into ``[split, M, N]`` and one ``torch.sum`` over the splits adds them in a fixe
 graph-capturable: sizes depend only on shapes). A batched GEMM is bound by the tensor cores and the
 dequantization instead: taller row tiles reuse each dequantized weight tile for more rows.
 
+What the third H200 run's sweep (benchmarks/gpu_gemm_tiles.py) ranked first shaped the defaults: 32-column
+tiles and about four programs per SM at M <= 32 (many small programs keep more weight bytes in flight than a
+few wide ones), 128 x 64 tiles on 4 warps for batches. ``dot=False`` is the GEMV form of each kernel (a
+broadcast multiply and a sum over K in float32, rows tiles of 1-8 instead of tl.dot's 16): a variant the sweep
+times against the tl.dot form; :func:`choose` never picks it unless asked.
+
 :func:`choose` is pure (shapes and an SM count in, :class:`Tiles` out) and unit-tested; :func:`partials` and
 :func:`finish` are the split-K buffer around a launch. Under Triton's interpreter (CPU tensors: the tests) the
 "device" has :data:`INTERPRETER_SMS` SMs, few enough that small test shapes take the split-K path too.
@@ -35,41 +41,50 @@ class Tiles:
     k_split: int  # inputs per split, a multiple of block_k (the last split may be shorter)
     num_warps: int
     num_stages: int
+    dot: bool = True  # tl.dot on tensor cores; False: the GEMV form (module docstring)
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
         return (_cdiv(m, self.block_m), _cdiv(n, self.block_n), self.split)
 
 
-def choose(m: int, n: int, k: int, *, sms: int, max_block_k: int = 128, k_multiple: int = 16,
-           block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-           split: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-           x_bytes: int = 2, w_bytes: int = 1) -> Tiles:
-    """Tiles for ``[m, k] x [k, n]``. ``max_block_k``: the largest K tile the kernel's scales allow (a power of two,
-    >= 16); ``k_multiple``: what each split's K range must be a multiple of (a scale group, so no K tile straddles
-    two groups in kernels that scale after the dot). ``block_*``, ``split``, ``num_warps`` and ``num_stages``
-override the choice (tests, benchmarks/gpu_gemm_tiles.py); ``x_bytes`` and ``w_bytes`` size the shared memory."""
-    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128)
-    block_n = block_n or (64 if m <= 64 else 128)
-    block_k = min(max_block_k, block_k or (128 if m <= 64 else 64))
-    num_warps = num_warps or (4 if block_m * block_n <= 64 * 64 else 8)
+def choose(m: int, n: int, k: int, *, sms: int, max_block_k: int = 128, min_block_k: int = 16,
+           k_multiple: int = 16, block_m: int | None = None, block_n: int | None = None,
+           block_k: int | None = None, split: int | None = None, num_warps: int | None = None,
+           num_stages: int | None = None, dot: bool | None = None, x_bytes: int = 2, w_bytes: float = 1) -> Tiles:
+    """Tiles for ``[m, k] x [k, n]``. ``max_block_k`` / ``min_block_k``: the K tiles the kernel allows (powers of
+    two, >= 16; a packed kernel needs 16 words per bit field for tl.dot); ``k_multiple``: what each split's K
+    range must be a multiple of (a scale group, so no K tile straddles two groups in kernels that scale after the
+    dot). ``block_*``, ``split``, ``num_warps``, ``num_stages`` and ``dot`` override the choice (tests,
+    benchmarks/gpu_gemm_tiles.py); ``x_bytes`` and ``w_bytes`` (per weight element, as staged: packed bits plus
+    any per-row scales) size the shared memory."""
+    dot = True if dot is None else bool(dot)
+    if dot:
+        block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128)
+    else:  # no 16-row minimum without tl.dot; more than 8 rows is a GEMM's job
+        block_m = block_m or min(8, 1 << max(m - 1, 0).bit_length())
+    block_n = block_n or (32 if m <= 32 else 64)
+    block_k = max(min_block_k, min(max_block_k, block_k or (128 if m <= 64 else 64)))
+    num_warps = num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
     if num_stages is None:
-        # Software pipelining keeps one x tile and one weight tile per stage in shared memory (x_bytes and w_bytes
-        # per element as loaded: a grouped kernel loads int32 words per input): stay under SHARED_BYTES.
+        # Software pipelining keeps one x tile and one weight tile per stage in shared memory: stay under
+        # SHARED_BYTES (the run-2 failures were OutOfResources: shared memory).
         num_stages = 4 if m <= 64 else 3
         while num_stages > 2 and num_stages * block_k * (block_m * x_bytes + block_n * w_bytes) > SHARED_BYTES:
             num_stages -= 1
-        while block_k > 16 and num_stages * block_k * (block_m * x_bytes + block_n * w_bytes) > SHARED_BYTES:
+        while (block_k > max(16, min_block_k)
+               and num_stages * block_k * (block_m * x_bytes + block_n * w_bytes) > SHARED_BYTES):
             block_k //= 2
     unit = block_k * k_multiple // _gcd(block_k, k_multiple)  # a split's K range: whole tiles and whole groups
     if split is None:
         programs = _cdiv(m, block_m) * _cdiv(n, block_n)
         split = 1
-        # Decode GEMMs want two programs per SM; batched ones (tensor-core bound) one wave: partials cost traffic.
-        waves = 2 if m <= 64 else 1
+        # Decode GEMMs want about four programs per SM; batched ones (tensor-core bound) one wave: partials cost
+        # traffic.
+        waves = 4 if m <= 32 else 2 if m <= 64 else 1
         while programs * split < waves * sms and k // (split * 2) >= max(MIN_K_PER_SPLIT, unit):
             split *= 2
     k_split = _cdiv(_cdiv(k, split), unit) * unit
-    return Tiles(block_m, block_n, block_k, _cdiv(k, k_split), k_split, num_warps, num_stages)
+    return Tiles(block_m, block_n, block_k, _cdiv(k, k_split), k_split, num_warps, num_stages, dot)
 
 
 def _cdiv(a: int, b: int) -> int:

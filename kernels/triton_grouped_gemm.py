@@ -26,10 +26,22 @@ Entry point, for the loader through runtime/kernel_choice.py (``grouped_int4_gem
 
 ``x`` ``[M, K]`` bf16, fp16 or fp32 (rows may be strided), ``bias`` ``[N]`` (any float dtype), ``y`` ``[M, N]``
 in ``x``'s dtype with float32 accumulation. Each program computes a BLOCK_M x BLOCK_N tile of ``y`` over its
-share of K (split-K and tile sizes: kernels/triton_gemm_tiles.py); per K tile (inside one group) it loads the
-words, shifts each input's value out, subtracts the zero point (exact in bf16 for integer zeros: |q - z| <= 255),
-runs ``tl.dot`` against ``x``'s tile and scales the partial sum once. (Dequantizing inside wider K tiles, with a
-scale and zero tile per input, needed 260-350 KB of shared memory per program on an H200: more than it has.)
+share of K (split-K and tile sizes: kernels/triton_gemm_tiles.py). Per K tile it loads each packed word once (a
+``[BLOCK_K / P, BLOCK_N]`` tile: 4 bits of traffic per 4-bit weight, not the 32 of loading the word per input)
+and, for each of the word's ``P`` bit fields ``i``, shifts the field out and multiplies it with ``x``'s inputs
+``j * P + i``: ``P`` dots of K = BLOCK_K / P (>= 16 words, so BLOCK_K >= 128 at 4 bits, 64 at 8). The sum over
+the fields is the tile's product in any order, so nothing is reshaped. Scales:
+
+* a K tile inside one group (the group a multiple of BLOCK_K, or per channel): the zero point is subtracted
+  (exact in bf16 for integer zeros: |q - z| <= 255) and the tile's partial sum scaled once, after its dots;
+* smaller groups (GPTQ/AWQ's 32 or 64 under a 128-input tile): every word row's scale and zero are loaded
+  (a word's inputs share a group) and the weight dequantized before the dot, in float32, then rounded to
+  ``x``'s dtype once.
+
+``DOT=False`` is the GEMV form for a few rows (a broadcast multiply and a float32 sum over K instead of tl.dot;
+row tiles of 1-8): a tiling variant benchmarks/gpu_gemm_tiles.py times against the dot form. (Loading the word
+once per input instead, the first kernel, staged 8x the weight's bytes through shared memory; dequantizing a
+whole K tile with a scale and zero tile per input needed 260-350 KB of shared memory per program on an H200.)
 Under ``TRITON_INTERPRET=1`` (CPU tensors: the tests) every tile is float32.
 """
 
@@ -44,7 +56,8 @@ import triton.language as tl
 from kubellm.kernels import triton_gemm_tiles as gemm_tiles
 from kubellm.kernels.triton_dot import dot_options
 
-__all__ = ["GroupedWeight", "grouped_gemm", "pack", "packable", "reference_grouped_gemm", "unpack"]
+__all__ = ["GroupedWeight", "grouped_gemm", "pack", "packable", "reference_grouped_gemm", "scales_after_dot",
+           "unpack"]
 
 
 @dataclass(frozen=True)
@@ -138,35 +151,53 @@ def _grouped_gemm_kernel(
     y_ptr, x_ptr, p_ptr, scales_ptr, zeros_ptr, bias_ptr, M, N, K, K_SPLIT,
     stride_xm, stride_ys, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SCALE_AFTER: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER  # word rows per K tile
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)  # this program's K range (split-K: kernels/triton_gemm_tiles.py)
     rows_ok, cols_ok = rows < M, cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # BLOCK_K divides GROUP (or GROUP == K) and a split holds whole groups: a tile lies inside one group.
+    # A split starts on a K tile; with SCALE_AFTER every tile also lies inside one group.
     for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        ks_ok = ks < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :],
-                    other=0.0)
-        # Every input of a word loads the same word (from cache); its shift picks the input's bits.
-        words = tl.load(p_ptr + (ks // PER)[:, None] * N + cols[None, :], mask=ks_ok[:, None] & cols_ok[None, :],
-                        other=0)
-        q = (words >> ((ks % PER) * BITS)[:, None]) & ((1 << BITS) - 1)
-        g = k0 // GROUP
-        if HAS_ZEROS:
-            z = tl.load(zeros_ptr + g * N + cols, mask=cols_ok, other=0.0)
+        js = k0 // PER + tl.arange(0, WORDS)
+        js_ok = js < K // PER
+        w_ok = js_ok[:, None] & cols_ok[None, :]
+        words = tl.load(p_ptr + js[:, None] * N + cols[None, :], mask=w_ok, other=0)
+        if SCALE_AFTER:
+            g = k0 // GROUP
+            s = tl.load(scales_ptr + g * N + cols, mask=cols_ok, other=0.0)[None, :]
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptr + g * N + cols, mask=cols_ok, other=0.0)[None, :]
+            else:
+                z = tl.full([1, BLOCK_N], 1 << (BITS - 1), tl.float32)
+        else:  # one scale and zero per word row (a word's inputs share a group), read from cache
+            gs = ((js * PER) // GROUP)[:, None] * N + cols[None, :]
+            s = tl.load(scales_ptr + gs, mask=w_ok, other=0.0)
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptr + gs, mask=w_ok, other=0.0)
+            else:
+                z = tl.full([WORDS, BLOCK_N], 1 << (BITS - 1), tl.float32)
+        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for i in tl.static_range(PER):  # bit field i of every word: inputs j * PER + i
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + (js * PER + i)[None, :],
+                        mask=rows_ok[:, None] & js_ok[None, :], other=0.0)
+            w = ((words >> (i * BITS)) & ((1 << BITS) - 1)).to(tl.float32) - z
+            if not SCALE_AFTER:
+                w = w * s
+            if DOT:
+                if UPCAST:
+                    x = x.to(tl.float32)
+                part += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+            else:
+                part += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+        if SCALE_AFTER:
+            acc += part * s
         else:
-            z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
-        if UPCAST:
-            x = x.to(tl.float32)
-        w = (q.to(tl.float32) - z[None, :]).to(x.dtype)
-        part = tl.dot(x, w, input_precision=PRECISION)
-        acc += part * tl.load(scales_ptr + g * N + cols, mask=cols_ok, other=0.0)[None, :]
+            acc += part
     if HAS_BIAS:  # noqa: SIM102 - a constexpr test, then a runtime one: Triton keeps them apart
         if split == 0:  # once, not once per split
             acc = acc + tl.load(bias_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
@@ -174,20 +205,28 @@ def _grouped_gemm_kernel(
              mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-def tiling_args(x: torch.Tensor, group: int) -> dict[str, int]:
-    """:func:`gemm_tiles.choose`'s constraints for this kernel (``group`` = K per channel): K tiles of at most 128
-    inside one group, splits of whole groups, and int32 words loaded per input (4 bytes of shared memory each)."""
+def tiling_args(x: torch.Tensor, group: int, bits: int = 4) -> dict[str, int | float]:
+    """:func:`gemm_tiles.choose`'s constraints for this kernel (``group`` = K per channel): K tiles of 16-64 words
+    (tl.dot's 16 per bit field at least), splits of whole K tiles; a staged weight element costs its bits, plus
+    a word row's float32 scale and zero per ``32 / bits`` elements when groups are smaller than the tile."""
     k = x.shape[1]
-    max_block_k = 128 if group == k else min(128, group & -group)
-    return dict(sms=gemm_tiles.sm_count(x.device), max_block_k=max_block_k, k_multiple=16 if group == k else group,
-                x_bytes=x.element_size(), w_bytes=4)
+    per = 32 // bits
+    w_bytes = bits / 8 if group == k else bits / 8 + 8 / per
+    return dict(sms=gemm_tiles.sm_count(x.device), min_block_k=16 * per, max_block_k=64 * per, k_multiple=16,
+                x_bytes=x.element_size(), w_bytes=w_bytes)
+
+
+def scales_after_dot(group: int, k: int, block_k: int) -> bool:
+    """Whether every K tile lies inside one group (per channel, or groups a multiple of the tile: a split starts
+    on a tile), so the kernel scales each tile's partial sum once instead of dequantizing per word row."""
+    return group == k or group % block_k == 0
 
 
 def grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  perm: torch.Tensor | None, bias: torch.Tensor | None, group: int, bits: int,
                  **tiling: int) -> torch.Tensor:
     """``x [M, K]`` times the packed weight (layouts in the module docstring) ``(+ bias)``; ``[M, N]``.
-    ``tiling``: overrides of :func:`gemm_tiles.choose` (block_m, block_n, block_k, split)."""
+    ``tiling``: overrides of :func:`gemm_tiles.choose` (block_m, block_n, block_k, split, dot, ...)."""
     m, k = x.shape
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
@@ -206,15 +245,15 @@ def grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     x = x if x.stride(-1) == 1 else x.contiguous()
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    # A split's K range holds whole groups, so a tile scaled after its dot never straddles two.
-    tiles = gemm_tiles.choose(m, n, k, **tiling_args(x, group), **tiling)
+    tiles = gemm_tiles.choose(m, n, k, **tiling_args(x, group, bits), **tiling)
+    scale_after = scales_after_dot(group, k, tiles.block_k)
     buf, stride_split = gemm_tiles.partials(m, n, tiles, x.dtype, x.device)
     _grouped_gemm_kernel[tiles.grid(m, n)](
         buf, x, packed.contiguous(), scales.float().contiguous(),
         scales if zeros is None else zeros.float().contiguous(), scales if bias is None else bias, m, n, k,
         tiles.k_split, x.stride(0), stride_split, buf.stride(-2),
-        BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, **dot_options(x),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SCALE_AFTER=scale_after,
+        DOT=tiles.dot, **dot_options(x), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return gemm_tiles.finish(buf, tiles, x.dtype)

@@ -5,7 +5,9 @@ bias`` for ``x`` ``[M, K]`` (bf16, fp16 or fp32), ``q`` ``[N, K]`` int8, ``scale
 ``y`` ``[M, N]`` in ``x``'s dtype. Each program computes a BLOCK_M x BLOCK_N tile of ``y``, reading int8 weight
 tiles and widening them to ``x``'s dtype in registers (exact: |q| <= 127) for ``tl.dot`` with float32
 accumulation, so the weights cross the memory bus as int8; the scales and bias apply once, to the float32
-tile. Under ``TRITON_INTERPRET=1`` (CPU tensors: the tests) every tile goes to float32 right after its load.
+tile. ``DOT=False`` (tiling ``dot=False``) is the GEMV form for a few rows: a broadcast multiply and a float32
+sum over K in place of tl.dot, a variant benchmarks/gpu_gemm_tiles.py times against the dot form. Under
+``TRITON_INTERPRET=1`` (CPU tensors: the tests) every tile goes to float32 right after its load.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ __all__ = ["int8_gemm", "reference_int8_gemm"]
 def _int8_gemm_kernel(
     y_ptr, x_ptr, q_ptr, scales_ptr, bias_ptr, M, N, K, K_SPLIT,
     stride_xm, stride_qn, stride_ys, stride_ym,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -40,10 +42,12 @@ def _int8_gemm_kernel(
                     other=0.0)
         q = tl.load(q_ptr + cols[:, None] * stride_qn + ks[None, :], mask=cols_ok[:, None] & ks_ok[None, :],
                     other=0)
-        if UPCAST:
-            x = x.to(tl.float32)
-        w = q.to(x.dtype)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        if DOT:
+            if UPCAST:
+                x = x.to(tl.float32)
+            acc += tl.dot(x, tl.trans(q.to(x.dtype)), input_precision=PRECISION)
+        else:  # q is [BLOCK_N, BLOCK_K]: reduce along its rows' K
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * q.to(tl.float32)[None, :, :], axis=2)
     acc = acc * tl.load(scales_ptr + cols, mask=cols_ok, other=0.0)[None, :]
     if HAS_BIAS:  # noqa: SIM102 - a constexpr test, then a runtime one: Triton keeps them apart
         if split == 0:  # once, not once per split
@@ -60,7 +64,7 @@ def tiling_args(x: torch.Tensor) -> dict[str, int]:
 def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
               **tiling: int) -> torch.Tensor:
     """``x [M, K]`` times the int8 weight ``q [N, K]``, per-channel ``scales`` (and ``bias``) in float32.
-    ``tiling``: overrides of :func:`gemm_tiles.choose` (block_m, block_n, block_k, split)."""
+    ``tiling``: overrides of :func:`gemm_tiles.choose` (block_m, block_n, block_k, split, dot, ...)."""
     m, k = x.shape
     n, k_q = q.shape
     if k != k_q:
@@ -76,7 +80,7 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     _int8_gemm_kernel[tiles.grid(m, n)](
         buf, x, q, scales, bias if bias is not None else scales, m, n, k, tiles.k_split,
         x.stride(0), q.stride(0), stride_split, buf.stride(-2),
-        HAS_BIAS=bias is not None, **dot_options(x),
+        HAS_BIAS=bias is not None, DOT=tiles.dot, **dot_options(x),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

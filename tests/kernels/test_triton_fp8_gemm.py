@@ -69,6 +69,21 @@ def test_kernel_equals_the_dequantized_weight_for_each_scale_layout(kind, dtype)
                                    **TOL[dtype])
 
 
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block16x32"])
+def test_the_gemv_form_equals_the_dequantized_weight_at_one_three_and_seventeen_rows(kind):
+    """Tiling dot=False (broadcast multiply and sum over K, row tiles of 1-8): the same product as tl.dot's."""
+    n, k = 40, 200
+    gen = torch.Generator().manual_seed(21)
+    weight = _weight(n, k, seed=22)
+    scale, block = _scale(kind, n, k, gen)
+    for m in (1, 3, 17):
+        x, bias = torch.randn(m, k, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
+        on = [t.to(DEVICE) for t in (x, weight, scale, bias)]
+        out = tf.fp8_gemm(*on, block, block_n=16, dot=False).cpu()
+        expected = x.float() @ dequantize_fp8(weight, scale, block).T + bias
+        torch.testing.assert_close(out.float(), expected, **TOL[torch.bfloat16])
+
+
 def test_per_channel_scales_as_a_vector_and_uint8_bytes_and_strided_rows_give_the_same_product():
     gen = torch.Generator().manual_seed(3)
     weight, scale = _weight(24, 64, seed=3), torch.rand(24, generator=gen)

@@ -30,15 +30,36 @@ def test_decode_gemms_split_k_until_every_sm_has_two_programs(m, n, k):
     programs = -(-m // t.block_m) * -(-n // t.block_n)
     assert programs * t.split >= 2 * H200_SMS or t.k_split <= 2 * tiles_mod.MIN_K_PER_SPLIT
     assert _covers_k(t, k) and t.k_split % t.block_k == 0 and t.k_split % 32 == 0
-    if (m, n, k) == (1, 6144, 4096):  # 96 column tiles: 4 splits of 1024 inputs
-        assert (t.block_m, t.block_n, t.block_k, t.split, t.k_split) == (16, 64, 128, 4, 1024)
+    if m <= 32:  # the H200 sweep's best decode tiles: 32 columns, about four programs per SM
+        assert t.block_n == 32 and (programs * t.split >= 4 * H200_SMS or t.k_split <= 2 * tiles_mod.MIN_K_PER_SPLIT)
+    if (m, n, k) == (1, 6144, 4096):  # 192 column tiles: 4 splits of 1024 inputs
+        assert (t.block_m, t.block_n, t.block_k, t.split, t.k_split) == (16, 32, 128, 4, 1024)
+    if (m, n, k) == (1, 28672, 4096):  # 896 column tiles fill the GPU alone
+        assert t.split == 1
 
 
 def test_batched_gemms_take_tall_tiles_and_split_only_to_fill_one_wave():
     t = tiles_mod.choose(256, 6144, 4096, sms=H200_SMS)
-    assert (t.block_m, t.block_n, t.num_warps) == (128, 128, 8)
-    assert t.split == 2 and 2 * 48 * t.split >= H200_SMS  # 2 x 48 tiles, one wave
-    assert tiles_mod.choose(256, 28672, 4096, sms=H200_SMS).split == 1  # 448 tiles fill the GPU alone
+    assert (t.block_m, t.block_n, t.num_warps) == (128, 64, 4)  # the sweep's best batched tile: 128 x 64, 4 warps
+    assert t.split == 1 and H200_SMS <= 2 * 96  # 2 x 96 tiles: one wave already
+    t = tiles_mod.choose(256, 4096, 14336, sms=H200_SMS)
+    assert t.split == 2 and 2 * 64 * t.split >= H200_SMS > 2 * 64  # 128 tiles: one split more fills the wave
+    assert tiles_mod.choose(128, 128, 4096, sms=H200_SMS, block_n=128).num_warps == 8  # 128 x 128 tiles: 8 warps
+
+
+def test_the_gemv_form_is_never_chosen_unasked_and_takes_row_tiles_of_one_to_eight():
+    assert all(tiles_mod.choose(m, 6144, 4096, sms=H200_SMS).dot for m in (1, 3, 32, 256))
+    assert [tiles_mod.choose(m, 6144, 4096, sms=H200_SMS, dot=False).block_m for m in (1, 2, 3, 8, 17)] == [
+        1, 2, 4, 8, 8]
+    assert tiles_mod.choose(1, 6144, 4096, sms=H200_SMS, dot=0, block_m=2).block_m == 2
+
+
+def test_packed_kernels_k_tiles_hold_sixteen_words_per_bit_field():
+    """The grouped kernel's dots run over K tile / (32 / bits) words: min_block_k keeps them at 16 or more, even
+    when shared memory would shrink the tile."""
+    t = tiles_mod.choose(256, 6144, 4096, sms=H200_SMS, min_block_k=128, max_block_k=256, x_bytes=4, w_bytes=1.5)
+    assert t.block_k == 128 and t.num_stages == 2
+    assert tiles_mod.choose(1, 64, 256, sms=H200_SMS, min_block_k=128, block_k=16).block_k == 128
 
 
 def test_short_k_is_never_split_and_groups_bound_the_split_size():
@@ -49,7 +70,7 @@ def test_short_k_is_never_split_and_groups_bound_the_split_size():
     assert (forced.split, forced.k_split, forced.block_n) == (3, 128, 16)
 
 
-@pytest.mark.parametrize(("m", "x_bytes", "w_bytes"), [(1, 2, 4), (64, 4, 4), (256, 4, 4), (256, 2, 1)])
+@pytest.mark.parametrize(("m", "x_bytes", "w_bytes"), [(1, 2, 4), (64, 4, 4), (256, 4, 4), (256, 2, 1), (256, 4, 1.5)])
 def test_pipelined_tiles_fit_the_shared_memory_budget(m, x_bytes, w_bytes):
     """The first H200 run asked for 262-352 KB per program (the limit is 227 KB): stages, then K tiles, shrink."""
     t = tiles_mod.choose(m, 6144, 4096, sms=H200_SMS, x_bytes=x_bytes, w_bytes=w_bytes)
@@ -87,6 +108,20 @@ def test_int8_gemm_split_k_adds_the_bias_once(dtype):
         out = ti.int8_gemm(*(t.to(DEVICE) for t in (x, q, scales, bias)), split=split, block_n=16).cpu()
         torch.testing.assert_close(out.float(), ref, **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32
                                                        else {"atol": 1e-2, "rtol": 2**-7}))
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_int8_gemm_gemv_form_equals_the_reference(m):
+    """Tiling dot=False: a broadcast multiply and float32 sum over K in place of tl.dot, row tiles of 1-8."""
+    n, k = 40, 320
+    gen = torch.Generator().manual_seed(m)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) / 100
+    x, bias = _x_bias(m, k, n, torch.float32, seed=m + 1)
+    ref = ti.reference_int8_gemm(x, q, scales, bias)
+    for split in (1, 2):
+        out = ti.int8_gemm(*(t.to(DEVICE) for t in (x, q, scales, bias)), split=split, block_n=16, dot=False).cpu()
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block", [None, (16, 32)])

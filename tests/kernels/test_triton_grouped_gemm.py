@@ -97,6 +97,48 @@ def test_act_order_sorts_the_inputs_once_and_both_orderings_equal_the_reference(
     assert tg.pack(trivial, bits).perm is None
 
 
+@pytest.mark.parametrize("dot", [True, False], ids=["dot", "gemv"])
+@pytest.mark.parametrize("zero_mode", ["asym", "signed"])
+@pytest.mark.parametrize(("bits", "group", "block_k"), [(4, 32, 128), (4, 128, 128), (4, 128, 256), (4, -1, 128),
+                                                         (8, 32, 64), (8, 128, 64), (8, 32, 128), (8, -1, 128)])
+def test_each_bit_field_dot_and_the_gemv_form_equal_the_reference_at_one_three_and_seventeen_rows(
+        bits, group, block_k, zero_mode, dot):
+    """The word tile loaded once and multiplied per bit field, with scales after the dot (the tile inside a group:
+    group 128 under 128-input tiles, 8-bit group 128 under 64, per channel) and before it (group 32 under 128 or
+    64, group 128 under 256); with zero points and without (the implied 2^(bits-1)); tl.dot and the GEMV form.
+    K 256 (one or two K tiles), N 40 (a partial 32-column tile), M 1, 3 and 17 (a partial second row tile)."""
+    n, k = 40, 256
+    qw = _weight(n, k, bits, group, zero_mode, seed=bits + group)
+    w = tg.pack(qw, bits)
+    assert (w.zeros is None) == (zero_mode == "signed")
+    for m in (1, 3, 17):
+        gen = torch.Generator().manual_seed(m)
+        x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+        blocks = dict(block_n=32, block_k=block_k, dot=dot, block_m=None if dot else 2)
+        torch.testing.assert_close(_run(x, w, bias if m != 3 else None, **blocks),
+                                   _expected(x, qw, bias if m != 3 else None), **TOL[torch.float32])
+
+
+def test_both_scale_placements_are_exercised():
+    """The cases above reach both branches of the kernel (a failure here means the parameters drifted)."""
+    assert tg.scales_after_dot(128, 256, 128) and tg.scales_after_dot(256, 256, 128)
+    assert not tg.scales_after_dot(32, 256, 128) and not tg.scales_after_dot(128, 256, 256)
+    assert not tg.scales_after_dot(48, 384, 64)  # a group not a multiple of the tile: tiles straddle groups
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_act_order_through_the_gemv_form(bits):
+    n, k, group = 24, 256, 32
+    gen = torch.Generator().manual_seed(15)
+    g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=gen)].to(torch.int32)
+    qw = _weight(n, k, bits, group, "asym", seed=16, g_idx=g_idx)
+    x = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+    w = tg.pack(qw, bits)
+    assert w.perm is not None
+    out = _run(x, w, None, block_n=16, dot=False)
+    torch.testing.assert_close(out.float(), _expected(x, qw, None), **TOL[torch.bfloat16])
+
+
 def test_extreme_values_and_zero_points_are_exact_and_strided_rows_are_read_by_their_stride():
     """4-bit 0 and 15 against zeros 0 and 15 (differences -15..15), 8-bit 0 and 255 against 0 and 255: with
     unit scales and integer activations every product and sum is exact in float32."""

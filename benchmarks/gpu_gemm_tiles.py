@@ -249,7 +249,7 @@ def _confirm(fn, x: torch.Tensor, bf16_weight: torch.Tensor, chosen: dict, best:
     times: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(ROUNDS if device.startswith("cuda") else 1):
         for k, call in calls.items():
-            times[k].append(bench(call, device, rep=100))
+            times[k].append(bench(call, device, rep=50))
     out: dict[str, float | None] = {k: statistics.median(v) for k, v in times.items()}
     out.setdefault("best", None)
     out["chosen_replayed"] = replayed(calls["chosen"], device)

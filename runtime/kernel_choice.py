@@ -25,8 +25,9 @@ What ``auto`` picks:
   AVX512-BF16) for bfloat16 on CPUs that have them, for layers they can pack; ``triton``
   (``triton_grouped_gemm``, 5..8-bit values packed as 8-bit) on CUDA once its checks passed, for layers it can
   pack; else ``dequantize`` (the reference, also what AVX2-only CPUs run). The native 4-bit GEMM's activations
-  at 1-4 rows: ``bf16`` unless ``--cpu-int4-activations int8`` (quantized per group, integer dot products;
-  AVX512-VNNI); the setting has no effect where that kernel does not run.
+  at 1-4 rows: ``int8`` (quantized per group, integer dot products; AVX512-VNNI) where the build has it, else
+  ``bf16``; ``--cpu-int4-activations bf16|int8`` forces one (int8 refuses to start without VNNI); the setting has
+  no effect where that kernel does not run.
 * FP8 weight GEMM (e4m3, per-tensor / per-channel / block scales): ``native`` (``cpu_fp8_gemm``, AVX512-BF16)
   for bfloat16 on CPUs that have it, for layers it can pack (inputs and groups multiples of 4); ``triton``
   (``triton_fp8_gemm``) on CUDA once its check passed; else ``dequantize``.
@@ -74,7 +75,7 @@ class KernelSettings:
     attention: str = "auto"  # auto | cpu | triton | torch
     layer_ops: str = "auto"  # auto | native | torch
     prepack: str = "auto"  # auto | native | onednn | on (= onednn) | off
-    int4_activations: str = "bf16"  # bf16 | int8: the native int4 GEMM's at 1-4 rows
+    int4_activations: str = "auto"  # auto | bf16 | int8: the native int4 GEMM's at 1-4 rows
 
     @classmethod
     def from_config(cls, config) -> KernelSettings:
@@ -221,12 +222,17 @@ def _grouped(target: Target, cpu_reason: str | None, triton_reason: str | None) 
 
 
 def _int4_activations(kind: str, native_cpu_int4: bool, loaded: Loaded) -> str:
-    """int8 only where the native CPU int4 GEMM runs (the setting means nothing elsewhere) and has it."""
-    if kind not in ("bf16", "int8"):
-        raise ValueError(f"cpu int4 activations {kind!r}: use bf16 or int8")
-    if kind == "int8" and native_cpu_int4 and loaded.int4_int8_activations is not None:
+    """int8 only where the native CPU int4 GEMM runs (the setting means nothing elsewhere) and has it; ``auto``
+    takes it there, as llama.cpp quantizes activations for every quantized matmul on CPU (it cost 0.1-0.3%
+    perplexity on SmolLM2, benchmarks/README.md), and bf16 elsewhere."""
+    if kind not in ("auto", "bf16", "int8"):
+        raise ValueError(f"cpu int4 activations {kind!r}: use auto, bf16 or int8")
+    has_int8 = loaded.int4_int8_activations is None
+    if kind == "int8" and native_cpu_int4 and not has_int8:
         raise ValueError(f"int8 activations for the int4 GEMM cannot run here: {loaded.int4_int8_activations}; "
                          "use --cpu-int4-activations bf16")
+    if kind == "auto":
+        kind = "int8" if has_int8 else "bf16"
     return kind if native_cpu_int4 else "bf16"
 
 
@@ -321,7 +327,7 @@ def probe(settings: KernelSettings, target: Target) -> Loaded:
         for field, module in (("grouped_int4_cpu_kernel", cpu_int4_gemm),
                               ("grouped_int8_cpu_kernel", cpu_grouped_int8_gemm), ("fp8_cpu_kernel", cpu_fp8_gemm)):
             found[field] = None if module.available() else f"no AVX512-BF16 {module.__name__} in this build"
-        if settings.int4_activations == "int8":
+        if settings.int4_activations in ("auto", "int8"):
             found["int4_int8_activations"] = None if cpu_int4_gemm.int8_available() else \
                 "no AVX512-VNNI int8 activations in this build of cpu_int4_gemm"
     if target.cpu and target.dtype == torch.bfloat16 and "cpu_kernels" in found:

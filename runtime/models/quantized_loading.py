@@ -288,7 +288,7 @@ class QuantizedLoading:
                                  None if weight.g_idx is None else weight.g_idx.to(device))
         layer = QuantizedLinear(weight, bits, self._path(weight, bits, device),
                                 None if bias is None else bias.to(device),
-                                int8_activations=self.kernels.int4_activations == "int8")
+                                int8_activations=bits == 4 and self.kernels.int4_activations == "int8")
         parent, _, leaf = target.module.rpartition(".")
         module: nn.Module = layer
         if target.embedding:  # this rank's vocabulary rows, looked up as the VocabParallelEmbedding would

@@ -117,15 +117,19 @@ def test_int8_activations_only_where_the_native_int4_gemm_runs_and_has_them():
     bf16 = Target("cpu", torch.bfloat16, 4, 2, 64, quantization="int4")
     int8 = KernelSettings(int4_activations="int8")
     loaded = Loaded(cpu_kernels=None, grouped_int4_cpu_kernel=None, int4_int8_activations=None)
-    assert choose(AUTO, bf16, loaded).int4_activations == "bf16"  # the default
+    assert choose(AUTO, bf16, loaded).int4_activations == "int8"  # the default (auto) takes them where they run
+    no_vnni = dataclasses.replace(loaded, int4_int8_activations="no AVX512-VNNI in this build")
+    assert choose(AUTO, bf16, no_vnni).int4_activations == "bf16"  # ... and bf16 where the build lacks them
+    assert choose(KernelSettings(int4_activations="bf16"), bf16, loaded).int4_activations == "bf16"
     choice = choose(int8, bf16, loaded)
     assert choice.int4_activations == "int8" and "int4 GEMM native (int8 activations)" in choice.describe("int4")
     for target, other in ((Target("cpu", torch.float32, quantization="int4"), loaded),  # dequantizes: no effect
                           (Target("cuda", torch.bfloat16, quantization="int4"), loaded)):
         assert choose(int8, target, other).int4_activations == "bf16"
+        assert choose(AUTO, target, other).int4_activations == "bf16"
     with pytest.raises(ValueError, match="no AVX512-VNNI.*--cpu-int4-activations bf16"):
-        choose(int8, bf16, dataclasses.replace(loaded, int4_int8_activations="no AVX512-VNNI in this build"))
-    with pytest.raises(ValueError, match="use bf16 or int8"):
+        choose(int8, bf16, no_vnni)
+    with pytest.raises(ValueError, match="use auto, bf16 or int8"):
         choose(KernelSettings(int4_activations="int4"), bf16, loaded)
 
 

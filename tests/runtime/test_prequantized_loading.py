@@ -180,17 +180,23 @@ def test_engine_on_the_quantized_checkpoint_equals_transformers_on_its_dequantiz
     _run_and_compare(llm, twin_dir, _prompts())
 
 
-@pytest.mark.parametrize("fmt", ["awq-4bit-g128", "gptq-4bit-sym-desc_act-g32", "gptq-8bit-sym-g128",
-                                 "w8a16-channel"])
-def test_native_cpu_kernels_serve_the_quantized_checkpoint(fmt, dense, tmp_path, native_int4, native_grouped_int8):
-    """bfloat16 on the AVX512-BF16 kernels (4-bit: cpu_int4_gemm; 8-bit: cpu_grouped_int8_gemm), act-order
-    through the load-time column sort: logits within bf16 rounding of the float32 twin's on the same tokens."""
+@pytest.mark.parametrize(("fmt", "activations"), [
+    ("awq-4bit-g128", "bf16"), ("awq-4bit-g128", "int8"), ("gptq-4bit-sym-desc_act-g32", "bf16"),
+    ("gptq-4bit-sym-desc_act-g32", "int8"), ("gptq-8bit-sym-g128", "auto"), ("w8a16-channel", "auto")])
+def test_native_cpu_kernels_serve_the_quantized_checkpoint(fmt, activations, dense, tmp_path, native_int4,
+                                                           native_grouped_int8, native_int4_int8):
+    """bfloat16 on the AVX512-BF16 kernels (4-bit: cpu_int4_gemm, with bf16 activations and with the int8 ones
+    decode steps take by default on VNNI; 8-bit: cpu_grouped_int8_gemm), act-order through the load-time column
+    sort: logits within bf16 rounding of the float32 twin's on the same tokens (plus the int8 rounding of each
+    activation group for int8)."""
     quant_dir, twin_dir = write_quantized(dense, tmp_path, fmt)
-    llm = _engine(quant_dir, dtype="bfloat16")
+    llm = _engine(quant_dir, dtype="bfloat16", cpu_int4_activations=activations)
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(m.path == "native" for m in layers)
     assert all(m.perm is not None for m in layers) == ("desc_act" in fmt)
-    _compare_teacher_forced(llm, twin_dir, _prompts(), max_new=12, atol=BF16_LOGIT_ATOL)
+    assert {m.int8_activations for m in layers} == {activations == "int8"}
+    _compare_teacher_forced(llm, twin_dir, _prompts(), max_new=12,
+                            atol=A8_LOGIT_ATOL if activations == "int8" else BF16_LOGIT_ATOL)
 
 
 @pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block128"])
@@ -210,6 +216,8 @@ def test_native_fp8_kernel_serves_the_fp8_checkpoint(fmt, dense, tmp_path, nativ
 
 
 BF16_LOGIT_ATOL = 0.75  # the dense model in bf16 differs from float32 by up to 0.38 here (logits O(1-10))
+# int8 activations round each group of 32-128 inputs to 1/254 of its largest: up to 0.82 here with groups of 128
+A8_LOGIT_ATOL = 1.0
 
 
 @torch.inference_mode()

@@ -45,6 +45,15 @@ struct WidenTable {
   }
 };
 
+// tiles::GroupParams::load16, inlined by force: GCC keeps load16 out of line in the MoE kernel's large tile
+// functions, and each call (two per block and group with zero points) then spills and reloads every live zmm
+// register (all are caller-saved), the float32 accumulators included: Q5_K experts ran ~20% slower than Q6_K's
+// for it (benchmarks/README.md).
+__attribute__((always_inline)) inline __m512 load_params16(const tiles::GroupParams& p, int64_t i, __mmask16 mask) {
+  if (p.half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p.data) + i));
+  return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p.data) + i);
+}
+
 // out[r][b] = sum over groups g of s * (x_r . q_b over g - z * sum(x_r over g)) (no z without ZP) for MR rows of
 // x (bf16 pairs, x_pair_stride int32 apart; xsum[r * groups + g] their group sums, read only with ZP) and NB
 // 16-channel weight blocks ([K/2][16][2] int8 each, w_block_stride bytes apart). Block b's scales and zero points
@@ -82,9 +91,9 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* x_pairs, in
     for (int b = 0; b < NB; ++b) {
       const __mmask16 mask = b == NB - 1 ? tail : __mmask16(0xFFFF);
       const int64_t at = g * param_row + b * param_block_stride;
-      const __m512 s = scales.load16(at, mask);
+      const __m512 s = load_params16(scales, at, mask);
       if constexpr (ZP) {  // out += s * (acc - z * sum(x over the group))
-        const __m512 z = zeros.load16(at, mask);
+        const __m512 z = load_params16(zeros, at, mask);
         for (int r = 0; r < MR; ++r)
           out[r][b] = _mm512_fmadd_ps(_mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[r][b]), s,
                                       out[r][b]);

@@ -189,6 +189,13 @@ def test_8bit_experts_take_float16_scales():
     _check_quantized(*_quantized_case(9, 64, 32, 16, 32, 32, seed=4, half=True, forms=(INT8, INT8)), 4, True)
 
 
+def test_8bit_experts_take_float16_scales_and_zero_points():
+    """Q5_K's form (0..31 by table, float zero points) with both parameters float16: the tile's own inlined
+    parameter loads (int8_tiles.h load_params16) widen half and float alike."""
+    _check_quantized(*_quantized_case(9, 96, 64, 16, 32, 32, seed=5, half=True, forms=(INT5_ZEROS, INT5_ZEROS)),
+                     4, True)
+
+
 def test_int4_experts_take_float16_scales_and_no_renormalisation():
     _check_quantized(*_quantized_case(9, 64, 32, 16, 32, 32, seed=3, half=True), 4, False)
 

@@ -15,7 +15,8 @@ the runtime never needs to know which format a model came in:
 or Q6_K, a mixture of experts' stacked experts included (each expert's slice of the blocks becomes its own
 BlockForm, as ``tensors()`` splits them), and the token embedding too when it is of one of those types
 (``Checkpoint.packed_embedding``); the loader (runtime/models/quantized_loading.py) keeps them packed. Routers
-(``ffn_gate_inp``) stay float.
+(``ffn_gate_inp``) are served in the model dtype: one stored in a quantized type (Q8_0...) is dequantized by gguf's
+own block math like any other tensor read whole, and a log line says how many were.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp adds that have no HF parameter; their content is folded into the config.
 _NON_PARAMETER_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 # Quant types whose dequantization the tests cover; others gguf.quants can decode are tried too.
 TESTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
@@ -134,7 +136,10 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
 
     def tensors(packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         # The closure keeps ``reader`` (and its memory map) alive as long as the Checkpoint is.
+        routers: dict[str, int] = {}  # quantized routers by type, dequantized below
         for tensor in reader.tensors:
+            if tensor.name.endswith(".ffn_gate_inp.weight") and tensor.tensor_type.name not in _FLOAT_TYPES:
+                routers[tensor.tensor_type.name] = routers.get(tensor.tensor_type.name, 0) + 1
             if tensor.name in _NON_PARAMETER_TENSORS:
                 continue
             if (m := _LAYER_NAME.fullmatch(tensor.name)) and m[2] in _EXPERT_TENSORS:  # [experts, out, in]
@@ -147,6 +152,9 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoin
                 yield _hf_name(tensor.name, arch), form
             else:
                 yield _hf_name(tensor.name, arch), _decode(tensor, arch, config, dtype, path)
+        if routers:
+            logger.info("%s: %s mixture-of-experts routers stored quantized were dequantized at load (served in the "
+                        "model dtype)", path.name, ", ".join(f"{n} {t}" for t, n in sorted(routers.items())))
 
     packable = _all_linears_packable(reader)
     return Checkpoint(

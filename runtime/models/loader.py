@@ -70,6 +70,9 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, max_model_len
                 bar.update(1)
                 if quantized is None or not quantized.take(name, t):  # quantized tensors keep their dtype
                     yield name, t.to(device=device, dtype=dtype)
+                elif quantized.dequantized:  # a router the checkpoint stores quantized, now whole and float
+                    for router, w in quantized.pop_dequantized():
+                        yield router, w.to(device=device, dtype=dtype)
 
         model.load_weights(stream(), ckpt.source)
         if quantized is not None:

@@ -30,15 +30,19 @@ found by inverting the model's ``packed_modules_mapping`` (Qwen3-MoE ``mlp.exper
 unchanged :class:`~kubellm.runtime.layers.moe.FusedMoE`, which routes as for bf16 and runs one quantized GEMM
 per hit expert over the tokens routed to it (native 4-bit and 8-bit experts without act-order are stacked
 afterwards for kernels/cpu_moe.py's fused quantized kernel where the kernel choice says ``moe native``). Routers
-(``mlp.gate``, ``block_sparse_moe.gate``) stay float, as AutoAWQ, GPTQModel and llm-compressor leave them. GGUF's
+(``mlp.gate``, ``block_sparse_moe.gate``) are served in the model dtype: AutoAWQ, GPTQModel and llm-compressor
+usually leave them float, and a router a checkpoint stores quantized anyway (in the checkpoint's format) is
+dequantized once at load by that format's reader (:meth:`QuantizedLoading.take`; ``(q - z) * s`` per group, FP8
+times its scale), rounded to the model dtype and loaded as a float router (one log line counts them): a router is
+tiny (experts x hidden), and its rounding is the checkpoint author's. GGUF's
 stacked experts arrive cut per expert in their blocks (runtime/models/gguf.py) under the Hub names, so they load
 the same way and stack for the fused kernel too, each linear in its own width: 4-bit Q4_0, Q4_1, Q4_K (float
 zero points), 8-bit Q8_0, Q5_K, Q6_K, and Q4_K_M's 4-bit gate/up beside its Q6_K down. Under tensor
 parallelism the experts shard as a dense MLP does, through the same loaders: gate/up column-parallel, down
 row-parallel over the intermediate dimension.
 
-Served: dense decoder layers and experts (every family of the registry). Refused by name: a quantized router,
-a quantized LM head, q/k/v parts with different act-order maps, a row-parallel split that would cut a group
+Served: dense decoder layers and experts (every family of the registry), quantized routers dequantized. Refused
+by name: a quantized LM head, q/k/v parts with different act-order maps, a row-parallel split that would cut a group
 (``in_features / tensor_parallel_size`` not a multiple of the group size; experts' down and GGUF alike).
 """
 
@@ -69,8 +73,10 @@ _PARTS = {
 # Tensors of a quantized linear that serve nothing here: static activation scales (activations stay in the
 # model dtype). Group maps without act-order are dropped in take().
 _DROPPED = ("input_scale", "output_scale")
-# Tensors that only a quantized linear has: a router (``mlp.gate``, ``block_sparse_moe.gate``) holding one.
-_ROUTER_QUANTIZED = ("qweight", "weight_packed", "weight_scale", "weight_scale_inv")
+# A router's (``mlp.gate``, ``block_sparse_moe.gate``) tensors when a checkpoint stores it quantized, besides an FP8
+# ``weight``: kept until complete, then dequantized into the float router (QuantizedLoading._take_router).
+_ROUTER_QUANTIZED = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_scale_inv",
+                     "weight_zero_point", "weight_shape", "weight_g_idx")
 
 
 class _Pending(nn.Module):
@@ -216,6 +222,9 @@ class QuantizedLoading:
         self.model: nn.Module | None = None
         self.device, self.dtype = torch.device("cpu"), torch.bfloat16
         self.built = 0
+        self.routers: dict[str, dict[str, torch.Tensor]] = {}  # quantized routers' parts, by prefix, until complete
+        self.dequantized: list[tuple[str, torch.Tensor]] = []  # complete ones, for the model's load_weights
+        self.routers_dequantized = 0
 
     def attach(self, model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> None:
         """The materialised model the layers go into (after ``to_empty``), its device and dtype."""
@@ -230,9 +239,10 @@ class QuantizedLoading:
         if target is None:
             if name.startswith("lm_head.") and suffix in ("weight_packed", "qweight"):
                 raise CheckpointError(f"a quantized LM head ({name}) is not supported{self._where()}")
-            if prefix.endswith(".gate") and suffix in _ROUTER_QUANTIZED:
-                raise CheckpointError(f"a quantized mixture-of-experts router ({name}) is not supported"
-                                      f"{self._where()}; routers are served in the model dtype")
+            if prefix.endswith(".gate") and (suffix in _ROUTER_QUANTIZED or suffix == "weight" and (
+                    prefix in self.routers or tensor.dtype.is_floating_point and tensor.element_size() == 1)):  # FP8
+                self._take_router(prefix, suffix, tensor)
+                return True
             return False
         if suffix == "weight_scale_inv":
             suffix = "weight_scale"
@@ -251,16 +261,41 @@ class QuantizedLoading:
 
     def finish(self) -> None:
         """After the stream: every quantized layer must have been built."""
-        if self.pending:
-            names = sorted(self.pending)
+        if self.pending or self.routers:
+            names = sorted(self.pending) + sorted(self.routers)
             raise CheckpointError(f"{self.source or 'checkpoint'} is missing quantized tensors of {len(names)} "
                                   f"layers, e.g. {', '.join(names[:3])} (expected {', '.join(sorted(self.required))})")
         log.info("%d layers loaded pre-quantized (%s, %d-bit%s)", self.built, self.spec.method,
                  self.spec.bits, ", act-order" if self.spec.act_order else "")
+        if self.routers_dequantized:
+            log.info("%d mixture-of-experts routers stored quantized (%s) were dequantized at load and are served in "
+                     "%s", self.routers_dequantized, self.spec.method, str(self.dtype).removeprefix("torch."))
+
+    def pop_dequantized(self) -> list[tuple[str, torch.Tensor]]:
+        """The float tensors (``....gate.weight``, float32) of the quantized routers completed since the last call,
+        for the model's own ``load_weights``."""
+        out, self.dequantized = self.dequantized, []
+        return out
 
     # ---------------------------------------------------------------------------------------------------
     def _where(self) -> str:
         return f" in {self.source}" if self.source else ""
+
+    def _take_router(self, prefix: str, suffix: str, tensor: torch.Tensor) -> None:
+        """Keep a part of a router stored quantized; once all are in, its weight dequantized by the format's
+        reader (the same math as the quantized layers') joins :attr:`dequantized`. A router takes no kernel: it
+        is ``experts x hidden``, and the expert choice should not differ from the stored weights' by more than
+        one rounding to the model dtype."""
+        if suffix in ("g_idx", "weight_g_idx") and not self.spec.act_order:
+            return
+        parts = self.routers.setdefault(prefix, {})
+        parts["weight_scale" if suffix == "weight_scale_inv" else suffix] = tensor
+        if not self.required <= parts.keys():
+            return
+        weight, _ = self._read(parts, prefix)
+        self.dequantized.append((f"{prefix}.weight", weight.dequantize(torch.float32)))
+        del self.routers[prefix]
+        self.routers_dequantized += 1
 
     def _build_if_complete(self, target: _Target) -> None:
         need = self.required | ({"bias"} if target.bias else set())

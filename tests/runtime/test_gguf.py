@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -687,8 +688,9 @@ PACKED_MOE = {
 }
 
 
-def write_packed_moe(path: Path, case: str, byte_tokenizer, **overrides):
-    """A tiny mixture of experts written as PACKED_MOE[case] says; returns (model, its config)."""
+def write_packed_moe(path: Path, case: str, byte_tokenizer, router=None, **overrides):
+    """A tiny mixture of experts written as PACKED_MOE[case] says, its routers (``ffn_gate_inp``) in ``router``'s
+    type (default F32); returns (model, its expert types)."""
     arch, experts, attention, shape = PACKED_MOE[case]
     cls, family, kv, _, _ = FAMILIES[arch]
     meta = byte_level_metadata(byte_tokenizer) | {"pre": "qwen2"}
@@ -696,6 +698,8 @@ def write_packed_moe(path: Path, case: str, byte_tokenizer, **overrides):
     quants = {n: attention for n in model.state_dict() if n.endswith("proj.weight")}
     quants |= {f"blk.{i}.{t}.weight": q for i in range(model.config.num_hidden_layers)
                for t, q in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), experts, strict=True)}
+    if router is not None:
+        quants |= {f"blk.{i}.ffn_gate_inp.weight": router for i in range(model.config.num_hidden_layers)}
     kv = kv | ({"expert_feed_forward_length": model.config.moe_intermediate_size} if arch == "qwen3moe" else {})
     write_gguf(path, model, meta, arch="llama" if arch == "mixtral" else arch, permute=arch == "mixtral",
                quants=quants, extra_kv=kv, key_length=getattr(model.config, "head_dim", None))
@@ -759,6 +763,41 @@ def test_a_moe_file_keeps_its_experts_packed_and_generates_what_its_dequantized_
     values[attention_bits] += attention
     sizes = llm.engine.weight_bytes
     assert sizes.get("int4", 0) == values[4] // 2 and sizes.get("int8", 0) == values[8]
+    _greedy_equals_transformers(llm, reference)
+
+
+@pytest.mark.parametrize(("case", "router"), [("qwen3moe-q4_0", Q.Q8_0), ("mixtral-q8_0", Q.Q4_0)])
+def test_a_quantized_gguf_router_is_dequantized_at_load(case, router, tmp_path, byte_tokenizer, caplog):
+    """Some GGUF MoE files store ``ffn_gate_inp`` quantized: the reader dequantizes it by gguf's own block math
+    (the format's), the engine serves it float with a log line saying so, and its greedy output equals
+    transformers' on the file's dequantized weights. The stored router is not the float one written (so a
+    router taken from anywhere else would route differently)."""
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.layers.moe import FusedMoE
+
+    path = tmp_path / f"{case}.gguf"
+    model, _ = write_packed_moe(path, case, byte_tokenizer, router=router)
+    checkpoint = read_gguf(path)
+    tensors = dict(checkpoint.tensors())
+    cfg = model.config
+    routers = [n for n in tensors if n.endswith(".gate.weight")]
+    assert len(routers) == cfg.num_hidden_layers
+    for i, name in enumerate(sorted(routers)):
+        written = model.state_dict()[f"model.layers.{i}.mlp.gate.weight"].float()
+        torch.testing.assert_close(tensors[name], quant_roundtrip(written.numpy(), router), rtol=0, atol=0)
+        assert not torch.allclose(tensors[name], written, rtol=0, atol=1e-4)
+    reference = type(model)(type(cfg)(**cfg.to_dict())).eval()
+    reference.load_state_dict(_transformers_state(tensors, cfg.num_hidden_layers))
+
+    with caplog.at_level(logging.INFO, logger="kubellm"):
+        llm = LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=16, progress=False)
+    assert f"{cfg.num_hidden_layers} {router.name} mixture-of-experts routers stored quantized were dequantized" \
+        in caplog.text
+    served = [m.gate for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for gate, name in zip(served, sorted(routers), strict=True):  # prepacked for oneDNN: compared by its output
+        with torch.no_grad():
+            torch.testing.assert_close(gate(x), x @ tensors[name].t(), rtol=1e-5, atol=1e-5)
     _greedy_equals_transformers(llm, reference)
 
 

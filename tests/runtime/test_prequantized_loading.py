@@ -135,8 +135,9 @@ FORMATS = {
 }
 
 
-def write_quantized(dense_dir, out_dir, fmt: str):
-    """(the checkpoint in ``fmt``'s layout, its dense twin with the stored weights dequantized by our readers)."""
+def write_quantized(dense_dir, out_dir, fmt: str, routers: bool = False):
+    """(the checkpoint in ``fmt``'s layout, its dense twin with the stored weights dequantized by our readers);
+    ``routers``: mixture-of-experts routers (``mlp.gate``, ``block_sparse_moe.gate``) quantized too."""
     writer, group, qconfig = FORMATS[fmt]
     quant_dir, twin_dir = out_dir / "quantized", out_dir / "twin"
     shutil.copytree(dense_dir, quant_dir)
@@ -151,7 +152,8 @@ def write_quantized(dense_dir, out_dir, fmt: str):
 
     for name, t in tensors.items():
         parts = name.split(".")
-        if not (name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in PROJECTIONS):
+        linear = parts[-2] in PROJECTIONS or routers and parts[-2] == "gate"
+        if not (name.startswith("model.layers.") and parts[-1] == "weight" and linear):
             quantized[name] = t
             continue
         prefix = name.removesuffix(".weight")

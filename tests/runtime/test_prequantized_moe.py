@@ -1,6 +1,6 @@
 """Mixtures of experts quantized elsewhere (runtime/models/quantized_loading.py): every expert's gate/up and down
-load as :class:`QuantizedLinear` layers straight from the stored tensors, the routers stay float, and the engine
-routes as the bf16 path does.
+load as :class:`QuantizedLinear` layers straight from the stored tensors, the routers are float (dequantized at
+load where a checkpoint stores them quantized), and the engine routes as the bf16 path does.
 
 Tiny Qwen3-MoE (experts ``mlp.experts.E.gate_proj``/``up_proj``/``down_proj``, layer 1 dense) and Mixtral
 (``block_sparse_moe.experts.E.w1``/``w3``/``w2``) checkpoints are written in each format's published layout by
@@ -11,8 +11,10 @@ must compute what transformers computes on the twin."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
+import test_engine_parity
 import torch
 from safetensors.torch import load_file, save_file
 from test_engine_parity import _engine, _prompts, _run_and_compare, mean_logit_errors
@@ -200,15 +202,42 @@ def test_experts_the_config_ignores_load_in_float(tiny_checkpoint_factory, tmp_p
     assert isinstance(model.model.layers[0].self_attn.o_proj, QuantizedLinear)
 
 
-def test_a_quantized_router_is_refused_by_name(tiny_checkpoint_factory, tmp_path):
-    quant_dir, _ = write_quantized(tiny_checkpoint_factory("qwen3_moe", **SHAPE), tmp_path, "fp8-channel")
+@pytest.mark.parametrize("fmt", ["gptq-4bit-asym-g128", "gptq-4bit-sym-desc_act-g32", "gptq-8bit-sym-g128",
+                                 "w4a16-group128", "w8a16-channel", "fp8-block128"])
+def test_a_quantized_router_is_dequantized_at_load(fmt, moe, tmp_path, caplog, monkeypatch):
+    """Routers stored quantized (GPTQ, compressed-tensors pack-quantized, FP8 blocks with weight_scale_inv; act-order
+    too) are dequantized once by the format's reader and served float: the router equals the twin's (the stored
+    router dequantized by the format's math, which is not the float one, so a router from anywhere else would
+    route differently), a log line counts them, and greedy tokens and logits equal transformers' on the twin."""
+    quant_dir, twin_dir = write_quantized(moe, tmp_path, fmt, routers=True)
+    stored = load_file(quant_dir / "model.safetensors")
+    twin, dense = load_file(twin_dir / "model.safetensors"), load_file(moe / "model.safetensors")
+    names = sorted(n for n in twin if n.endswith(".gate.weight"))
+    assert names and all(n not in stored or stored[n].dtype == torch.float8_e4m3fn for n in names)  # none float
+    with caplog.at_level(logging.INFO, logger="kubellm"):
+        llm = _engine(quant_dir)
+    assert f"{len(names)} mixture-of-experts routers stored quantized" in caplog.text
+    model = llm.engine.runner.model
+    _check_layers(model, "dequantize")
+    x = torch.randn(3, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(0))
+    gates = [m.gate for m in model.modules() if isinstance(m, FusedMoE)]
+    for gate, name in zip(gates, names, strict=True):
+        assert not torch.allclose(twin[name], dense[name], rtol=0, atol=1e-4)
+        with torch.no_grad():  # prepacked on CPU: compared by its output
+            torch.testing.assert_close(gate(x), x @ twin[name].float().t(), rtol=1e-5, atol=1e-5)
+    # float32 logits of O(1-10): a wrong router moves them by O(1); the oneDNN-packed router's summation order
+    # alone moved one logit of Mixtral's act-order case by 1.05e-4, just past the parity default of 1e-4.
+    monkeypatch.setattr(test_engine_parity, "LOGIT_ATOL", 5e-4)
+    _run_and_compare(llm, twin_dir, _prompts())
+
+
+def test_an_incomplete_quantized_router_is_named(tiny_checkpoint_factory, tmp_path):
+    quant_dir, _ = write_quantized(tiny_checkpoint_factory("qwen3_moe", **SHAPE), tmp_path, "gptq-4bit-asym-g128",
+                                   routers=True)
     tensors = load_file(quant_dir / "model.safetensors")
-    router = tensors.pop("model.layers.0.mlp.gate.weight")
-    scale = router.abs().amax(dim=1, keepdim=True) / 448
-    tensors |= {"model.layers.0.mlp.gate.weight": (router / scale).to(torch.float8_e4m3fn),
-                "model.layers.0.mlp.gate.weight_scale": scale}
+    del tensors["model.layers.0.mlp.gate.qzeros"]
     save_file(tensors, quant_dir / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"quantized mixture-of-experts router \(model.layers.0.mlp.gate"):
+    with pytest.raises(CheckpointError, match=r"missing 1 tensors, e.g. model.layers.0.mlp.gate.weight"):
         _engine(quant_dir)
 
 

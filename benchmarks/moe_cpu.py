@@ -9,9 +9,18 @@ rows 1, 8, 32 (decode steps of that many sequences) and 512 (a prefill chunk). A
 ``--rounds`` times ``--calls`` calls each; the table gives the best round's milliseconds per call.
 
     python benchmarks/moe_cpu.py --threads 2 [--rows 1,8,32,512] [--int4 [--group 32] [--float-zeros]]
+    python benchmarks/moe_cpu.py --threads 1 --int8 --rows 1,4,16 --fresh
 
 ``--int4 --group 32`` is how GGUF Q4_0 experts load (kept packed: zero points 8, float16 scales), with
 ``--float-zeros`` Q4_1/Q4_K (float32 scales and fractional zero points).
+
+``--int8``: the layer with 8-bit experts as each 8-bit format loads them, every one stacked for cpu_moe's fused
+quantized kernel, against the bf16 experts on their kernel: GGUF Q8_0 (int8, groups of 32, float16 scales),
+GPTQ 8-bit (0..255 around 128, groups of 128: int8 values beside zero points of 0, as the loader shifts them) and
+compressed-tensors W8A16 (int8, one float scale per output channel); ``--int8-forms`` adds GGUF Q6_K (-32..31,
+groups of 16) and Q5_K (0..31, groups of 32, fractional float zero points). ``--fresh``: a new random input on every
+call, so that the hit experts change and their weights come from memory as in decode (else one input repeated,
+whose experts may stay in cache).
 """
 
 from __future__ import annotations
@@ -37,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--int4", action="store_true",
                    help="add the 4-bit per-expert path and the fused int4 kernel (pre-quantized experts)")
     p.add_argument("--group", type=int, default=128, help="--int4's group size (GGUF's 4-bit types: 32)")
+    p.add_argument("--int8", action="store_true",
+                   help="add the 8-bit formats' experts (Q8_0, GPTQ 8-bit, W8A16) on the fused quantized kernel")
+    p.add_argument("--int8-forms", default="Q8_0,GPTQ-8bit,W8A16", help=f"--int8's formats, of {', '.join(INT8_FORMS)}")
+    p.add_argument("--fresh", action="store_true", help="a new random input on every call (other hit experts)")
     p.add_argument("--float-zeros", action="store_true",
                    help="--int4 with fractional float32 zero points and scales, as GGUF Q4_1/Q4_K experts load "
                         "(else zero points 8, which narrow to float16 as AWQ's and Q4_0's do)")
@@ -50,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from kubellm.runtime.models.llama import use_native_ops
     from kubellm.runtime.tp_group import Group
 
-    if not cpu_moe.available() or args.int4 and not cpu_int4_gemm.available():
+    if not cpu_moe.available() or (args.int4 or args.int8) and not cpu_int4_gemm.available():
         print("the native MoE kernel is not available here (needs AVX512-BF16)", file=sys.stderr)
         return 1
     torch.set_default_dtype(torch.bfloat16)  # built in bfloat16: a float32 layer would take 2.4 GB
@@ -70,13 +83,22 @@ def main(argv: list[str] | None = None) -> int:
         # the same values (same seed), stacked
         layers["int4 fused"] = _int4_experts(layers["per-expert"], args.group, args.float_zeros)
         assert pack_experts(layers["int4 fused"]) == 1
+    int8 = {}
+    if args.int8:
+        for form in args.int8_forms.split(","):
+            int8[form] = layers[form] = _int8_experts(layers["per-expert"], form)
 
     int4_head = ("| int4 per-expert (ms) | int4 fused (ms) | int4 per-expert vs kernel | fused vs int4 per-expert "
                  "| fused vs kernel ", "| ---: | ---: | ---: | ---: | ---: ") if args.int4 else ("", "")
-    print(f"| rows | per-expert (ms) | kernel (ms) | speed-up {int4_head[0]}|\n"
-          f"| ---: | ---: | ---: | ---: {int4_head[1]}|")
+    int8_head = ("".join(f"| {f} (ms) " for f in int8) + "".join(f"| {f} vs kernel " for f in int8),
+                 "| ---: " * 2 * len(int8))
+    print(f"| rows | per-expert (ms) | kernel (ms) | speed-up {int4_head[0]}{int8_head[0]}|\n"
+          f"| ---: | ---: | ---: | ---: {int4_head[1]}{int8_head[1]}|")
     for rows in map(int, args.rows.split(",")):
-        x = torch.randn(rows, args.hidden).to(torch.bfloat16)
+        gen = torch.Generator().manual_seed(rows)
+        xs = [torch.randn(rows, args.hidden, generator=gen).to(torch.bfloat16)
+              for _ in range(args.calls if args.fresh else 1)]
+        x = xs[0]
         best = {}
         with torch.inference_mode():
             for moe in layers.values():
@@ -84,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for kind, moe in layers.items():
                     start = time.perf_counter()
-                    for _ in range(args.calls):
-                        moe(x)
+                    for i in range(args.calls):
+                        moe(xs[i % len(xs)])
                     ms = (time.perf_counter() - start) / args.calls * 1e3
                     best[kind] = min(best.get(kind, ms), ms)
         # Rows agree except where bfloat16 router logits tie at the k-th expert: torch.topk breaks such ties in
@@ -98,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.int4:
             per, fused = best["int4"], best["int4 fused"]
             int4 = f" {per:.2f} | {fused:.2f} | {got / per:.2f}x | {per / fused:.2f}x | {got / fused:.2f}x |"
-        print(f"| {rows} | {ref:.2f} | {got:.2f} | {ref / got:.2f}x |{int4}", flush=True)
+        int8_cols = "".join(f" {best[f]:.2f} |" for f in int8) + "".join(f" {got / best[f]:.2f}x |" for f in int8)
+        print(f"| {rows} | {ref:.2f} | {got:.2f} | {ref / got:.2f}x |{int4}{int8_cols}", flush=True)
     return 0
 
 
@@ -136,6 +159,50 @@ def _int4_experts(bf16_moe, group: int, float_zeros: bool):
         expert = torch.nn.Module()
         expert.gate_up_proj, expert.down_proj = linear(2 * inter, hidden), linear(hidden, inter)
         moe.experts.append(expert)
+    return moe
+
+
+# --int8's formats: (values low, high, zero point (None: none; "float": fractional, per group), group size or -1
+# for one per output channel, scales as the format stores them). GGUF Q6_K and Q5_K load as 8-bit experts too.
+INT8_FORMS = {"Q8_0": (-127, 127, None, 32, torch.float16), "GPTQ-8bit": (0, 255, 128.0, 128, torch.float16),
+              "W8A16": (-127, 127, None, -1, torch.float32), "Q6_K": (-32, 31, None, 16, torch.float32),
+              "Q5_K": (0, 31, "float", 32, torch.float32)}
+
+
+def _int8_experts(bf16_moe, form: str):
+    """A copy of ``bf16_moe`` whose experts are native 8-bit ``QuantizedLinear`` layers of ``form`` (random values;
+    the timing does not depend on them), stacked for the fused kernel after checking that the stack computes what the
+    per-expert layers (one quantized GEMM per hit expert) compute on 4 rows."""
+    from kubellm.runtime.layers.moe import FusedMoE, pack_experts
+    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+    from kubellm.runtime.prequantized import QuantizedWeight
+    from kubellm.runtime.tp_group import Group
+
+    low, high, zero, group, scale_dtype = INT8_FORMS[form]
+    hidden, inter = bf16_moe.gate.in_features, bf16_moe.inter
+    with torch.device("meta"):
+        moe = FusedMoE(hidden, inter, bf16_moe.num_experts, bf16_moe.top_k, bf16_moe.renormalize, Group()).eval()
+    moe.gate, moe.native, moe.experts = bf16_moe.gate, bf16_moe.native, torch.nn.ModuleList()
+    gen = torch.Generator().manual_seed(0)
+
+    def linear(out_f, in_f):
+        groups = (out_f, 1 if group < 0 else in_f // group)
+        scales = (torch.rand(groups, generator=gen, dtype=torch.float32) / (64 * (high - low))).to(scale_dtype).float()
+        values = torch.randint(low, high + 1, (out_f, in_f), generator=gen, dtype=torch.int16)
+        zeros = None if zero is None else torch.rand(groups, generator=gen, dtype=torch.float32) * high \
+            if zero == "float" else torch.full(groups, zero, dtype=torch.float32)
+        weight = QuantizedWeight(values, scales, zeros, group)
+        return QuantizedLinear(weight, 8, "native")
+
+    for _ in range(bf16_moe.num_experts):
+        expert = torch.nn.Module()
+        expert.gate_up_proj, expert.down_proj = linear(2 * inter, hidden), linear(hidden, inter)
+        moe.experts.append(expert)
+    x = torch.randn(4, hidden, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        per_expert = moe(x)
+    assert pack_experts(moe) == 1 and type(moe.packed).__name__ == "QuantizedExperts"
+    _check_agree(lambda _: per_expert, moe, x)
     return moe
 
 

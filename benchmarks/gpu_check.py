@@ -11,7 +11,11 @@
    graphs against the same engine without them (and that they were captured at all), decode tok/s with vs
    without.
 4. Tensor parallelism (TP=2, NCCL) when two GPUs are visible; a skip line otherwise.
-5. A Markdown report in benchmarks/results/gpu-check-<date>-<device>.md. Exit status 1 when any correctness
+5. Decode step profile (issue 14, benchmarks/gpu_check_profile.py): per-phase host time and CUDA-event GPU time of
+   decode steps with CUDA graphs at batch 1 and 32, torch.profiler's top ops, and prefill steps at a new prompt
+   length against the same length again. It runs right after 3a, before any throughput part, so that its first
+   128-token prefill is the process's first; its section is written last.
+6. A Markdown report in benchmarks/results/gpu-check-<date>-<device>.md. Exit status 1 when any correctness
    check failed (or a part of the kit crashed), else 0.
 
 ``--device cpu --tiny`` runs the same code through Triton's interpreter at tiny shapes: the kit's self-test
@@ -39,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_report import Check, Report, Section  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("kernels", "timing", "engine", "throughput", "serve", "graphs", "tp")
+PARTS = ("kernels", "timing", "engine", "throughput", "serve", "graphs", "tp", "profile")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -150,7 +154,7 @@ def run(args: argparse.Namespace, work_dir: Path, report: Report) -> Report:
     tolerances = {torch.float32: args.fp32_tol, torch.bfloat16: args.bf16_tol}
     kv = "256MiB" if args.tiny else "4GiB"
     llama = reference = None
-    if {"engine", "throughput", "graphs", "tp"} - args.skip:
+    if {"engine", "throughput", "graphs", "tp", "profile"} - args.skip:
         try:
             llama = engine.random_llama(work_dir / ("llama-tiny" if args.tiny else "llama-1b"), args.tiny)
         except Exception as e:  # noqa: BLE001
@@ -167,6 +171,17 @@ def run(args: argparse.Namespace, work_dir: Path, report: Report) -> Report:
                      tolerances, kv)
         if llama is not None:
             reference = engine.check_parity(s, label, str(llama), device, args.new_tokens, tolerances, kv)
+    profile = _profile(args, llama, label)
+    try:
+        _rest(report, args, engine, llama, label, tolerances, work_dir, reference)
+    finally:
+        report.sections.append(profile)
+    return report
+
+
+def _rest(report: Report, args: argparse.Namespace, engine, llama: Path | None, label: str,
+          tolerances: dict[torch.dtype, float], work_dir: Path, reference) -> None:
+    device = args.device
     _throughput(report, args, engine, llama, work_dir)
     _cuda_graphs(report, args, engine, llama, label, tolerances)
 
@@ -181,7 +196,25 @@ def run(args: argparse.Namespace, work_dir: Path, report: Report) -> Report:
     else:
         _guarded(s, "TP=2", engine.tensor_parallel, s, llama, reference, args.new_tokens, args.bf16_tol, 32,
                  (128, 128))
-    return report
+
+
+def _profile(args: argparse.Namespace, llama: Path | None, label: str) -> Section:
+    """Part 5, run now (its section is appended to the report last, see the module docstring)."""
+    import gpu_check_profile
+
+    s = Section("5. Decode step profile (where a step's time goes)")
+    if "profile" in args.skip:
+        s.skipped.append("--skip profile")
+    elif llama is None:
+        s.skipped.append("profile: no model (the random Llama was not built)")
+    else:
+        tiny = dict(batches=[1, 4], prompt_len=4, steps=6, warmup=2, profiled_steps=2, prefill_lengths=[4, 8],
+                    dtype="float32", kv_cache_memory="256MiB")
+        full = dict(batches=[1, 32], prompt_len=128, steps=64, warmup=8, profiled_steps=5, prefill_lengths=[16, 128],
+                    dtype="bfloat16", kv_cache_memory="16GiB")
+        _guarded(s, "decode step profile", lambda: gpu_check_profile.profile_decode(
+            s, label, str(llama), args.device, **(tiny if args.tiny else full)))
+    return s
 
 
 def _throughput(report: Report, args: argparse.Namespace, engine, llama: Path | None, work_dir: Path) -> None:

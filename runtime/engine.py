@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from kubellm.runtime import cuda_graphs, host_malloc, kernel_choice, parallel
+from kubellm.runtime import cuda_graphs, host_malloc, kernel_choice, parallel, step_timer
 from kubellm.runtime.block_manager import BlockManager
 from kubellm.runtime.config import EngineConfig, available_memory_bytes
 from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -324,6 +324,9 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        timer = self.runner.step_timer  # None unless a profiler is attached (runtime/step_timer.py)
+        if timer is not None:
+            timer.begin()
         drafted = self.speculator.propose(self.scheduler.running) if self.speculator else []
         batch = self.scheduler.schedule()
         if drafted:
@@ -342,7 +345,12 @@ class LLMEngine:
         updated = self.scheduler.postprocess(batch, [t[-1] for t in new_tokens])  # sampled entries, in order
         if self.eagle is not None:  # before stops end sequences: their blocks may enter the prefix cache
             self.eagle.observe(batch, *self.runner.last_hidden)
-        return [self._process_tokens(seq, t, lp) for seq, t, lp in zip(updated, new_tokens, new_logprobs, strict=True)]
+        if timer is not None:
+            timer.mark(step_timer.DETOKENIZE)
+        outs = [self._process_tokens(seq, t, lp) for seq, t, lp in zip(updated, new_tokens, new_logprobs, strict=True)]
+        if timer is not None:
+            timer.end(batch)
+        return outs
 
     def _per_sequence(self, batch, tokens: list[int], logprobs: list) -> tuple[list[list[int]], list[list]]:
         """Group the sampled rows by sequence (a drafted one has a row per draft, plus one) and resolve drafts."""

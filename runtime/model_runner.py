@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kubellm.runtime import step_timer
 from kubellm.runtime.kernel_choice import KernelChoice
 from kubellm.runtime.layers.attention import AttentionMetadata, PrefillSpan, attention_backend
 from kubellm.runtime.layers.linear import pack_linears
@@ -84,6 +85,7 @@ class ModelRunner:
         # each batch entry's rows start) of its last step in last_hidden.
         self.keep_hidden = False
         self.last_hidden: tuple[torch.Tensor, list[int]] | None = None
+        self.step_timer: step_timer.StepTimer | None = None  # a profiler's; the engine's step reads it too
         self.backend = attention_backend(kernels.attention, num_heads, num_kv_heads, cfg.head_dim)
         for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
             attn = layer.self_attn.attn
@@ -119,7 +121,10 @@ class ModelRunner:
                 tables.append(seq.block_table)
             last_index[i] = len(ids) - 1
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        timer = self.step_timer
         if decodes:
+            if timer is not None:
+                timer.mark(step_timer.H2D)
             ctx = torch.tensor([p + 1 for p in positions], device=self.device)
             width = -(-int(ctx.max()) // bs)
             meta.num_decodes = len(tables)
@@ -131,6 +136,8 @@ class ModelRunner:
             meta.decode_bias = torch.zeros(pad.shape, dtype=torch.float32, device=self.device).masked_fill_(
                 pad, float("-inf")).unsqueeze(-1)
 
+        if timer is not None:
+            timer.mark(step_timer.PREPARE)  # a prefill chunk's context tensors count here
         for i in prefills:
             s = batch[i]
             seq, c, n = s.seq, s.seq.num_computed_tokens, s.num_tokens
@@ -149,21 +156,32 @@ class ModelRunner:
             meta.prefills.append(span)
             last_index[i] = start + n - 1
 
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         # A sampling entry samples at its last token; one with drafts at each draft's position too.
         sample_at = [j for i, s in enumerate(batch) if s.samples
                      for j in range(last_index[i] - s.seq.num_draft_tokens, last_index[i] + 1)]
+        if timer is not None:
+            timer.mark(step_timer.H2D)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         return input_ids, pos_t, meta, sample_at
 
     # ---- run -----------------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.tp.size > 1:
             self.tp.broadcast(("step", input_ids, positions, meta))
-        if self.decode_graphs is not None and (hidden := self.decode_graphs.forward(input_ids, positions, meta)) is not None:
-            return hidden
-        return self.model(input_ids, positions, meta)
+        if (timer := self.step_timer) is not None:
+            timer.mark(step_timer.FORWARD)
+            timer.forward_started()
+        hidden = None
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.forward(input_ids, positions, meta)
+        replayed = hidden is not None
+        if not replayed:
+            hidden = self.model(input_ids, positions, meta)
+        if timer is not None:
+            timer.forward_done(replayed)
+        return hidden
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """float32 logits of ``hidden``'s ``rows``. With tensor parallelism each rank holds a slice of the
@@ -188,6 +206,8 @@ class ModelRunner:
         """One forward pass. Returns, for each batch entry that samples, in order, its token and (when asked)
         its logprobs; and ``(seq, first prompt index, [TokenLogprobs])`` for the prompt tokens this step
         computed of sequences that asked for prompt logprobs."""
+        if (timer := self.step_timer) is not None:
+            timer.mark(step_timer.PREPARE)
         input_ids, positions, meta, sample_at = self.prepare(batch)
         seqs = [s.seq for s in batch if s.samples for _ in range(1 + s.seq.num_draft_tokens)]  # a row each
         masks = self.structured.start_masks(seqs) if self.structured is not None else None  # beside the forward
@@ -195,12 +215,23 @@ class ModelRunner:
         if self.keep_hidden:  # the layout before resolve() trims drafts off num_tokens
             self.last_hidden = (hidden, chunk_starts(batch))
         if not sample_at:
+            if timer is not None:
+                timer.mark(step_timer.POSTPROCESS)
             return [], [], self._prompt_logprobs(batch, hidden, sample_at)
+        if timer is not None:
+            timer.mark(step_timer.LOGITS)
         logits = self._logits(hidden, sample_at)
+        if timer is not None:
+            timer.mark(step_timer.SAMPLE)
         tokens, logprobs = self.sampler.sample(logits, seqs, masks.result().to(logits.device) if masks else None)
         if any(s.draft_probs is not None for s in seqs):  # a draft model's sampled drafts: the rejection rule
             tokens = verify_sampled_drafts(logits, seqs, tokens)
-        return tokens.tolist(), logprobs, self._prompt_logprobs(batch, hidden, sample_at)
+        if timer is not None:
+            timer.mark(step_timer.D2H)
+        token_ids = tokens.tolist()
+        if timer is not None:
+            timer.mark(step_timer.POSTPROCESS)
+        return token_ids, logprobs, self._prompt_logprobs(batch, hidden, sample_at)
 
     def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor, sample_at: list[int]) -> list[tuple]:
         """Raw-logit logprobs of prompt tokens 1.. as this step's chunk predicts them (position p → token p+1)."""

@@ -46,7 +46,7 @@ def test_tiny_run_passes_on_sound_kernels_and_writes_every_section(tmp_path, cap
         assert f"| {kernel} |" in text
     for heading in ("## 1. Kernel correctness", "### Paged decode attention", "### Prefill attention",
                     "### Weight-only GEMMs", "### Pre-quantized weight GEMMs", "## 3a. Engine end to end: greedy parity", "### Offline throughput",
-                    "## 4. Tensor parallelism"):
+                    "## 4. Tensor parallelism", "## 5. Decode step profile", "### Decode step phases"):
         assert heading in text
     assert "cpu float32 (Triton attention) vs CPU float32" in text
     assert "cpu bfloat16 (Triton attention) vs CPU float32" in text
@@ -60,7 +60,7 @@ def test_a_wrong_decode_kernel_fails_the_kernel_check_and_the_engine_and_exits_1
     start because the start-up check catches it too."""
     sound = tpa.paged_decode_attention
     monkeypatch.setattr(tpa, "paged_decode_attention", lambda *a, **k: sound(*a, **k) * 1.01)
-    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,throughput,graphs"]) == 1
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,throughput,graphs,profile"]) == 1
     text = _report(tmp_path)
     assert "**FAIL**" in text and "## Failures" in text
     failures = text.split("## Failures")[1].split("## Environment")[0]
@@ -75,7 +75,7 @@ def test_a_kernel_that_raises_fails_its_check_with_the_exception(tmp_path, monke
         raise RuntimeError("PTX assembly aborted")
 
     monkeypatch.setattr(triton_int8_gemm, "int8_gemm", broken)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs,profile"]
     assert gpu_check.main(argv) == 1
     failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
     assert failures.count("int8 GEMM") == 2  # float32 and bfloat16
@@ -94,7 +94,7 @@ def test_a_wrong_pre_quantized_gemm_fails_each_of_its_forms_and_nothing_else(mod
     its error, and nothing else does (1% is inside bfloat16's tolerance)."""
     sound = getattr(module, function)
     monkeypatch.setattr(module, function, lambda *a, **k: sound(*a, **k) * 1.01)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs,profile"]
     assert gpu_check.main(argv) == 1
     failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
     for name, count in failing.items():
@@ -108,7 +108,7 @@ def test_a_crash_in_a_part_of_the_kit_fails_the_run_and_is_named(tmp_path, monke
         raise KeyError("no such table")
 
     monkeypatch.setattr(kernels, "time_prefill", crash)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput,graphs"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput,graphs,profile"]
     assert gpu_check.main(argv) == 1
     text = _report(tmp_path)
     assert "2. Kernel timing / prefill timing (crashed)" in text and "KeyError" in text
@@ -123,7 +123,7 @@ def test_a_time_limit_keeps_what_ran_and_fails_naming_the_interruption(tmp_path,
         signal.raise_signal(signal.SIGTERM)
 
     monkeypatch.setattr(kernels, "time_prefill", killed)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput,graphs"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput,graphs,profile"]
     try:
         assert gpu_check.main(argv) == 1
     finally:
@@ -161,7 +161,7 @@ def test_without_the_demo_download_the_demo_checks_use_a_random_checkpoint_of_it
     assert engine.demo_model(tmp_path, files) == ("smollm2 (SmolLM2-135M Q4_1 GGUF)", "smollm2")
 
 
-GRAPHS_ONLY = ["--device", "cpu", "--tiny", "--skip", "kernels,timing,engine,throughput,tp"]
+GRAPHS_ONLY = ["--device", "cpu", "--tiny", "--skip", "kernels,timing,engine,throughput,tp,profile"]
 
 
 def test_on_cpu_the_graphs_section_compares_eager_with_eager_and_says_so(tmp_path):
@@ -273,3 +273,87 @@ def test_causal_flops_count_visible_pairs():
     shape = kernels.AttentionShape(2, 1, 8)
     assert kernels.causal_flops(3, 3, shape) == 4 * 2 * 8 * 6  # 1 + 2 + 3 pairs
     assert kernels.causal_flops(2, 5, shape) == 4 * 2 * 8 * (4 + 5)  # a later chunk sees the cached 3 keys
+
+
+# ------------------------------------------------------------------------------------------------ part 5: profile
+
+PROFILE_ONLY = ["--device", "cpu", "--tiny", "--skip", "kernels,timing,engine,throughput,graphs,tp"]
+
+
+def _phase_table(section: str, batch: int) -> tuple[dict[str, tuple[float, float, str]], list[str]]:
+    """{row name: (mean, p90, share)} of the decode-phase table at ``batch`` and its notes."""
+    body = section.split("### Decode step phases: ")[1 if batch == 1 else 2].split("###")[0]
+    rows, notes = {}, []
+    for line in body.splitlines():
+        if line.startswith("| ") and not line.startswith("| per step"):
+            name, mean, p90, share = (c.strip() for c in line.strip("|").split("|"))
+            rows[name] = (float(mean), float(p90), share) if mean != "n/a" else (None, None, share)
+        elif line.startswith("- "):
+            notes.append(line[2:])
+    return rows, notes
+
+
+def test_the_profile_part_reports_every_phase_and_its_shares_add_up(tmp_path, monkeypatch):
+    """On CPU with the stand-in capture (graph replays as on a GPU): per batch a phase table whose host phases tile
+    the wall time, the GPU column n/a, the replay count, the reading line, and the profiler's op table."""
+    from kubellm.runtime import cuda_graphs, step_timer
+
+    monkeypatch.setitem(cuda_graphs.CAPTURE_PRIMITIVES, "cpu", RecordingCapture)
+    assert gpu_check.main(PROFILE_ONLY + ["--out", str(tmp_path)]) == 0
+    text = _report(tmp_path)
+    assert text.index("## 4. Tensor parallelism") < text.index("## 5. Decode step profile")
+    section = text.split("## 5. Decode step profile (where a step's time goes)")[1]
+    assert "| prompt tokens | first step (ms) | again (ms) | first / again |" in section
+    for batch in (1, 4):
+        assert f"### Decode step phases: random Llama (tiny) (float32), batch {batch}, 4-token prompts" in section
+        assert f"### torch.profiler, batch {batch}: top 15 ops by self CPU time" in section
+        rows, notes = _phase_table(section, batch)
+        assert list(rows) == ["step wall time", "GPU time of the forward (CUDA events)"] + [
+            f"host: {p}" for p in step_timer.PHASES]
+        assert rows["GPU time of the forward (CUDA events)"] == (None, None, "n/a")
+        wall = rows["step wall time"][0]
+        host = sum(mean for name, (mean, _, _) in rows.items() if name.startswith("host: "))
+        assert host == pytest.approx(wall, rel=0.02, abs=0.01)
+        assert rows["host: forward call / graph replay"][0] > 0 and rows["host: sampling"][0] > 0
+        assert f"6 decode steps at batch {batch}; 6 of them replayed a CUDA graph" in notes
+        assert any(n.startswith("reading: GPU time n/a on cpu; the host phases are the whole step") for n in notes)
+    assert "self CUDA (ms / step)" in section and "top 15 ops by self CUDA time" not in section
+
+
+def test_the_profile_reading_says_host_bound_from_the_gpu_time():
+    """The CUDA reading, from records as a GPU run makes them: 3 ms steps with 1 ms on the GPU are host-bound."""
+    import gpu_check_profile
+
+    from kubellm.runtime.step_timer import PHASES, StepRecord
+
+    def record(wall_ms: float, gpu_ms: float) -> StepRecord:
+        phases = dict.fromkeys(PHASES, 0)
+        phases[PHASES[0]] = int(wall_ms * 1e6)
+        return StepRecord(int(wall_ms * 1e6), phases, gpu_ms, 1, True, True)
+
+    table = gpu_check_profile.step_table("t", [record(3.0, 1.0)] * 9 + [record(4.0, 1.0)], "cuda")
+    assert table.rows[0] == ["step wall time", "3.100", "3.000", "100.0%"]
+    assert table.rows[1] == ["GPU time of the forward (CUDA events)", "1.000", "1.000", "32.3%"]
+    assert "reading: host-bound: 2.10 ms of 3.10 ms per step outside the GPU forward (68%)" in table.notes
+    table = gpu_check_profile.step_table("t", [record(3.0, 2.5)] * 4, "cuda")
+    assert "reading: GPU-bound: 0.50 ms of 3.00 ms per step outside the GPU forward (17%)" in table.notes
+
+
+def test_without_a_timer_the_engine_keeps_no_records_and_with_one_every_step_is_tiled(tmp_path):
+    """The hook is off by default (runner.step_timer None); attached, each step's phases add up to its wall time."""
+    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.step_timer import StepTimer
+
+    llama = engine.random_llama(tmp_path / "llama", tiny=True)
+    with LLM(str(llama), progress=False, device="cpu", dtype="float32", kv_cache_memory="64MiB", max_model_len=64,
+             attention_backend="torch", layer_ops="torch", prepack_weights="off") as llm:
+        assert llm.engine.runner.step_timer is None
+        timer = StepTimer("cpu")
+        llm.engine.runner.step_timer = timer
+        llm.generate([[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0),
+                     use_tqdm=False)
+    assert [(r.rows, r.decode) for r in timer.records] == [(2, False), (2, True), (2, True)]
+    for r in timer.records:
+        assert sum(r.phase_ns.values()) == r.wall_ns and r.gpu_ms is None and not r.replayed
+        assert r.phase_ns["forward call / graph replay"] > 0 and r.phase_ns["sampling"] > 0

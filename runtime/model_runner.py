@@ -14,7 +14,12 @@ import torch
 
 from kubellm.runtime import step_timer
 from kubellm.runtime.kernel_choice import KernelChoice
-from kubellm.runtime.layers.attention import AttentionMetadata, PrefillSpan, attention_backend
+from kubellm.runtime.layers.attention import (
+    AttentionMetadata,
+    KernelAttentionBackend,
+    PrefillSpan,
+    attention_backend,
+)
 from kubellm.runtime.layers.linear import pack_linears
 from kubellm.runtime.layers.moe import pack_experts
 from kubellm.runtime.models.config import ModelConfig
@@ -87,6 +92,7 @@ class ModelRunner:
         self.last_hidden: tuple[torch.Tensor, list[int]] | None = None
         self.step_timer: step_timer.StepTimer | None = None  # a profiler's; the engine's step reads it too
         self.backend = attention_backend(kernels.attention, num_heads, num_kv_heads, cfg.head_dim)
+        self.gathers = not isinstance(self.backend, KernelAttentionBackend)  # needs decode_bias (prepare)
         for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
             attn = layer.self_attn.attn
             attn.k_cache, attn.v_cache, attn.backend = k, v, self.backend
@@ -125,16 +131,18 @@ class ModelRunner:
         if decodes:
             if timer is not None:
                 timer.mark(step_timer.H2D)
+            # The width from the host's list: int(ctx.max()) of a device tensor would wait for the GPU.
+            width = -(-(max(positions) + 1) // bs)
             ctx = torch.tensor([p + 1 for p in positions], device=self.device)
-            width = -(-int(ctx.max()) // bs)
             meta.num_decodes = len(tables)
             meta.decode_block_ids = torch.tensor(
                 [b for t in tables for b in (t[:width] + [0] * (width - len(t)))], device=self.device)
             meta.decode_block_tables = meta.decode_block_ids.view(len(tables), width).to(torch.int32)
             meta.decode_context_lens = ctx.to(torch.int32)
-            pad = torch.arange(width * bs, device=self.device)[None, :] >= ctx[:, None]
-            meta.decode_bias = torch.zeros(pad.shape, dtype=torch.float32, device=self.device).masked_fill_(
-                pad, float("-inf")).unsqueeze(-1)
+            if self.gathers:  # only the reference backend's gathers read the bias; kernels take the lengths
+                pad = torch.arange(width * bs, device=self.device)[None, :] >= ctx[:, None]
+                meta.decode_bias = torch.zeros(pad.shape, dtype=torch.float32, device=self.device).masked_fill_(
+                    pad, float("-inf")).unsqueeze(-1)
 
         if timer is not None:
             timer.mark(step_timer.PREPARE)  # a prefill chunk's context tensors count here
@@ -188,6 +196,8 @@ class ModelRunner:
         vocabulary: the other ranks are told the rows (they hold the same hidden states) and join the gather."""
         if self.tp.size > 1:
             self.tp.broadcast((LOGITS, rows))
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # a slice (every decode step): no index tensor,
+            return self.model.compute_logits(hidden[rows[0] : rows[0] + len(rows)])  # whose copy would wait for the GPU
         return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
 
     @torch.inference_mode()

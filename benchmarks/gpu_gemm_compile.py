@@ -10,14 +10,17 @@ of the real shapes with the kernel swapped for a recorder (no launch) and an H20
 constexprs and alignment hints (16-byte pointers, integers divisible by 16, as the JIT specializes them). Forms:
 the grouped 4-bit GEMM (groups 32 and 128, per channel), the grouped 8-bit GEMM (group 32), the int8 GEMM, FP8
 per channel and per 128x128 block; bf16 activations, and fp16/fp32 for the first form of each kernel; each in
-its chosen tl.dot tiling and in the GEMV form. Reported per distinct compile: shared memory per block (against
-232,448 bytes), registers and spilled bytes (cuobjdump). Exit 1 when a compile fails or does not fit. The
-local Triton may be newer than the GPU's (3.6 on the lent H200): the numbers are close, not identical.
+its chosen tl.dot tiling and in the GEMV form; the grouped GEMMs in both forms (fields: the word loaded once,
+launched at M <= 8; words: run 3's kernel, launched above), each form at every M. Reported per distinct
+compile: shared memory per block (against 232,448 bytes), registers and spilled bytes (cuobjdump). Exit 1
+when a compile fails or does not fit. The local Triton may be newer than the GPU's (3.6 on the lent H200): the
+numbers are close, not identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -91,19 +94,21 @@ def forms(m: int, n: int, k: int, dtype: torch.dtype, first_only: bool) -> list[
 
 
 def record(module, call, **tiling) -> Launch:
-    """The launch ``call`` would make on an H200 (its kernel swapped for a recorder)."""
-    name = next(a for a in vars(module) if a.startswith("_") and a.endswith("_kernel") and "decode" not in a)
-    kernel = getattr(module, name)
-    recorder = _Recorder(kernel)
-    saved_kernel, saved_sms = kernel, triton_gemm_tiles.sm_count
-    setattr(module, name, recorder)
+    """The launch ``call`` would make on an H200 (every kernel of the module swapped for a recorder)."""
+    names = [a for a in vars(module) if a.startswith("_") and a.endswith("_kernel") and "decode" not in a]
+    saved = {name: getattr(module, name) for name in names}
+    recorders = [_Recorder(kernel) for kernel in saved.values()]
+    saved_sms = triton_gemm_tiles.sm_count
+    for name, recorder in zip(names, recorders, strict=True):
+        setattr(module, name, recorder)
     triton_gemm_tiles.sm_count = lambda device: H200_SMS
     try:
         call(**tiling)
     finally:
-        setattr(module, name, saved_kernel)
+        for name, kernel in saved.items():
+            setattr(module, name, kernel)
         triton_gemm_tiles.sm_count = saved_sms
-    (launch,) = recorder.launches
+    (launch,) = [launch for recorder in recorders for launch in recorder.launches]
     return launch
 
 
@@ -170,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for lname, n, k in layers:
                 for fname, module, call in forms(m, n, k, dtype, first_only=dtype != torch.bfloat16):
-                    for dot in ((True, False) if m <= 8 else (True,)):
-                        launch = record(module, call, dot=dot)
+                    grouped = module is triton_grouped_gemm
+                    for dot, form in itertools.product((True, False) if m <= 8 else (True,),
+                                                       triton_grouped_gemm.FORMS if grouped else (None,)):
+                        launch = record(module, call, dot=dot, **({"form": form} if form else {}))
                         src, options = compile_source(launch)
                         key = src.hash() + str(sorted(options.items()))
                         label = _tiling(launch)
@@ -197,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
 def _tiling(launch: Launch) -> str:
     kw = launch.kwargs
     form = "dot" if kw.get("DOT", True) else "gemv"
-    return (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} w{kw['num_warps']} s{kw['num_stages']} {form}"
-            + ("" if "SCALE_AFTER" not in kw else " scale after" if kw["SCALE_AFTER"] else " scale per row"))
+    grouped = ("" if "BITS" not in kw else " words" if "SCALE_AFTER" not in kw
+               else " fields, scale after" if kw["SCALE_AFTER"] else " fields, scale per row")
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} w{kw['num_warps']} s{kw['num_stages']} {form}{grouped}"
 
 
 def _row(r: tuple) -> str:

@@ -5,7 +5,9 @@ against the best tiling found, and cuBLAS bf16 on the unquantized weight, per la
     python benchmarks/gpu_gemm_tiles.py --device cpu --tiny     # the CPU self-test (interpreter, tiny shapes)
 
 Kernels: the grouped 4-bit GEMM on --quantization int4's weights (groups of 32, zero points), the int8 GEMM,
-FP8 per channel; each in its tl.dot form and, at M <= 8, its GEMV form (``dot=0``). Shapes: Llama-3-8B's qkv,
+FP8 per channel; each in its tl.dot form and, at M <= 8, its GEMV form (``dot=0``); the grouped GEMM in both
+of its forms (``form``: fields, loading each packed word once, or words, run 3's kernel loading it per input;
+kernels/triton_grouped_gemm.py). Shapes: Llama-3-8B's qkv,
 o, gate_up and down. Loops run kernel, then M, then layer (a tiling compiled for one layer is reused by the
 next), and every (kernel, M, layer) row gets an equal share of what is left of --budget-s, so every layer gets
 a row; inside a row the candidates nearest the chosen tiling come first.
@@ -53,9 +55,14 @@ ROUNDS = 3
 FIELDS = ("block_m", "block_n", "block_k", "split", "num_warps", "num_stages", "dot")
 
 
-def tiling_of(tiles: triton_gemm_tiles.Tiles) -> dict[str, int]:
-    """A :class:`Tiles` as the keyword overrides that reproduce it."""
-    return {f: int(getattr(tiles, f)) for f in FIELDS}
+def tiling_of(tiles: triton_gemm_tiles.Tiles, form: str | None = None) -> dict:
+    """A :class:`Tiles` (and the grouped GEMM's ``form``, if any) as the keyword overrides that reproduce it."""
+    t: dict = {f: int(getattr(tiles, f)) for f in FIELDS}
+    return t if form is None else {**t, "form": form}
+
+
+def _key(t: dict) -> tuple:
+    return (*(t[f] for f in FIELDS), t.get("form"))
 
 
 def staged_bytes(t: dict[str, int], args: dict) -> float:
@@ -64,15 +71,15 @@ def staged_bytes(t: dict[str, int], args: dict) -> float:
     return t["num_stages"] * t["block_k"] * (t["block_m"] * x_bytes + t["block_n"] * w_bytes)
 
 
-def candidates(m: int, args: dict, chosen: dict[str, int]) -> list[dict[str, int]]:
-    """The tilings tried at ``m`` rows for a kernel whose :func:`tiling_args` are ``args``, nearest the chosen
-    one first (fewest fields changed), without the chosen one itself and without tilings whose pipeline would
-    not fit in shared memory. Decode (M <= 64): row tiles of M's size, 32-128 columns, split-K 1-16; the GEMV
+def candidates(m: int, args: dict, chosen: dict, form: str | None = None) -> list[dict]:
+    """The tilings tried at ``m`` rows for a kernel (in ``form``, if it has forms) whose :func:`tiling_args` are
+    ``args``, nearest the chosen one first (fewest fields changed), without the chosen one itself and without
+    tilings whose pipeline would not fit in shared memory. Decode (M <= 64): row tiles of M's size, 32-128 columns, split-K 1-16; the GEMV
     form (dot 0, row tiles of 1-8) at M <= 8. Batches: 64/128-row tiles, 64-256 columns, 4 or 8 warps."""
     lo, hi = args.get("min_block_k", 16), args.get("max_block_k", 128)
     if m <= 64:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        ks = [k for k in (64, 128, 256) if lo <= k <= hi]
+        ks = [k for k in (64, 128, 256) if lo <= k <= hi] or [hi]  # [hi]: K tiles bound by a group of 32
         grid = [dict(block_m=bm, block_n=bn, block_k=bk, split=sp, num_warps=4, num_stages=st, dot=1)
                 for bn, bk, sp, st in itertools.product([32, 64, 128], ks, [1, 2, 4, 8, 16], [3, 4])]
         if m <= 8:
@@ -83,21 +90,24 @@ def candidates(m: int, args: dict, chosen: dict[str, int]) -> list[dict[str, int
         ks = [k for k in (32, 64, 128, 256) if lo <= k <= hi][:2]
         grid = [dict(block_m=bm, block_n=bn, block_k=bk, split=sp, num_warps=w, num_stages=3, dot=1)
                 for bm, bn, bk, sp, w in itertools.product([128, 64], [64, 128, 256], ks, [1, 2], [4, 8])]
-    out, seen = [], {tuple(chosen[f] for f in FIELDS)}
+    if form is not None:
+        grid = [{**t, "form": form} for t in grid]
+    out, seen = [], {_key(chosen)}
     for t in grid:
-        key = tuple(t[f] for f in FIELDS)
+        key = _key(t)
         if key not in seen and staged_bytes(t, args) <= SHARED_LIMIT:
             seen.add(key)
             out.append(t)
     return sorted(out, key=lambda t: _distance(t, chosen))  # stable: grid order breaks ties
 
 
-def _distance(t: dict[str, int], chosen: dict[str, int]) -> tuple[int, bool]:
-    """Fields changed from the chosen tiling; the other form (dot / GEMV, whose row tile goes with it) counts as
-    one change and comes first among equals, so the sweep always compares the two forms."""
+def _distance(t: dict, chosen: dict) -> tuple[int, bool]:
+    """Fields changed from the chosen tiling (the grouped GEMM's ``form`` is one more); the other of dot / GEMV
+    (whose row tile goes with it) counts as one change and comes first among equals, so the sweep always
+    compares the two."""
     form = t["dot"] != chosen["dot"]
     changed = sum(t[f] != chosen[f] for f in FIELDS if not (form and f == "block_m"))
-    return changed, not form
+    return changed + (t.get("form") != chosen.get("form")), not form
 
 
 def row_deadline(now: float, deadline: float, rows_left: int, reserve_s: float = 0.0) -> float:
@@ -106,17 +116,20 @@ def row_deadline(now: float, deadline: float, rows_left: int, reserve_s: float =
     return now + max(0.0, deadline - now - rows_left * reserve_s) / max(1, rows_left)
 
 
-def kernels(w: gk.GemmWeights) -> dict[str, tuple[object, object]]:
-    """name -> (call(x, **tiling), the keyword arguments of gemm_tiles.choose the kernel itself passes for x)."""
+def kernels(w: gk.GemmWeights) -> dict[str, tuple[object, object, object]]:
+    """name -> (call(x, **tiling), (x, form) -> the keyword arguments of gemm_tiles.choose the kernel itself
+    passes, m -> the kernel's forms with the one it launches at m rows first: [None] for kernels of one form)."""
     fp8_weight, fp8_scale = gk.quantize_fp8(w.bf16, None)
     p = w.int4
     return {
         "int4 g32": (lambda x, **t: triton_grouped_gemm.grouped_gemm(x, p.packed, p.scales, p.zeros, p.perm, None,
                                                                     p.group, p.bits, **t),
-                     lambda x: triton_grouped_gemm.tiling_args(x, p.group, p.bits)),
-        "int8": (lambda x, **t: triton_int8_gemm.int8_gemm(x, w.q8, w.s8, **t), triton_int8_gemm.tiling_args),
+                     lambda x, form: triton_grouped_gemm.tiling_args(x, p.group, p.bits, form),
+                     lambda m: sorted(triton_grouped_gemm.FORMS, key=lambda f: f != triton_grouped_gemm.form_for(m))),
+        "int8": (lambda x, **t: triton_int8_gemm.int8_gemm(x, w.q8, w.s8, **t),
+                 lambda x, form: triton_int8_gemm.tiling_args(x), lambda m: [None]),
         "fp8 channel": (lambda x, **t: triton_fp8_gemm.fp8_gemm(x, fp8_weight, fp8_scale, None, None, **t),
-                        lambda x: triton_fp8_gemm.tiling_args(x, None)),
+                        lambda x, form: triton_fp8_gemm.tiling_args(x, None), lambda m: [None]),
     }
 
 
@@ -188,15 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(kname, m, s) for kname in names for m in rows for s in shapes]
     confirm_s: list[float] = []
     for i, (kname, m, shape) in enumerate(plan):
-        fn, tiling_args = calls[shape.name][kname]
+        fn, tiling_args, forms = calls[shape.name][kname]
         x = gk._activations(m, shape.k, torch.bfloat16, device)
-        targs = tiling_args(x)
-        chosen = tiling_of(triton_gemm_tiles.choose(m, shape.n, shape.k, **targs))
+        form, *others = forms(m)
+        chosen = tiling_of(triton_gemm_tiles.choose(m, shape.n, shape.k, **tiling_args(x, form)), form)
         want = fn(x)
         reserve = statistics.mean(confirm_s) if confirm_s else 2.0
         stop = row_deadline(time.monotonic(), deadline, len(plan) - i, reserve)
         good, wrong = [], []
-        for t in candidates(m, targs, chosen):  # compile and check first, time later
+        cands = sorted((t for f in (form, *others) for t in candidates(m, tiling_args(x, f), chosen, f)),
+                       key=lambda t: _distance(t, chosen))  # stable: the launched form's first among equals
+        for t in cands:  # compile and check first, time later
             if time.monotonic() > stop or (per_row_cap and len(good) >= per_row_cap):
                 break
             try:
@@ -262,7 +277,7 @@ def _confirm(fn, x: torch.Tensor, bf16_weight: torch.Tensor, chosen: dict, best:
 def _short(t: dict | None) -> str:
     if not t:
         return "(the chosen)"
-    form = "" if t.get("dot", 1) else " gemv"
+    form = (f" {t['form']}" if t.get("form") else "") + ("" if t.get("dot", 1) else " gemv")
     return (f"{t['block_m']}x{t['block_n']}x{t['block_k']} split {t['split']} w{t['num_warps']} "
             f"s{t['num_stages']}{form}")
 

@@ -8,9 +8,12 @@ into ``[split, M, N]`` and one ``torch.sum`` over the splits adds them in a fixe
 graph-capturable: sizes depend only on shapes). A batched GEMM is bound by the tensor cores and the
 dequantization instead: taller row tiles reuse each dequantized weight tile for more rows.
 
-What the third H200 run's sweep (benchmarks/gpu_gemm_tiles.py) ranked first shaped the defaults: 32-column
-tiles and about four programs per SM at M <= 32 (many small programs keep more weight bytes in flight than a
-few wide ones), 128 x 64 tiles on 4 warps for batches. ``dot=False`` is the GEMV form of each kernel (a
+Two regimes, split at :data:`DECODE_ROWS`. At M <= 8 the third H200 run's sweep (benchmarks/gpu_gemm_tiles.py)
+shaped the defaults: 32-column tiles and about four programs per SM (many small programs keep more weight bytes
+in flight than a few wide ones). At M > 8 :func:`choose` returns what it returned in run 3 (tree 757c7f3):
+64-column tiles and two programs per SM up to 64 rows, 128 x 128 tiles on 8 warps beyond. Run 4 (tree 2a46545)
+applied the sweep's rule to batches too and its kit timings got worse there: int8 Qwen3 down at M=32 88.6 us
+against run 3's 32.0 us, qkv 29.4 against 23.0. ``dot=False`` is the GEMV form of each kernel (a
 broadcast multiply and a sum over K in float32, rows tiles of 1-8 instead of tl.dot's 16): a variant the sweep
 times against the tl.dot form; :func:`choose` never picks it unless asked.
 
@@ -28,6 +31,7 @@ import torch
 from kubellm.kernels.triton_dot import cuda_sm_count
 
 INTERPRETER_SMS = 4
+DECODE_ROWS = 8  # up to this many rows the decode rule; above it run 3's rule (module docstring)
 MIN_K_PER_SPLIT = 256  # a split walks at least this many inputs: fewer and its fixed costs dominate
 SHARED_BYTES = 160 * 1024  # pipelined tiles' budget: an H100/H200 has 227 KB per block, Ampere 163 KB
 
@@ -58,13 +62,18 @@ def choose(m: int, n: int, k: int, *, sms: int, max_block_k: int = 128, min_bloc
     benchmarks/gpu_gemm_tiles.py); ``x_bytes`` and ``w_bytes`` (per weight element, as staged: packed bits plus
     any per-row scales) size the shared memory."""
     dot = True if dot is None else bool(dot)
+    decode = m <= DECODE_ROWS
     if dot:
         block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128)
     else:  # no 16-row minimum without tl.dot; more than 8 rows is a GEMM's job
         block_m = block_m or min(8, 1 << max(m - 1, 0).bit_length())
-    block_n = block_n or (32 if m <= 32 else 64)
+    if decode:
+        block_n = block_n or 32
+        num_warps = num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
+    else:  # run 3's rule
+        block_n = block_n or (64 if m <= 64 else 128)
+        num_warps = num_warps or (4 if block_m * block_n <= 64 * 64 else 8)
     block_k = max(min_block_k, min(max_block_k, block_k or (128 if m <= 64 else 64)))
-    num_warps = num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
     if num_stages is None:
         # Software pipelining keeps one x tile and one weight tile per stage in shared memory: stay under
         # SHARED_BYTES (the run-2 failures were OutOfResources: shared memory).
@@ -78,9 +87,9 @@ def choose(m: int, n: int, k: int, *, sms: int, max_block_k: int = 128, min_bloc
     if split is None:
         programs = _cdiv(m, block_m) * _cdiv(n, block_n)
         split = 1
-        # Decode GEMMs want about four programs per SM; batched ones (tensor-core bound) one wave: partials cost
-        # traffic.
-        waves = 4 if m <= 32 else 2 if m <= 64 else 1
+        # Decode GEMMs want about four programs per SM, up to 64 rows two (run 3's), batched ones (tensor-core
+        # bound) one wave: partials cost traffic.
+        waves = 4 if decode else 2 if m <= 64 else 1
         while programs * split < waves * sms and k // (split * 2) >= max(MIN_K_PER_SPLIT, unit):
             split *= 2
     k_split = _cdiv(_cdiv(k, split), unit) * unit

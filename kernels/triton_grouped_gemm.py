@@ -38,10 +38,19 @@ the fields is the tile's product in any order, so nothing is reshaped. Scales:
   (a word's inputs share a group) and the weight dequantized before the dot, in float32, then rounded to
   ``x``'s dtype once.
 
-``DOT=False`` is the GEMV form for a few rows (a broadcast multiply and a float32 sum over K instead of tl.dot;
-row tiles of 1-8): a tiling variant benchmarks/gpu_gemm_tiles.py times against the dot form. (Loading the word
-once per input instead, the first kernel, staged 8x the weight's bytes through shared memory; dequantizing a
-whole K tile with a scale and zero tile per input needed 260-350 KB of shared memory per program on an H200.)
+This is the ``fields`` form, launched for M <= 8 rows. Above 8 rows the ``words`` form (run 3's kernel,
+``_grouped_gemm_words_kernel``) runs instead: per K tile inside one group (K tiles of at most the group, splits
+of whole groups) it loads ``x``'s inputs contiguously and each input's word (a word P times, from cache),
+shifts the input's bits out, subtracts the zero point, runs one ``tl.dot`` and scales the partial sum once. It
+stages 8x the 4-bit weight's bytes through shared memory, but its x loads are contiguous and it never
+dequantizes in float32 per word row: on the H200 it was 3-6x faster than the fields form at 32 and 256 rows.
+:func:`form_for` picks the form (the numbers are there); the tiling override ``form`` forces either (tests,
+benchmarks/gpu_gemm_tiles.py).
+
+``DOT=False`` (either form) is the GEMV form for a few rows (a broadcast multiply and a float32 sum over K
+instead of tl.dot; row tiles of 1-8): a tiling variant benchmarks/gpu_gemm_tiles.py times against the dot form.
+(Dequantizing a whole K tile with a scale and zero tile per input needed 260-350 KB of shared memory per program
+on an H200.)
 Under ``TRITON_INTERPRET=1`` (CPU tensors: the tests) every tile is float32.
 """
 
@@ -56,8 +65,11 @@ import triton.language as tl
 from kubellm.kernels import triton_gemm_tiles as gemm_tiles
 from kubellm.kernels.triton_dot import dot_options
 
-__all__ = ["GroupedWeight", "grouped_gemm", "pack", "packable", "reference_grouped_gemm", "scales_after_dot",
-           "unpack"]
+__all__ = ["FORMS", "GroupedWeight", "form_for", "grouped_gemm", "pack", "packable", "reference_grouped_gemm",
+           "scales_after_dot", "unpack"]
+
+FORMS = ("fields", "words")  # each packed word loaded once per K tile / loaded per input (run 3's kernel)
+FIELDS_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -205,11 +217,75 @@ def _grouped_gemm_kernel(
              mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-def tiling_args(x: torch.Tensor, group: int, bits: int = 4) -> dict[str, int | float]:
-    """:func:`gemm_tiles.choose`'s constraints for this kernel (``group`` = K per channel): K tiles of 16-64 words
-    (tl.dot's 16 per bit field at least), splits of whole K tiles; a staged weight element costs its bits, plus
-    a word row's float32 scale and zero per ``32 / bits`` elements when groups are smaller than the tile."""
+@triton.jit
+def _grouped_gemm_words_kernel(
+    y_ptr, x_ptr, p_ptr, scales_ptr, zeros_ptr, bias_ptr, M, N, K, K_SPLIT,
+    stride_xm, stride_ys, stride_ym,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Run 3's kernel (tree 757c7f3) plus the GEMV switch: x loaded contiguously, the word once per input.
+    PER: tl.constexpr = 32 // BITS
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)  # this program's K range (split-K: kernels/triton_gemm_tiles.py)
+    rows_ok, cols_ok = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # BLOCK_K divides GROUP (or GROUP == K) and a split holds whole groups: a tile lies inside one group.
+    for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        ks_ok = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=rows_ok[:, None] & ks_ok[None, :],
+                    other=0.0)
+        # Every input of a word loads the same word (from cache); its shift picks the input's bits.
+        words = tl.load(p_ptr + (ks // PER)[:, None] * N + cols[None, :], mask=ks_ok[:, None] & cols_ok[None, :],
+                        other=0)
+        q = (words >> ((ks % PER) * BITS)[:, None]) & ((1 << BITS) - 1)
+        g = k0 // GROUP
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + g * N + cols, mask=cols_ok, other=0.0)
+        else:
+            z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
+        if DOT:
+            if UPCAST:
+                x = x.to(tl.float32)
+            w = (q.to(tl.float32) - z[None, :]).to(x.dtype)
+            part = tl.dot(x, w, input_precision=PRECISION)
+        else:
+            part = tl.sum(x.to(tl.float32)[:, :, None] * (q.to(tl.float32) - z[None, :])[None, :, :], axis=1)
+        acc += part * tl.load(scales_ptr + g * N + cols, mask=cols_ok, other=0.0)[None, :]
+    if HAS_BIAS:  # noqa: SIM102 - a constexpr test, then a runtime one: Triton keeps them apart
+        if split == 0:  # once, not once per split
+            acc = acc + tl.load(bias_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+def form_for(m: int) -> str:
+    """The form launched for ``m`` rows. H200 kit timings against cuBLAS bf16, 4-bit groups of 32 (8-bit alike;
+    benchmarks/results/gpu-check-2026-11-27-nvidia-h200-run{3,4}-kernels.md): at M=1 the fields form (run 4)
+    read 0.63-0.91x on qkv, gate_up and down, the words form (run 3) 0.53-0.60x (but o: fields 69.7 us, words
+    38.8 us); at M=32 fields 0.11-0.18x, words 0.43-0.58x; at M=256 fields 0.04-0.06x, words 0.19-0.27x. The
+    fields form reads x with a stride of 32 / bits inputs and, for groups smaller than its K tile, dequantizes
+    per word row in float32: both cost more as rows grow, while at one row its 4-bit weight traffic wins.
+    Rows 2-8 were not timed on a GPU: they follow M=1 as decode rows."""
+    return "fields" if m <= FIELDS_MAX_ROWS else "words"
+
+
+def tiling_args(x: torch.Tensor, group: int, bits: int = 4, form: str = "fields") -> dict[str, int | float]:
+    """:func:`gemm_tiles.choose`'s constraints for ``form`` (``group`` = K per channel). ``fields``: K tiles of
+    16-64 words (tl.dot's 16 per bit field at least), splits of whole K tiles; a staged weight element costs its
+    bits, plus a word row's float32 scale and zero per ``32 / bits`` elements when groups are smaller than the
+    tile. ``words`` (run 3's): K tiles of at most 128 inside one group, splits of whole groups, an int32 word
+    staged per input (4 bytes)."""
     k = x.shape[1]
+    if form == "words":
+        max_block_k = 128 if group == k else min(128, group & -group)
+        return dict(sms=gemm_tiles.sm_count(x.device), max_block_k=max_block_k,
+                    k_multiple=16 if group == k else group, x_bytes=x.element_size(), w_bytes=4)
+    if form != "fields":
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     per = 32 // bits
     w_bytes = bits / 8 if group == k else bits / 8 + 8 / per
     return dict(sms=gemm_tiles.sm_count(x.device), min_block_k=16 * per, max_block_k=64 * per, k_multiple=16,
@@ -226,8 +302,12 @@ def grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
                  perm: torch.Tensor | None, bias: torch.Tensor | None, group: int, bits: int,
                  **tiling: int) -> torch.Tensor:
     """``x [M, K]`` times the packed weight (layouts in the module docstring) ``(+ bias)``; ``[M, N]``.
-    ``tiling``: overrides of :func:`gemm_tiles.choose` (block_m, block_n, block_k, split, dot, ...)."""
+    ``tiling``: ``form`` (one of :data:`FORMS`; default :func:`form_for`) and overrides of
+    :func:`gemm_tiles.choose` (block_m, block_n, block_k, split, dot, ...)."""
     m, k = x.shape
+    form = tiling.pop("form", None) or form_for(m)
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     n = packed.shape[1]
@@ -245,9 +325,19 @@ def grouped_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     x = x if x.stride(-1) == 1 else x.contiguous()
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles = gemm_tiles.choose(m, n, k, **tiling_args(x, group, bits), **tiling)
-    scale_after = scales_after_dot(group, k, tiles.block_k)
+    tiles = gemm_tiles.choose(m, n, k, **tiling_args(x, group, bits, form), **tiling)
     buf, stride_split = gemm_tiles.partials(m, n, tiles, x.dtype, x.device)
+    if form == "words":  # a split's K range holds whole groups: no K tile straddles two
+        _grouped_gemm_words_kernel[tiles.grid(m, n)](
+            buf, x, packed.contiguous(), scales.float().contiguous(),
+            scales if zeros is None else zeros.float().contiguous(), scales if bias is None else bias, m, n, k,
+            tiles.k_split, x.stride(0), stride_split, buf.stride(-2),
+            BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, DOT=tiles.dot,
+            **dot_options(x), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+        return gemm_tiles.finish(buf, tiles, x.dtype)
+    scale_after = scales_after_dot(group, k, tiles.block_k)
     _grouped_gemm_kernel[tiles.grid(m, n)](
         buf, x, packed.contiguous(), scales.float().contiguous(),
         scales if zeros is None else zeros.float().contiguous(), scales if bias is None else bias, m, n, k,

@@ -49,6 +49,41 @@ def test_candidates_start_next_to_the_chosen_tiling_and_all_fit_in_shared_memory
         assert all(c["block_m"] >= 64 for c in cands)
 
 
+@pytest.mark.parametrize("m", [1, 32, 256])
+def test_the_grouped_gemm_is_swept_in_both_forms_the_launched_one_chosen(m):
+    """The chosen tiling names the form grouped_gemm launches at m rows (fields at M <= 8, words above); the
+    candidates hold both forms, each within its own K-tile bounds (words: the group of 32) and shared memory."""
+    x = torch.empty(m, 4096, dtype=torch.bfloat16)
+    form = triton_grouped_gemm.form_for(m)
+    assert form == ("fields" if m <= 8 else "words")
+    args = {f: {**triton_grouped_gemm.tiling_args(x, 32, 4, f), "sms": H200_SMS} for f in triton_grouped_gemm.FORMS}
+    chosen = sweep.tiling_of(gemm_tiles.choose(m, 6144, 4096, **args[form]), form)
+    cands = [c for f in triton_grouped_gemm.FORMS for c in sweep.candidates(m, args[f], chosen, f)]
+    assert {c["form"] for c in cands} == set(triton_grouped_gemm.FORMS)
+    for c in cands:
+        a = args[c["form"]]
+        assert a.get("min_block_k", 16) <= c["block_k"] <= a["max_block_k"]
+        assert sweep.staged_bytes(c, a) <= sweep.SHARED_LIMIT
+    assert sweep._short(chosen).endswith(form) and sweep._short({**chosen, "dot": 0}).endswith(f"{form} gemv")
+
+
+@pytest.mark.parametrize("m", [3, 9])
+def test_the_sweeps_grouped_call_runs_either_form_to_the_same_product(m):
+    """What the sweep calls on CPU (tiny layer, interpreter): the launched form first among its forms, and the
+    first candidate of each form computes the launcher's own product."""
+    shape = sweep.TINY_SHAPES[1]
+    fn, tiling_args, forms = sweep.kernels(sweep.gk.gemm_weights(shape, "cpu"))["int4 g32"]
+    x = sweep.gk._activations(m, shape.k, torch.bfloat16, "cpu")
+    assert forms(m) == (["fields", "words"] if m <= 8 else ["words", "fields"])
+    form = forms(m)[0]
+    chosen = sweep.tiling_of(gemm_tiles.choose(m, shape.n, shape.k, **tiling_args(x, form)), form)
+    want = fn(x).float()
+    for f in forms(m):
+        first = sweep.candidates(m, tiling_args(x, f), chosen, f)[0]
+        assert first["form"] == f
+        torch.testing.assert_close(fn(x, **first).float(), want, atol=0.05, rtol=0.02)
+
+
 def test_the_explicit_twin_of_the_chosen_tiling_is_the_same_tiling():
     for m in (1, 32, 256):
         for args in (_args("int4", 14336), _args("int8", 14336)):
@@ -86,7 +121,8 @@ def test_the_cpu_self_test_writes_a_row_for_every_kernel_layer_and_m(tmp_path, m
 def test_the_sm90_compile_check_builds_every_decode_form_within_shared_memory():
     """benchmarks/gpu_gemm_compile.py with Triton's bundled ptxas (a subprocess: it imports the kernels as JIT
     functions, which this interpreter-mode process must not): every form at M=1 on the o layer compiles for sm_90
-    and fits, and the report lists both forms of the grouped kernel's two scale placements."""
+    and fits, and the report lists the grouped kernel's words form and both scale placements of its fields
+    form, each with tl.dot and as a GEMV."""
     import os
     import subprocess
 
@@ -96,5 +132,6 @@ def test_the_sm90_compile_check_builds_every_decode_form_within_shared_memory():
                          capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "0 failed or did not fit" in run.stdout
-    for form in ("dot scale per row", "gemv scale per row", "dot scale after", "gemv scale after"):
+    for form in ("dot fields, scale per row", "gemv fields, scale per row", "dot fields, scale after",
+                 "gemv fields, scale after", "dot words", "gemv words"):
         assert form in run.stdout

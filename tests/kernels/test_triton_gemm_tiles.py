@@ -30,7 +30,7 @@ def test_decode_gemms_split_k_until_every_sm_has_two_programs(m, n, k):
     programs = -(-m // t.block_m) * -(-n // t.block_n)
     assert programs * t.split >= 2 * H200_SMS or t.k_split <= 2 * tiles_mod.MIN_K_PER_SPLIT
     assert _covers_k(t, k) and t.k_split % t.block_k == 0 and t.k_split % 32 == 0
-    if m <= 32:  # the H200 sweep's best decode tiles: 32 columns, about four programs per SM
+    if m <= tiles_mod.DECODE_ROWS:  # the H200 sweep's best decode tiles: 32 columns, about four programs per SM
         assert t.block_n == 32 and (programs * t.split >= 4 * H200_SMS or t.k_split <= 2 * tiles_mod.MIN_K_PER_SPLIT)
     if (m, n, k) == (1, 6144, 4096):  # 192 column tiles: 4 splits of 1024 inputs
         assert (t.block_m, t.block_n, t.block_k, t.split, t.k_split) == (16, 32, 128, 4, 1024)
@@ -38,13 +38,48 @@ def test_decode_gemms_split_k_until_every_sm_has_two_programs(m, n, k):
         assert t.split == 1
 
 
-def test_batched_gemms_take_tall_tiles_and_split_only_to_fill_one_wave():
+def test_batched_gemms_take_run_3s_tall_tiles_and_split_only_to_fill_one_wave():
+    """Above DECODE_ROWS run 3's rule (its kernels' M=32/256 kit timings beat run 4's): 128 x 128 tiles on 8 warps
+    for batches, one wave."""
     t = tiles_mod.choose(256, 6144, 4096, sms=H200_SMS)
-    assert (t.block_m, t.block_n, t.num_warps) == (128, 64, 4)  # the sweep's best batched tile: 128 x 64, 4 warps
-    assert t.split == 1 and H200_SMS <= 2 * 96  # 2 x 96 tiles: one wave already
-    t = tiles_mod.choose(256, 4096, 14336, sms=H200_SMS)
-    assert t.split == 2 and 2 * 64 * t.split >= H200_SMS > 2 * 64  # 128 tiles: one split more fills the wave
-    assert tiles_mod.choose(128, 128, 4096, sms=H200_SMS, block_n=128).num_warps == 8  # 128 x 128 tiles: 8 warps
+    assert (t.block_m, t.block_n, t.num_warps) == (128, 128, 8)
+    assert t.split == 2 and 2 * 48 * t.split >= H200_SMS  # 2 x 48 tiles, one wave
+    assert tiles_mod.choose(256, 28672, 4096, sms=H200_SMS).split == 1  # 448 tiles fill the GPU alone
+    assert tiles_mod.choose(128, 128, 4096, sms=H200_SMS, block_n=64).num_warps == 8  # 128 x 64: 8 warps (run 3)
+
+
+# Run 3's choose (tree 757c7f3) at M > 8 for the kit's layers, read from that tree's code: (block_m, block_n,
+# block_k, split, k_split, num_warps, num_stages). Its rule: 64 columns and two programs per SM up to 64 rows,
+# 128 x 128 tiles on 8 warps and one wave beyond; stages 4 / 3 while they fit 160 KB.
+RUN3 = {
+    (9, 6144, 4096): (16, 64, 128, 4, 1024, 4, 4),  # 96 column tiles x 4 splits >= 2 x 132
+    (32, 6144, 4096): (32, 64, 128, 4, 1024, 4, 4),
+    (32, 4096, 14336): (32, 64, 128, 8, 1792, 4, 4),  # 64 column tiles x 8 splits
+    (32, 28672, 4096): (32, 64, 128, 1, 4096, 4, 4),  # 448 column tiles: no split
+    (256, 4096, 14336): (128, 128, 64, 4, 3584, 8, 3),
+}
+
+
+@pytest.mark.parametrize(("m", "n", "k"), list(RUN3))
+def test_above_eight_rows_the_tiles_are_run_3s(m, n, k):
+    """int8, FP8 per channel, and the grouped GEMM's words form (run 3's kernel) with groups of 32, whose K tile
+    is the group."""
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    for args in (ti.tiling_args(x), tf.tiling_args(x, None), tg.tiling_args(x, 32, 4, "words")):
+        t = tiles_mod.choose(m, n, k, **{**args, "sms": H200_SMS})
+        want = RUN3[m, n, k]
+        if args.get("w_bytes") == 4:
+            want = (*want[:2], 32, *want[3:])
+        assert (t.block_m, t.block_n, t.block_k, t.split, t.k_split, t.num_warps, t.num_stages) == want
+        assert t.dot
+
+
+def test_the_two_regimes_meet_at_eight_rows():
+    """M <= 8: the run-3 sweep's decode rule (32 columns, four programs per SM); M = 9: run 3's rule."""
+    eight, nine = (tiles_mod.choose(m, 6144, 4096, sms=H200_SMS) for m in (8, 9))
+    assert (eight.block_n, eight.split) == (32, 4)  # 192 column tiles x 4 splits >= 4 x 132
+    assert (nine.block_n, nine.split) == (64, 4)  # 96 column tiles x 4 splits >= 2 x 132
+    assert tiles_mod.DECODE_ROWS == tg.FIELDS_MAX_ROWS == 8
 
 
 def test_the_gemv_form_is_never_chosen_unasked_and_takes_row_tiles_of_one_to_eight():
@@ -83,16 +118,18 @@ def _x_bias(m, k, n, dtype, seed):
     return torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, generator=gen)
 
 
+@pytest.mark.parametrize("form", tg.FORMS)
 @pytest.mark.parametrize("split", [1, 2, 3])
 @pytest.mark.parametrize("group", [16, 32, 64, 128, -1])
-def test_grouped_gemm_split_k_and_in_tile_scales_equal_the_dequantized_weight(group, split):
-    """K 384 in splits of whole groups: K tiles of 16-128 inputs (the group's), 128 per channel."""
+def test_grouped_gemm_split_k_and_in_tile_scales_equal_the_dequantized_weight(group, split, form):
+    """K 384 in splits of whole groups (words) or whole K tiles (fields): words K tiles of 16-128 inputs (the
+    group's), 128 per channel."""
     m, n, k = 3, 24, 384
     qw = _weight(n, k, 4, group, "asym", seed=group + 7)
     x, bias = _x_bias(m, k, n, torch.float32, seed=split)
     w = tg.pack(qw, 4)
     on = [None if t is None else t.to(DEVICE) for t in (x, w.packed, w.scales, w.zeros, w.perm, bias)]
-    out = tg.grouped_gemm(*on, w.group, w.bits, split=split, block_n=16, block_k=128).cpu()
+    out = tg.grouped_gemm(*on, w.group, w.bits, split=split, block_n=16, block_k=128, form=form).cpu()
     torch.testing.assert_close(out, _expected(x, qw, bias), atol=1e-4, rtol=1e-5)
 
 

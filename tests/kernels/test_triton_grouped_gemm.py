@@ -114,9 +114,65 @@ def test_each_bit_field_dot_and_the_gemv_form_equal_the_reference_at_one_three_a
     for m in (1, 3, 17):
         gen = torch.Generator().manual_seed(m)
         x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
-        blocks = dict(block_n=32, block_k=block_k, dot=dot, block_m=None if dot else 2)
+        blocks = dict(block_n=32, block_k=block_k, dot=dot, block_m=None if dot else 2, form="fields")
         torch.testing.assert_close(_run(x, w, bias if m != 3 else None, **blocks),
                                    _expected(x, qw, bias if m != 3 else None), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("form", tg.FORMS)
+@pytest.mark.parametrize("zero_mode", ["asym", "signed"])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 128), (4, -1), (8, 32), (8, 128), (8, -1)])
+def test_both_forms_equal_the_reference_at_one_to_seventeen_rows(bits, group, zero_mode, form):
+    """Each form forced (whatever M's default), tl.dot at M 1, 3, 8, 9 and 17 and the GEMV form at M <= 8, with
+    their own default tilings otherwise; K 256, N 40 (a partial column tile); bias at odd M."""
+    n, k = 40, 256
+    qw = _weight(n, k, bits, group, zero_mode, seed=3 * bits + group)
+    w = tg.pack(qw, bits)
+    for m in (1, 3, 8, 9, 17):
+        gen = torch.Generator().manual_seed(m)
+        x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen) if m % 2 else None
+        for dot in (True, False) if m <= 8 else (True,):
+            torch.testing.assert_close(_run(x, w, bias, form=form, dot=dot), _expected(x, qw, bias),
+                                       **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("form", tg.FORMS)
+def test_act_order_through_both_forms_in_bf16(form):
+    n, k, group = 24, 256, 64
+    gen = torch.Generator().manual_seed(21)
+    g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=gen)].to(torch.int32)
+    qw = _weight(n, k, 4, group, "asym", seed=22, g_idx=g_idx)
+    w = tg.pack(qw, 4)
+    assert w.perm is not None
+    for m in (1, 9):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        torch.testing.assert_close(_run(x, w, None, form=form).float(), _expected(x, qw, None), **TOL[torch.bfloat16])
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls += 1
+        return launch
+
+
+def test_fields_form_up_to_eight_rows_words_form_above_and_a_forced_form_is_launched(monkeypatch):
+    """form_for is the whole rule (run 3 / run 4 H200 numbers in its docstring), and grouped_gemm launches the
+    kernel it names unless the tiling forces one; an unknown form is refused."""
+    assert [tg.form_for(m) for m in (1, 2, 8, 9, 17, 32, 256)] == ["fields"] * 3 + ["words"] * 4
+    w = tg.pack(_weight(8, 128, 4, 32, "asym", 0), 4)
+    for m, forced, want in [(8, None, "fields"), (9, None, "words"), (1, "words", "words"), (32, "fields", "fields")]:
+        kernels = {"fields": _Recorder(), "words": _Recorder()}
+        monkeypatch.setattr(tg, "_grouped_gemm_kernel", kernels["fields"])
+        monkeypatch.setattr(tg, "_grouped_gemm_words_kernel", kernels["words"])
+        tiling = {} if forced is None else {"form": forced}
+        tg.grouped_gemm(torch.zeros(m, 128), w.packed, w.scales, w.zeros, None, None, 32, 4, **tiling)
+        assert {f: r.calls for f, r in kernels.items()} == {f: int(f == want) for f in kernels}, (m, forced)
+    with pytest.raises(ValueError, match="form must be one of"):
+        tg.grouped_gemm(torch.zeros(1, 128), w.packed, w.scales, w.zeros, None, None, 32, 4, form="bytes")
 
 
 def test_both_scale_placements_are_exercised():

@@ -10,8 +10,11 @@ as one scale per (output, 128 inputs). The last group may hold fewer inputs (``K
 Few rows (decode) widen the e4m3 bytes to bf16 in registers, exactly, and apply the scale per group; from
 :data:`DEQUANTIZE_ROWS` rows the kernel dequantizes each slice of the weight to bf16 (``w * s`` rounded, as a
 bf16 model's weights are) once and runs all rows over it (the reference does the same with
-``weights_dtype``). The kernel wants the weight packed once by :func:`pack` (``[ceil(N/16), K/4, 64]``
-bytes, the last block padded with zero channels; any ``N``, ``K`` a multiple of 4). It exists only in builds for CPUs with
+``weights_dtype``). With one scale per channel (``group >= K``) the many-rows path starts at
+:data:`DEQUANTIZE_ROWS_PER_CHANNEL` rows and keeps the widened bytes exact, the scale applied to the sums as
+in the few-rows path: no rounding of the weights, and the same bits for a row alone or in a batch
+(:func:`rounds_weights` says which calls round). The kernel wants the weight packed once by :func:`pack`
+(``[ceil(N/16), K/4, 64]`` bytes, the last block padded with zero channels; any ``N``, ``K`` a multiple of 4). It exists only in builds for CPUs with
 AVX512-BF16; :func:`available` says whether this process has it.
 """
 
@@ -21,9 +24,17 @@ import torch
 
 from kubellm.kernels.cpu_extension import available as extension_available
 
-__all__ = ["DEQUANTIZE_ROWS", "available", "fp8_gemm", "pack", "packable", "reference_fp8_gemm"]
+__all__ = ["DEQUANTIZE_ROWS", "DEQUANTIZE_ROWS_PER_CHANNEL", "available", "fp8_gemm", "pack", "packable",
+           "reference_fp8_gemm", "rounds_weights"]
 
 DEQUANTIZE_ROWS = 48  # kDequantMinRows in csrc/fp8_gemm_cpu.cpp
+DEQUANTIZE_ROWS_PER_CHANNEL = 16  # kDequantMinRowsPerChannel there (group >= K: the weights stay exact)
+
+
+def rounds_weights(rows: int, k: int, group_size: int) -> bool:
+    """Whether :func:`fp8_gemm` of ``rows`` rows rounds ``w * s`` to bf16 before the products (the dequantizing
+    path with a scale per group; per channel it keeps the widened bytes and scales the sums)."""
+    return group_size < k and rows >= DEQUANTIZE_ROWS
 
 
 def available() -> bool:
@@ -67,8 +78,8 @@ def fp8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_
 def reference_fp8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int,
                        bias: torch.Tensor | None = None, weights_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """In float32 from the unpacked ``w`` (dequantizes the whole weight: tests and checks);
-    ``weights_dtype=torch.bfloat16`` rounds the dequantized weights first, as the kernel does from
-    :data:`DEQUANTIZE_ROWS` rows."""
+    ``weights_dtype=torch.bfloat16`` rounds the dequantized weights first, as the kernel does where
+    :func:`rounds_weights` says."""
     g = torch.arange(w.shape[1]) // group_size
     weight = (w.float() * scales.float().t()[:, g]).to(weights_dtype).float()
     y = x.float() @ weight.T

@@ -17,7 +17,11 @@
 // whatever MXCSR's DAZ says); the 2^8 goes into the scale. NaN (0x7f, 0xff) is not kept.
 //
 // From kDequantMinRows rows each work item's weights are dequantized to bf16 once (w * s rounded to bf16, as
-// a bf16 model's weights are) and the rows run over them as a plain bf16 GEMM, like int4_gemm_cpu.cpp.
+// a bf16 model's weights are) and the rows run over them as a plain bf16 GEMM, like int4_gemm_cpu.cpp. With one
+// scale per channel (group >= K: per-channel and per-tensor checkpoints) the scratch holds the widened bytes
+// themselves, exact, and the scale multiplies the tile's sums as in the few-rows path: the dequantization is
+// then the widening alone (no float conversion), cheap enough from kDequantMinRowsPerChannel rows, and a row
+// gets the same bits alone or in a batch.
 //
 // Layout (kernels/cpu_fp8_gemm.py packs it once): [ceil(N/16)][K/4][64] bytes; for block n0 and inputs k..k+3
 // (k % 4 == 0), byte 16 l + 8 p + i holds w[n0 + c, k + 2 p + j] with 2 c + j = 8 l + i (l 0..3, p 0..1, i 0..7):
@@ -59,6 +63,8 @@ constexpr int kMaxRowsF8 = 12;           // MR x NB group sums + MR x NB outputs
 // From here on the dequantizing path: below it the cheap widening costs less than a dequantization pass (1 thread,
 // SmolLM2 shapes: streaming 1.0-1.2x bf16 at 16-32 rows where dequantizing gave 0.8-1.0x; from 64 the reverse).
 constexpr int64_t kDequantMinRows = 48;
+// One scale per channel: the widening is the whole dequantization (benchmarks/README.md, "batched int4 and FP8").
+constexpr int64_t kDequantMinRowsPerChannel = 16;
 constexpr int kTileRows = 6;             // bf16 tile: 6 x 4 accumulators + 4 weights + 1 broadcast
 
 #ifdef __AVX512VBMI__
@@ -197,10 +203,22 @@ inline __m512i scale_pairs(__m512i p, __m512 s_lo, __m512 s_hi) {
 }
 
 // Many rows: one item's nb blocks dequantized into `scratch`, [K/2][nb][16][2] bf16 of w * s (the operand order
-// of vdpbf16ps), group by group so each scale is widened once. Missing channels of the last block are zero.
+// of vdpbf16ps), group by group so each scale is widened once; per_channel: bf16 of w (times 2^-8 without VBMI),
+// the scale left to the tile. Missing channels of the last block are zero.
 void dequantize_item(const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads,
-                     tiles::GroupParams scales, int64_t N, int nb, int64_t valid, __m512i* scratch) {
+                     tiles::GroupParams scales, int64_t N, int nb, int64_t valid, bool per_channel,
+                     __m512i* scratch) {
   const Widen widen;
+  if (per_channel) {
+    for (int64_t kq = 0; kq < K4; ++kq)
+      for (int b = 0; b < nb; ++b) {
+        __m512i p0, p1;
+        widen(w + b * w_block_stride + kq * 64, p0, p1);
+        _mm512_store_si512(scratch + (2 * kq) * nb + b, p0);
+        _mm512_store_si512(scratch + (2 * kq + 1) * nb + b, p1);
+      }
+    return;
+  }
   // Word t of a pair vector is channel t / 2: its low 16 words hold channels 0..7, its high 16 words 8..15.
   const __m512i lanes_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
@@ -221,10 +239,14 @@ void dequantize_item(const uint8_t* w, int64_t w_block_stride, int64_t K4, int64
 }
 
 // All M rows of one dequantized item, in tiles of equal size (32 rows: 6 + 6 + 5 + 5 + 5 + 5, not a last tile
-// of 2 that would keep few dot-product chains in flight), on the shared bf16 tile.
+// of 2 that would keep few dot-product chains in flight), on the shared bf16 tile; `scale` (per channel, from the
+// item's first) multiplies the sums when the scratch holds the bytes unscaled, as micro_kernel_f8 does.
 template <int NB>
 void item_rows_f8(int64_t M, const int32_t* x_pairs, int64_t x_pair_stride, const __m512i* scratch, int64_t K2,
-                  const float* bias, int64_t valid, c10::BFloat16* y, int64_t ldy) {
+                  tiles::GroupParams scale, const float* bias, int64_t valid, c10::BFloat16* y, int64_t ldy) {
+  __m512 s[NB];
+  if (scale.data)
+    for (int b = 0; b < NB; ++b) s[b] = group_scale(scale, b * 16, block_mask(valid, b));
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   for (int64_t t = 0, m = 0; t < tiles; ++t) {
     const int mr = static_cast<int>(M / tiles + (t < M % tiles));
@@ -235,6 +257,9 @@ void item_rows_f8(int64_t M, const int32_t* x_pairs, int64_t x_pair_stride, cons
   case R: {                                                                                  \
     __m512 acc[R][NB];                                                                       \
     tiles::bf16_tile<R, NB>(acc, xr, x_pair_stride, scratch, 1, NB, K2, [](int64_t) {});     \
+    if (scale.data)                                                                          \
+      for (int b = 0; b < NB; ++b)                                                           \
+        for (int r = 0; r < R; ++r) acc[r][b] = _mm512_mul_ps(acc[r][b], s[b]);              \
     tiles::store_tile<R, NB>(acc, bias, yr, ldy, valid);                                     \
     break;                                                                                   \
   }
@@ -279,7 +304,8 @@ at::Tensor fp8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
   const int64_t w_block_stride = K4 * 64, group_quads = group_size / 4;
-  if (M >= kDequantMinRows) {
+  const bool per_channel = groups == 1;
+  if (M >= (per_channel ? kDequantMinRowsPerChannel : kDequantMinRows)) {
     // Items of nb blocks split evenly over the threads; each item is dequantized once for all M rows.
     const int nb = tiles::blocks_per_item(NBLK, 4);
     const int64_t K2 = 2 * K4;
@@ -290,9 +316,11 @@ at::Tensor fp8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
         const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
         const int64_t valid = N - blk * 16;
         dequantize_item(wp + blk * w_block_stride, w_block_stride, K4, group_quads, sp.offset(blk * 16), N, n, valid,
-                        scratch);
+                        per_channel, scratch);
         const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
-#define KUBELLM_ITEM_F8(B) item_rows_f8<B>(M, xp, x_pair_stride, scratch, K2, bp, valid, yp + blk * 16, N)
+#define KUBELLM_ITEM_F8(B)                                                                                   \
+  item_rows_f8<B>(M, xp, x_pair_stride, scratch, K2, per_channel ? sp.offset(blk * 16) : tiles::GroupParams{}, bp, \
+                  valid, yp + blk * 16, N)
         switch (n) {
           case 4: KUBELLM_ITEM_F8(4); break;
           case 3: KUBELLM_ITEM_F8(3); break;

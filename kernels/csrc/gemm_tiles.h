@@ -204,12 +204,28 @@ void dequantized_tile(const int32_t* x_pairs, int64_t x_pair_stride, const __m51
   __m512 acc[MR][NB];
   const int64_t side_left = std::max<int64_t>(0, side.left - side_steps);  // what this tile leaves
   int64_t countdown = every;
-  bf16_tile<MR, NB>(acc, x_pairs, x_pair_stride, scratch, 1, NB, K2, [&](int64_t) {
-    if (--countdown == 0) {
-      countdown = every;
-      for (int64_t s = 0; s < burst && side.left > side_left; ++s) side.step();
-    }
-  });
+  if (every <= 2) {
+    // Steps at (nearly) every pair: on a local copy, whose address does not escape, so its counters stay in
+    // registers. (On `side` itself each scratch store, which may alias anything, made the compiler store and
+    // reload them: int4's step alone went from ~10.7 to ~6.7 cycles per 64 weights, 16 rows from 0.63x to
+    // 0.68x bf16.) With sparser steps (32+ rows) the registers the copy holds cost more than the reloads: 64
+    // rows on 2 threads ran 3-5% slower with it. (A copy per burst ran 4x slower.)
+    Side local = side;
+    bf16_tile<MR, NB>(acc, x_pairs, x_pair_stride, scratch, 1, NB, K2, [&](int64_t) {
+      if (--countdown == 0) {
+        countdown = every;
+        for (int64_t s = 0; s < burst && local.left > side_left; ++s) local.step();
+      }
+    });
+    side = local;
+  } else {
+    bf16_tile<MR, NB>(acc, x_pairs, x_pair_stride, scratch, 1, NB, K2, [&](int64_t) {
+      if (--countdown == 0) {
+        countdown = every;
+        for (int64_t s = 0; s < burst && side.left > side_left; ++s) side.step();
+      }
+    });
+  }
   store_output<MR, NB>(acc, out, y, ldy);
 }
 
@@ -324,8 +340,10 @@ struct Int8Dequantization {
       if (++in_group == group_pairs) in_group = 0, ++g;
     }
   }
-  void finish() {
-    while (left > 0) step();
+  void finish() {  // on a local copy (dequantized_tile says why)
+    auto local = *this;
+    while (local.left > 0) local.step();
+    *this = local;
   }
 };
 #endif

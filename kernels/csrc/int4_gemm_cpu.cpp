@@ -143,8 +143,10 @@ struct Dequantization {
       if (++in_group == group_quads) in_group = 0, ++g;
     }
   }
-  void finish() {
-    while (left > 0) step();
+  void finish() {  // on a local copy (tiles::dequantized_tile says why)
+    auto local = *this;
+    while (local.left > 0) local.step();
+    *this = local;
   }
 };
 

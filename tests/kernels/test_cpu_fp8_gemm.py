@@ -23,8 +23,8 @@ def _case(m, n, k, group, seed=0, bias=False):
 
 def _check(x, w, scales, group, b=None):
     out = f8.fp8_gemm(x, f8.pack(w), scales, group, b)
-    dequantized = x.shape[0] >= f8.DEQUANTIZE_ROWS  # the weights are rounded to bf16 there
-    ref = f8.reference_fp8_gemm(x, w, scales, group, b, torch.bfloat16 if dequantized else torch.float32)
+    rounded = f8.rounds_weights(x.shape[0], x.shape[1], group)  # the weights are rounded to bf16 there
+    ref = f8.reference_fp8_gemm(x, w, scales, group, b, torch.bfloat16 if rounded else torch.float32)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
 
@@ -46,13 +46,26 @@ def test_every_finite_e4m3_byte_widens_exactly(m):
     assert torch.equal(scaled.float(), expected.expand(m, n) * 2.0**-5)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 12, 13, 16, 25, 47, 48, 64, 300])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 12, 13, 15, 16, 17, 25, 47, 48, 64, 130, 300])
 @pytest.mark.parametrize(("n", "k", "group"), [(16, 128, 128), (48, 256, 32), (576, 576, 128), (80, 1536, 128),
                                                (40, 96, 96), (33, 100, 100)])
 def test_matches_the_reference(m, n, k, group):
-    """Row tiles of 1..12 and their remainders, the dequantizing path from 48 rows, odd block counts, per channel
-    (group = K) and 128-input groups (a 128 x 128 block scale's rows), 576 inputs ending in a group of 64."""
+    """Row tiles of 1..12 and their remainders, the dequantizing path from 16 rows per channel (group = K) and
+    from 48 with 128-input groups (a 128 x 128 block scale's rows), 576 inputs ending in a group of 64."""
     _check(*_case(m, n, k, group, seed=m + n + k)[:3], group)
+
+
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (80, 1536), (33, 100)])
+def test_per_channel_rows_alone_and_batched_are_the_same_bits(n, k):
+    """One scale per channel: the batch's scratch holds the exact widened bytes and the scale multiplies the sums,
+    as the few-rows path does, so each row of a batch (16+ rows) is what that row alone (1 row) gives."""
+    x, w, scales, b = _case(40, n, k, k, seed=n, bias=True)
+    packed = f8.pack(w)
+    assert not f8.rounds_weights(40, k, k) and f8.rounds_weights(f8.DEQUANTIZE_ROWS, k, 64)
+    batch = f8.fp8_gemm(x, packed, scales, k, b)
+    alone = torch.cat([f8.fp8_gemm(x[i:i + 1], packed, scales, k, b) for i in range(40)])
+    assert torch.equal(batch, alone)
+    _check(x, w, scales, k, b)
 
 
 @pytest.mark.parametrize("n", [1, 7, 17, 33, 50, 63, 100])

@@ -26,7 +26,7 @@ def _case(m, n, k, group, seed=0, bias=False):
     return x, q, scales, zeros, b
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 16, 17, 32, 41])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 15, 16, 17, 32, 41, 64, 130])
 @pytest.mark.parametrize(("n", "k", "group"), [(16, 128, 128), (48, 256, 64), (576, 576, 32), (80, 1536, 128)])
 def test_matches_the_reference(m, n, k, group):
     """Row tiles of 1..6 and their remainders, odd numbers of 16-channel blocks, several groups per row; from 16

@@ -21,6 +21,9 @@ speed and reported only to exercise the code):
 * pre-quantized GEMMs (grouped 4-bit asymmetric g128 as AWQ/GPTQ store it, the same with act-order, grouped
   8-bit g128, FP8 per channel and per 128x128 block): likewise, from the same bf16 weight quantized by
   :func:`prequantized_weights` into each format's form.
+
+The fused layer ops (RMSNorm, residual add + RMSNorm, SiLU-and-mul, rotary, q/k norm + rotary) are checked
+(:func:`check_layer_ops`), not timed here: their gain is fewer launches per decode step (the ``profile`` part).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from gpu_check_report import Check, Section, Table
 
-from kubellm.kernels import triton_fp8_gemm, triton_grouped_gemm, triton_int8_gemm
+from kubellm.kernels import triton_fp8_gemm, triton_grouped_gemm, triton_int8_gemm, triton_layer_ops
 from kubellm.kernels import triton_paged_attention as decode
 from kubellm.kernels import triton_prefill_attention as prefill
 from kubellm.runtime.prequantized import QuantizedWeight
@@ -96,6 +99,8 @@ class Sweep:
     dtypes: list[torch.dtype]  # every case
     extra_dtypes: list[torch.dtype]  # the first case of each kernel only
     decode_partition: int = 0
+    layer_ops: tuple[int, int] = (4096, 14336)  # (hidden, intermediate) of the fused layer ops, heads = attention's
+    layer_rows: tuple[int, ...] = (1, 32, 256)  # tokens per step; every dtype of dtypes + extra_dtypes at each
 
 
 def _lengths(batch: int, low: int, high: int, seed: int) -> list[int]:
@@ -133,6 +138,8 @@ TINY = Sweep(
     dtypes=[torch.float32],
     extra_dtypes=[torch.bfloat16],
     decode_partition=16,
+    layer_ops=(40, 24),
+    layer_rows=(3,),
 )
 
 
@@ -381,6 +388,65 @@ def check_kernels(section: Section, sweep: Sweep, device: str) -> None:
                     partial(c.kernel, x), partial(c.reference, x.float())))
         del w, prequantized
         _free(device)
+    check_layer_ops(section, sweep, device)
+
+
+def _in_place(fn: Callable[..., None], *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` on copies of ``tensors``; what it left in them, flattened into one tensor."""
+    copies = [t.clone() for t in tensors]
+    fn(*copies)
+    return torch.cat([t.flatten() for t in copies])
+
+
+def check_layer_ops(section: Section, sweep: Sweep, device: str) -> None:
+    """The fused layer ops (kernels/triton_layer_ops.py) at the sweep's hidden / intermediate / head shapes, every
+    row count in every dtype."""
+    gen = torch.Generator().manual_seed(14)
+    for dtype in [*sweep.dtypes, *sweep.extra_dtypes]:
+        for rows in sweep.layer_rows:
+            section.checks += _layer_op_checks(sweep, rows, dtype, device, gen)
+
+
+def _layer_op_checks(sweep: Sweep, rows: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> list[Check]:
+    """One row count in one dtype: q and k as views into one fused qkv row, as the models pass them; real rotary
+    tables (theta 1e6, 8192 positions); the references on the same inputs upcast to float32."""
+    from kubellm.runtime.layers.rotary import RotaryEmbedding
+
+    ops, shape, eps = triton_layer_ops, sweep.attention, 1e-6
+    hidden, inter = sweep.layer_ops
+    h, kvh, d = shape.heads, shape.kv_heads, shape.head_dim
+    rope = RotaryEmbedding(d, 8192, 1e6, None, dtype)
+    cos, sin = rope.cos.to(device), rope.sin.to(device)
+
+    def rand(*size, scale=1.0):
+        return (torch.randn(*size, generator=gen) * scale).to(dtype).to(device)
+
+    def split(qkv: torch.Tensor):
+        q, k, _ = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        return q.view(-1, h, d), k.view(-1, kvh, d)
+
+    x, res, gate_up = rand(rows, hidden), rand(rows, hidden, scale=4), rand(rows, 2 * inter, scale=3)
+    qkv = rand(rows, (h + 2 * kvh) * d, scale=2)
+    w, qw, kw = rand(hidden, scale=0.3) + 1, rand(d, scale=0.3) + 1, rand(d, scale=0.3) + 1
+    pos = torch.randint(0, 8192, (rows,), generator=gen).to(device)
+    xf, resf, guf, qkvf, wf, qwf, kwf, cf, sf = (t.float() for t in (x, res, gate_up, qkv, w, qw, kw, cos, sin))
+    cases = [
+        ("RMSNorm", f"{rows} x {hidden}", partial(ops.rms_norm, x, w, eps),
+         partial(ops.reference_rms_norm, xf, wf, eps)),
+        ("residual add + RMSNorm", f"{rows} x {hidden}, in place",
+         partial(_in_place, lambda a, b: ops.add_rms_norm_(a, b, w, eps), x, res),
+         partial(_in_place, lambda a, b: ops.reference_add_rms_norm_(a, b, wf, eps), xf, resf)),
+        ("SiLU-and-mul", f"{rows} x 2*{inter}", partial(ops.silu_and_mul, gate_up),
+         partial(ops.reference_silu_and_mul, guf)),
+        ("rotary embedding", f"{rows} tokens, {shape}, qkv views, in place",
+         partial(_in_place, lambda a: ops.rotary_embedding_(pos, *split(a), cos, sin), qkv),
+         partial(_in_place, lambda a: ops.reference_rotary_embedding_(pos, *split(a), cf, sf), qkvf)),
+        ("q/k norm + rotary", f"{rows} tokens, {shape}, qkv views, in place",
+         partial(_in_place, lambda a: ops.qk_norm_rotary_(pos, *split(a), qw, kw, eps, cos, sin), qkv),
+         partial(_in_place, lambda a: ops.reference_qk_norm_rotary_(pos, *split(a), qwf, kwf, eps, cf, sf), qkvf)),
+    ]
+    return [compare(name, f"{case}, {_dtype_name(dtype)}", dtype, kernel, reference)
+            for name, case, kernel, reference in cases]
 
 
 # ------------------------------------------------------------------------------------------------ timing

@@ -1,7 +1,8 @@
 """Start-up self-checks for the Triton kernels: compile them for the model's shapes and dtype on the serving
 device, run each once on a small random case and compare with its PyTorch reference (:func:`check` for
-attention, :func:`check_int8_gemm` for ``--quantization int8``, :func:`check_grouped_gemm` for 4/8-bit
-checkpoints and ``--quantization int4``, :func:`check_fp8_gemm` for FP8).
+attention, :func:`check_layer_ops` for the fused layer ops, :func:`check_int8_gemm` for ``--quantization
+int8``, :func:`check_grouped_gemm` for 4/8-bit checkpoints and ``--quantization int4``, :func:`check_fp8_gemm`
+for FP8).
 
 It costs one compile and a few milliseconds, and turns a kernel that fails to build or computes wrong on this
 GPU / driver / Triton version into a logged fallback to the reference backend (``auto``) or a clear start-up
@@ -9,6 +10,8 @@ error (``triton``), instead of wrong tokens in production.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
@@ -135,3 +138,55 @@ def check_fp8_gemm(device: str, dtype: torch.dtype) -> str | None:
         if reason:
             return reason
     return None
+
+
+def check_layer_ops(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """The fused layer ops (kernels/triton_layer_ops.py) against their references on ``device`` at the model's
+    head shape, q/k as strided views into one qkv row as the models pass them; None when all match."""
+    from kubellm.kernels import triton_layer_ops as ops
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, d = num_heads or 4, num_kv_heads or 2, head_dim or 64
+    t, hidden, inter = 5, 320, 200  # not powers of two: masked tails
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    x, res, w, gate_up = rand(t, hidden), rand(t, hidden), rand(hidden), rand(t, 2 * inter)
+    qkv, qw, kw = rand(t, (heads + 2 * kv_heads) * d), rand(d), rand(d)
+    cos, sin = rand(40, d), rand(40, d)
+    pos = torch.tensor([0, 39, 7, 7, 1])
+
+    def split(a):
+        q, k, _ = a.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        return q.view(t, heads, d), k.view(t, kv_heads, d)
+
+    def in_place(fn, *tensors):
+        """Run ``fn`` on copies of ``tensors``, return them concatenated (what an in-place op leaves)."""
+        copies = [a.clone() for a in tensors]
+        fn(*copies)
+        return torch.cat([a.flatten() for a in copies])
+
+    def on(device_, f):  # the inputs on ``device_``, then f of them
+        return lambda: f(*(a.to(device_) for a in (x, res, w, gate_up, qkv, qw, kw, cos, sin, pos)))
+
+    cases = [
+        ("RMSNorm", lambda m: lambda x, r, w, *_: m.rms_norm(x, w, 1e-6)),
+        ("residual add + RMSNorm", lambda m: lambda x, r, w, *_: in_place(
+            lambda a, b: m.add_rms_norm_(a, b, w, 1e-6), x, r)),
+        ("SiLU-and-mul", lambda m: lambda x, r, w, gu, *_: m.silu_and_mul(gu)),
+        ("rotary embedding", lambda m: lambda x, r, w, gu, qkv, qw, kw, c, s, p: in_place(
+            lambda a: m.rotary_embedding_(p, *split(a), c, s), qkv)),
+        ("q/k norm + rotary", lambda m: lambda x, r, w, gu, qkv, qw, kw, c, s, p: in_place(
+            lambda a: m.qk_norm_rotary_(p, *split(a), qw, kw, 1e-6, c, s), qkv)),
+    ]
+    refs = SimpleNamespace(rms_norm=ops.reference_rms_norm, add_rms_norm_=ops.reference_add_rms_norm_,
+                           silu_and_mul=ops.reference_silu_and_mul, rotary_embedding_=ops.reference_rotary_embedding_,
+                           qk_norm_rotary_=ops.reference_qk_norm_rotary_)
+    for name, make in cases:
+        # Relative: products of random tables reach ~10, where one bf16 ulp exceeds the absolute tolerance.
+        reason = _compare(name, device, dtype, on(device, make(ops)), on("cpu", make(refs)), relative=True)
+        if reason:
+            return reason
+    return None
+

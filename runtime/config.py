@@ -65,7 +65,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # Kernels (runtime/kernel_choice.py decides what auto means here): each setting chooses only what it names.
     attention_backend: str = default("attention_backend")  # auto | torch | cpu (native CPU kernels) | triton
-    layer_ops: str = default("layer_ops")  # auto | native (fused CPU RMSNorm/rotary/SiLU-and-mul) | torch
+    layer_ops: str = default("layer_ops")  # auto | native (fused CPU RMSNorm/rotary/SiLU-and-mul) | triton | torch
     prepack_weights: str = default("prepack_weights")  # auto | native | onednn | on | off: dense linear weights packed once
     cpu_int4_activations: str = default("cpu_int4_activations")  # auto | bf16 | int8: the native int4 GEMM's at 1-4 rows
     quantization: str = default("quantization")  # none | int8 (weight-only, per output channel; runtime/quantization.py)

@@ -119,10 +119,10 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "passes its check here, else torch (default: $KUBELLM_ATTENTION_BACKEND or auto)",
     ),
     EngineSetting(
-        "layer_ops", str, "auto", flag="--layer-ops", choices=("auto", "native", "torch"),
-        help="RMSNorm, rotary embedding and SiLU-and-mul: native = kubellm's fused CPU kernels, torch = the "
-        "PyTorch references; auto = native on CPU where kubellm's CPU kernels load and take the model's head "
-        "size, else torch",
+        "layer_ops", str, "auto", flag="--layer-ops", choices=("auto", "native", "triton", "torch"),
+        help="RMSNorm, rotary embedding and SiLU-and-mul: native = kubellm's fused CPU kernels, triton = fused "
+        "Triton kernels (CUDA), torch = the PyTorch references; auto = native on CPU where kubellm's CPU kernels "
+        "load and take the model's head size, triton on CUDA once its start-up check passes here, else torch",
     ),
     EngineSetting(
         "prepack_weights", str, "auto", flag="--prepack-weights", choices=("auto", "native", "onednn", "on", "off"),

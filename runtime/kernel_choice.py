@@ -12,7 +12,8 @@ What ``auto`` picks:
 
 * attention: ``triton`` on CUDA once its start-up check passed here; ``cpu`` on CPU where kubellm's CPU kernels
   load and take the model's head size (a multiple of 16, up to 512); else ``torch``.
-* layer ops (RMSNorm, rotary embedding, SiLU-and-mul): ``native`` under that same CPU condition, else ``torch``.
+* layer ops (RMSNorm, rotary embedding, SiLU-and-mul): ``native`` under that same CPU condition; ``triton``
+  (kernels/triton_layer_ops.py) on CUDA once its start-up check passed here; else ``torch``.
 * prepacking linear weights: under that same CPU condition ``native`` (kubellm's bf16 linear,
   ``cpu_bf16_gemm``, AVX512-BF16) for bfloat16 where it loaded, else ``onednn`` when oneDNN packs the dtype
   (float32, bfloat16), else ``off``. ``auto`` runs the native CPU path as one unit, as it is measured and
@@ -73,7 +74,7 @@ class KernelSettings:
     """What the user asked for (the engine settings of the same names)."""
 
     attention: str = "auto"  # auto | cpu | triton | torch
-    layer_ops: str = "auto"  # auto | native | torch
+    layer_ops: str = "auto"  # auto | native | triton | torch
     prepack: str = "auto"  # auto | native | onednn | on (= onednn) | off
     int4_activations: str = "auto"  # auto | bf16 | int8: the native int4 GEMM's at 1-4 rows
 
@@ -109,6 +110,7 @@ class Loaded:
 
     cpu_kernels: str | None = NOT_PROBED  # kubellm's native CPU extension
     triton_attention: str | None = NOT_PROBED
+    triton_layer_ops: str | None = NOT_PROBED  # triton_layer_ops
     onednn_prepack: str | None = NOT_PROBED
     bf16_cpu_kernel: str | None = NOT_PROBED  # cpu_bf16_gemm (AVX512-BF16)
     int8_cpu_kernel: str | None = NOT_PROBED  # the AVX512-BF16 int8 GEMM of the CPU extension
@@ -129,7 +131,7 @@ class KernelChoice:
     """The kernels one engine (every rank alike) runs with."""
 
     attention: str = "torch"  # cpu | triton | torch
-    layer_ops: str = "torch"  # native | torch
+    layer_ops: str = "torch"  # native | triton | torch
     prepack: str = "off"  # native | onednn | off: dense linear weights packed once for that GEMM
     int8_gemm: str = "dequantize"  # native | triton | torch | dequantize
     int8_fallback: str = "dequantize"  # torch | dequantize: layers the native kernel cannot pack
@@ -258,13 +260,17 @@ def _attention(kind: str, target: Target, loaded: Loaded, native_cpu: bool) -> s
 
 def _layer_ops(kind: str, target: Target, loaded: Loaded, native_cpu: bool) -> str:
     if kind == "auto":
+        if target.cuda and loaded.triton_layer_ops is None:
+            return "triton"
         return "native" if native_cpu else "torch"
+    if kind == "triton" and loaded.triton_layer_ops is not None:
+        raise ValueError(f"the Triton layer ops cannot run here: {loaded.triton_layer_ops}; use --layer-ops torch")
     if kind == "native" and (not target.cpu or loaded.cpu_kernels is not None):
         why = "they run on the CPU device only" if not target.cpu else loaded.cpu_kernels
         raise ValueError(f"the native layer ops cannot run here (device {target.device!r}): {why}; "
                          "use --layer-ops torch")
-    if kind not in ("native", "torch"):
-        raise ValueError(f"layer ops {kind!r}: use auto, native or torch")
+    if kind not in ("native", "triton", "torch"):
+        raise ValueError(f"layer ops {kind!r}: use auto, native, triton or torch")
     return kind
 
 
@@ -310,6 +316,8 @@ def probe(settings: KernelSettings, target: Target) -> Loaded:
         found["cpu_kernels"] = _cpu_kernels_reason()
     if settings.attention == "triton" or (settings.attention == "auto" and target.cuda):
         found["triton_attention"] = triton_attention_reason(target)
+    if settings.layer_ops == "triton" or (settings.layer_ops == "auto" and target.cuda):
+        found["triton_layer_ops"] = triton_layer_ops_reason(target)
     if target.cpu and target.dtype == torch.bfloat16 and (settings.prepack == "native" or (
             settings.prepack == "auto" and "cpu_kernels" in found)):
         found["bf16_cpu_kernel"] = None if cpu_bf16_gemm.available() else "no AVX512-BF16 cpu_bf16_gemm in this build"
@@ -347,9 +355,8 @@ def _cpu_kernels_reason() -> str | None:
     return str(cpu_extension.build_info()["error"] or f"disabled ({cpu_extension.DISABLE_ENV} is set)")
 
 
-def triton_attention_reason(target: Target) -> str | None:
-    """Why the Triton attention kernels cannot serve ``target``, or None when they built and matched their
-    references here (kernels/triton_check.py). On CPU they run only under ``TRITON_INTERPRET=1`` (tests)."""
+def _triton_device_reason(target: Target) -> str | None:
+    """Why no Triton kernel can run on ``target``'s device: CUDA, or CPU under ``TRITON_INTERPRET=1`` (tests)."""
     try:
         from triton import knobs
     except ImportError:
@@ -357,10 +364,29 @@ def triton_attention_reason(target: Target) -> str | None:
     if not (target.cuda or (target.cpu and knobs.runtime.interpret)):
         return (f"Triton kernels need a CUDA device (got {target.device!r}; TRITON_INTERPRET=1 runs them on CPU "
                 "for tests)")
+    return None
+
+
+def triton_attention_reason(target: Target) -> str | None:
+    """Why the Triton attention kernels cannot serve ``target``, or None when they built and matched their
+    references here (kernels/triton_check.py). On CPU they run only under ``TRITON_INTERPRET=1`` (tests)."""
+    if reason := _triton_device_reason(target):
+        return reason
     from kubellm.kernels import triton_check
 
     return triton_check.check(target.device, target.dtype, target.num_heads, target.num_kv_heads, target.head_dim,
                               target.block_size)
+
+
+def triton_layer_ops_reason(target: Target) -> str | None:
+    """Why the Triton layer ops (kernels/triton_layer_ops.py) cannot serve ``target``, or None when each matched
+    its reference here at the model's head shape (the same device rule as attention)."""
+    if reason := _triton_device_reason(target):
+        return reason
+    from kubellm.kernels import triton_check
+
+    return triton_check.check_layer_ops(target.device, target.dtype, target.num_heads, target.num_kv_heads,
+                                        target.head_dim)
 
 
 @functools.cache
@@ -389,6 +415,8 @@ def decide(settings: KernelSettings, target: Target) -> KernelChoice:
     choice = choose(settings, target, loaded)
     if settings.attention == "auto" and target.cuda and choice.attention != "triton":
         log.warning("Triton attention unavailable, using the PyTorch reference: %s", loaded.triton_attention)
+    if settings.layer_ops == "auto" and target.cuda and choice.layer_ops != "triton":
+        log.warning("Triton layer ops unavailable, using the PyTorch references: %s", loaded.triton_layer_ops)
     log.info("kernels: %s", choice.describe(target.quantization))
     return choice
 

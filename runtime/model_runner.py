@@ -96,7 +96,12 @@ class ModelRunner:
         for layer, k, v in zip(model.model.layers, self.k_caches, self.v_caches, strict=True):
             attn = layer.self_attn.attn
             attn.k_cache, attn.v_cache, attn.backend = k, v, self.backend
-        use_native_ops(model, kernels.layer_ops == "native")
+        if kernels.layer_ops == "triton":
+            from kubellm.kernels import triton_layer_ops  # imports triton: only where its check passed
+
+            use_native_ops(model, True, triton_layer_ops)
+        else:
+            use_native_ops(model, kernels.layer_ops == "native")
         if kernels.moe == "native":  # before prepacking, which would take the experts' linears
             log.info("packed the experts of %d layers for the CPU kernel", pack_experts(model))
         if kernels.prepack != "off":  # weights packed once for the GEMM instead of reordered inside every call

@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_layer_ops as ops
-from kubellm.kernels import cpu_moe
+from kubellm.kernels import cpu_layer_ops, cpu_moe
 from kubellm.runtime.layers.linear import NativeLinear
 from kubellm.runtime.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
@@ -58,7 +57,8 @@ class Expert(nn.Module):
 class FusedMoE(nn.Module):
     """The experts of one layer and its router (``gate``)."""
 
-    native = False  # SiLU-and-mul through the fused CPU kernel
+    native = False  # SiLU-and-mul through the fused kernel of ops (set with native by use_native_ops)
+    ops = cpu_layer_ops
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool, tp: Group):
         super().__init__()
@@ -105,7 +105,7 @@ class FusedMoE(nn.Module):
             rows, expert = token_of[start:start + n], self.experts[e]
             gate_up = expert.gate_up_proj(x[rows])
             if self.native:
-                h = ops.silu_and_mul(gate_up)
+                h = self.ops.silu_and_mul(gate_up)
             else:
                 gate, up = gate_up.split(self.inter, dim=-1)
                 h = nn.functional.silu(gate) * up

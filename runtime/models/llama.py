@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_layer_ops as ops
+from kubellm.kernels import cpu_layer_ops
 from kubellm.kernels.cpu_decode_layer import decode_layer_
 from kubellm.runtime.layers.attention import (
     Attention,
@@ -43,10 +43,12 @@ class RMSNorm(nn.Module):
     """Normalises in float32 like the Hugging Face implementation, then scales in the model dtype.
 
     With ``residual``, first folds ``x`` into the residual stream: returns ``(norm(residual + x), residual + x)``.
-    ``native`` (set by :func:`use_native_ops`) runs the fused CPU kernel, which does both in place.
+    ``native`` (set by :func:`use_native_ops`) runs the fused kernel of ``ops`` (the CPU module, or the Triton one
+    on CUDA), which does both in place.
     """
 
     native = False
+    ops = cpu_layer_ops  # the fused kernels' module when native
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -56,19 +58,20 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             if self.native:
-                return ops.rms_norm(x, self.weight, self.eps)
-            return ops.reference_rms_norm(x, self.weight, self.eps)
+                return self.ops.rms_norm(x, self.weight, self.eps)
+            return cpu_layer_ops.reference_rms_norm(x, self.weight, self.eps)
         if self.native:
-            ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            self.ops.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = residual + x
-        return ops.reference_rms_norm(residual, self.weight, self.eps), residual
+        return cpu_layer_ops.reference_rms_norm(residual, self.weight, self.eps), residual
 
 
 class LlamaAttention(nn.Module):
     """With tensor parallelism this rank's share of the heads; o_proj's partial sums are all-reduced."""
 
-    native = False  # rotary embedding through the in-place CPU kernel
+    native = False  # rotary embedding through the in-place kernel of ops
+    ops = cpu_layer_ops
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group):
         super().__init__()
@@ -94,7 +97,7 @@ class LlamaAttention(nn.Module):
     def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary embedding of q [T, H, D] and k [T, KVH, D] (in place with the native kernel)."""
         if self.native:
-            ops.rotary_embedding_(positions, q, k, self.rotary.cos, self.rotary.sin)
+            self.ops.rotary_embedding_(positions, q, k, self.rotary.cos, self.rotary.sin)
             return q, k
         return self.rotary(positions, q, k)
 
@@ -112,7 +115,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    native = False  # SiLU-and-mul through the fused CPU kernel
+    native = False  # SiLU-and-mul through the fused kernel of ops
+    ops = cpu_layer_ops
 
     def __init__(self, cfg: ModelConfig, tp: Group):
         super().__init__()
@@ -126,7 +130,7 @@ class LlamaMLP(nn.Module):
         """This MLP's arguments of the fused decode layer (gate_up, down, intermediate, router, top_k,
         renormalize), or None unless it is this plain MLP on native linears and the native SiLU-and-mul."""
         linears = (self.gate_up_proj, self.down_proj)
-        if (type(self) is not LlamaMLP or not self.native or self.tp.size > 1
+        if (type(self) is not LlamaMLP or not self.native or self.ops is not cpu_layer_ops or self.tp.size > 1
                 or not all(isinstance(m, NativeLinear) and m.bias is None for m in linears)):
             return None
         return self.gate_up_proj.packed_weight, self.down_proj.packed_weight, self.intermediate, None, 0, False
@@ -134,7 +138,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.native:
-            return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(gate_up)))
+            return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
 
@@ -172,8 +176,9 @@ class LlamaDecoderLayer(nn.Module):
         mlp = getattr(self.mlp, "fused_decode_args", lambda: None)()
         if (type(self) is not LlamaDecoderLayer or qk_norms is None or mlp is None or attn.tp.size > 1
                 or not all(isinstance(m, NativeLinear) for m in (attn.qkv_proj, attn.o_proj))
-                or attn.o_proj.bias is not None or not attn.native
-                or not all(type(n) is RMSNorm and n.native for n in (self.input_layernorm, self.post_attention_layernorm))
+                or attn.o_proj.bias is not None or not attn.native or attn.ops is not cpu_layer_ops
+                or not all(type(n) is RMSNorm and n.native and n.ops is cpu_layer_ops
+                           for n in (self.input_layernorm, self.post_attention_layernorm))
                 or not isinstance(attn.attn.backend, NativeCpuAttentionBackend)
                 or attn.attn.k_cache.dtype != torch.bfloat16):
             return None
@@ -309,9 +314,10 @@ def use_fused_decode(model: nn.Module) -> bool:
     return body.fused_layers is not None
 
 
-def use_native_ops(model: nn.Module, enabled: bool) -> None:
-    """Route RMSNorm, rotary and SiLU-and-mul through the fused CPU kernels (or back to the references): every
-    module whose class declares a ``native`` switch."""
+def use_native_ops(model: nn.Module, enabled: bool, ops_module=cpu_layer_ops) -> None:
+    """Route RMSNorm, rotary and SiLU-and-mul through the fused kernels of ``ops_module`` (kernels/cpu_layer_ops.py,
+    or kernels/triton_layer_ops.py on CUDA: same functions) or back to the references: every module whose class
+    declares a ``native`` switch."""
     for module in model.modules():
         if isinstance(getattr(type(module), "native", None), bool):
-            module.native = enabled
+            module.native, module.ops = enabled, ops_module

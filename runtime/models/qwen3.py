@@ -1,14 +1,13 @@
 """Qwen3 (dense): the Llama block with an RMSNorm over each head of q and of k, before rotary; no q/k/v bias.
 
 The norms hold ``head_dim`` weights shared by every head, so tensor parallelism replicates them and each rank
-normalises its own heads. With the native layer ops, norms and rotary are one in-place kernel call.
+normalises its own heads. With the native (CPU) or Triton layer ops, norms and rotary are one in-place kernel call.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kubellm.kernels import cpu_layer_ops as ops
 from kubellm.runtime.models.llama import LlamaAttention, LlamaForCausalLM, RMSNorm
 
 
@@ -21,7 +20,7 @@ class Qwen3Attention(LlamaAttention):
     def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The q/k norms, then rotary (the Llama block calls this right after the qkv projection)."""
         if self.native:
-            ops.qk_norm_rotary_(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            self.ops.qk_norm_rotary_(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                 self.rotary.cos, self.rotary.sin)
             return q, k
         t = q.shape[0]

@@ -42,7 +42,8 @@ def test_tiny_run_passes_on_sound_kernels_and_writes_every_section(tmp_path, cap
     text = path.read_text()
     assert text.startswith("# kubellm GPU check: CPU Triton interpreter\n\n**PASS**")
     for kernel in ("paged decode attention", "prefill attention", "int8 GEMM", "int4 GEMM", "grouped 4-bit GEMM",
-                   "grouped 8-bit GEMM", "FP8 GEMM"):
+                   "grouped 8-bit GEMM", "FP8 GEMM", "RMSNorm", "residual add + RMSNorm", "SiLU-and-mul",
+                   "rotary embedding", "q/k norm + rotary"):
         assert f"| {kernel} |" in text
     for heading in ("## 1. Kernel correctness", "### Paged decode attention", "### Prefill attention",
                     "### Weight-only GEMMs", "### Pre-quantized weight GEMMs", "## 3a. Engine end to end: greedy parity", "### Offline throughput",
@@ -80,6 +81,25 @@ def test_a_kernel_that_raises_fails_its_check_with_the_exception(tmp_path, monke
     failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
     assert failures.count("int8 GEMM") == 2  # float32 and bfloat16
     assert "the kernel raised RuntimeError: PTX assembly aborted" in failures
+
+
+def test_a_wrong_layer_op_fails_its_check_and_nothing_else(tmp_path, monkeypatch):
+    """1% off in place (q only): the float32 rotary check fails with its error (1% is inside bfloat16's
+    tolerance), the other layer ops and kernels pass."""
+    from kubellm.kernels import triton_layer_ops
+
+    sound = triton_layer_ops.rotary_embedding_
+
+    def off(positions, q, k, cos, sin):
+        sound(positions, q, k, cos, sin)
+        q.mul_(1.01)
+
+    monkeypatch.setattr(triton_layer_ops, "rotary_embedding_", off)
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs,profile"]
+    assert gpu_check.main(argv) == 1
+    failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
+    assert failures.count("/ rotary embedding (") == 1 and "in place, float32)" in failures
+    assert failures.count("elements out of tolerance") == 1
 
 
 @pytest.mark.parametrize("module,function,failing,form", [

@@ -161,6 +161,24 @@ def test_triton_attention_backend_equals_transformers(fixture, request):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_moe"])  # Qwen3-MoE: q/k norms and experts
+def test_triton_layer_ops_equal_transformers(fixture, request):
+    """The CUDA path's fused RMSNorm (+ residual add), rotary (Qwen3: q/k norms + rotary) and SiLU-and-mul,
+    run by Triton's interpreter on CPU here (the same hook as the Triton attention backend), through chunked
+    prefill, preemption and prefix hits."""
+    from kubellm.kernels import triton_layer_ops
+
+    model_dir = request.getfixturevalue(fixture)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = _engine(model_dir, layer_ops="triton", attention_backend="torch", prepack_weights="off", device=device)
+    model = llm.engine.runner.model
+    switches = [m for m in model.modules() if isinstance(getattr(type(m), "native", None), bool)]
+    assert switches and all(m.native and m.ops is triton_layer_ops for m in switches)
+    assert model.model.fused_layers is None  # the CPU fused decode layer never takes Triton ops
+    _run_and_compare(llm, model_dir, _prompts()[:6])
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits > 0
+
+
 def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error(tiny_llama, monkeypatch):
     from triton import knobs
 

@@ -59,6 +59,44 @@ def test_dense_linears_run_the_native_bf16_kernel_for_bfloat16_where_it_loaded()
     assert choose(AUTO, bf16, dataclasses.replace(loaded, cpu_kernels="no compiler")).prepack == "off"
 
 
+def test_layer_ops_auto_on_cuda_are_triton_when_their_check_passed_else_torch():
+    passed = dataclasses.replace(ALL_LOADED, triton_layer_ops=None)
+    assert choose(AUTO, CUDA, passed).layer_ops == "triton"
+    assert choose(KernelSettings(layer_ops="triton"), CUDA, passed).layer_ops == "triton"
+    assert "layer ops triton" in choose(AUTO, CUDA, passed).describe()
+    failed = dataclasses.replace(ALL_LOADED, triton_layer_ops="the Triton RMSNorm differs from its reference")
+    assert choose(AUTO, CUDA, failed).layer_ops == "torch"
+    assert choose(AUTO, CPU, passed).layer_ops == "native"  # CPU keeps its native ops
+    assert choose(KernelSettings(layer_ops="torch"), CUDA, passed).layer_ops == "torch"
+    assert choose(AUTO, CUDA, passed).moe == "torch"  # the CPU experts kernel follows native ops only
+
+
+def test_probe_checks_the_triton_layer_ops_where_a_setting_could_pick_them(monkeypatch):
+    from kubellm.runtime import kernel_choice
+
+    asked = []
+    monkeypatch.setattr(kernel_choice, "triton_attention_reason", lambda target: None)
+    monkeypatch.setattr(kernel_choice, "triton_layer_ops_reason", lambda target: asked.append(target.device) or None)
+    assert kernel_choice.probe(AUTO, CUDA).triton_layer_ops is None and asked == ["cuda"]
+    asked.clear()
+    assert kernel_choice.probe(KernelSettings(layer_ops="torch"), CUDA).triton_layer_ops == kernel_choice.NOT_PROBED
+    assert kernel_choice.probe(AUTO, CPU).triton_layer_ops == kernel_choice.NOT_PROBED and asked == []
+
+
+def test_triton_layer_ops_on_cpu_are_refused_with_the_reason_unless_interpreted(monkeypatch):
+    from triton import knobs
+
+    from kubellm.runtime import kernel_choice
+
+    monkeypatch.setattr(knobs.runtime, "interpret", False)
+    settings = KernelSettings(layer_ops="triton")
+    with pytest.raises(ValueError, match=r"Triton layer ops cannot run here: Triton kernels need a CUDA device.*"
+                                         r"use --layer-ops torch"):
+        choose(settings, CPU, kernel_choice.probe(settings, CPU))
+    monkeypatch.setattr(knobs.runtime, "interpret", True)  # the tests' hook: the real check, interpreted
+    assert choose(settings, CPU, kernel_choice.probe(settings, CPU)).layer_ops == "triton"
+
+
 @pytest.mark.parametrize("settings,target,loaded,message", [
     (KernelSettings(attention="cpu"), CPU, NO_CPU_KERNELS, r"native CPU kernels cannot run here.*no compiler.*"
                                                             r"--attention-backend torch"),
@@ -74,6 +112,9 @@ def test_dense_linears_run_the_native_bf16_kernel_for_bfloat16_where_it_loaded()
                                                             r"onednn or off"),
     (KernelSettings(prepack="native"), CPU, ALL_LOADED, r"takes bfloat16 weights on CPU \(got float32"),
     (KernelSettings(prepack="yes"), CPU, ALL_LOADED, r"use auto, native, onednn or off"),
+    (KernelSettings(layer_ops="fused"), CPU, ALL_LOADED, r"use auto, native, triton or torch"),
+    (KernelSettings(layer_ops="triton"), CUDA, Loaded(triton_layer_ops="the Triton RMSNorm failed"),
+     r"Triton layer ops cannot run here: the Triton RMSNorm failed; use --layer-ops torch"),
 ])
 def test_an_explicit_choice_that_cannot_run_is_a_clear_error(settings, target, loaded, message):
     with pytest.raises(ValueError, match=message):
@@ -186,6 +227,7 @@ def test_probe_checks_the_pre_quantized_triton_gemms_on_cuda_for_those_methods_o
     asked = []
     monkeypatch.setattr(kernel_choice, "triton_gemm_reason", lambda method, *a: asked.append(method) or None)
     monkeypatch.setattr(kernel_choice, "triton_attention_reason", lambda target: None)
+    monkeypatch.setattr(kernel_choice, "triton_layer_ops_reason", lambda target: None)
     loaded = kernel_choice.probe(AUTO, Target("cuda", torch.bfloat16, quantization="gptq"))
     assert asked == ["grouped4", "grouped8", "fp8"]
     assert loaded.triton_grouped_int4 is loaded.triton_grouped_int8 is loaded.triton_fp8 is None

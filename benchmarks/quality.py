@@ -48,7 +48,7 @@ class Variant:
     #              one of prequantized_checkpoints.FORMATS (written from the bf16 folder)
     dtype: str = "bfloat16"
     quantization: str = "none"
-    int4_activations: str = "bf16"  # --cpu-int4-activations; int8: every row as decode at 1-4 rows computes it
+    int4_activations: str = "bf16"  # --cpu-int4-activations; int8: every row as decode at 1-32 rows computes it
 
 
 VARIANTS = {
@@ -189,20 +189,20 @@ def model_sources(model: str, needed: set[str]) -> dict[str, Path]:
 
 @contextlib.contextmanager
 def int8_activations_on_every_row():
-    """The int4 GEMM quantizes activations to int8 only at 1-4 rows (decode); the windows here are prefilled
-    512 rows at a time and the greedy prompts decode 16 together. Called 4 rows at a time, every scored position
-    and greedy step computes what decode at batch 1-4 computes (the quantization is per row)."""
+    """The int4 GEMM quantizes activations to int8 only at 1-32 rows (decode); the windows here are prefilled
+    512 rows at a time. Called INT8_ACTIVATION_ROWS rows at a time, every scored position and greedy step computes
+    what decode computes (the quantization is per row)."""
     from kubellm.kernels import cpu_int4_gemm as k4
 
     gemm = k4.int4_gemm
 
-    def by_four_rows(x, packed, scales, zeros, group_size, bias=None, int8_activations=False):
+    def by_int8_rows(x, packed, scales, zeros, group_size, bias=None, int8_activations=False):
         if not int8_activations or x.shape[0] <= k4.INT8_ACTIVATION_ROWS:
             return gemm(x, packed, scales, zeros, group_size, bias, int8_activations)
         return torch.cat([gemm(x[i:i + k4.INT8_ACTIVATION_ROWS], packed, scales, zeros, group_size, bias, True)
                           for i in range(0, x.shape[0], k4.INT8_ACTIVATION_ROWS)])
 
-    k4.int4_gemm = by_four_rows
+    k4.int4_gemm = by_int8_rows
     try:
         yield
     finally:

@@ -29,7 +29,7 @@ __all__ = ["DEQUANTIZE_ROWS", "INT8_ACTIVATION_ROWS", "available", "int4_gemm", 
            "quantize_activations", "reference_int4_gemm", "reference_w4a8_gemm", "unpack"]
 
 DEQUANTIZE_ROWS = 16  # kDequantMinRows in csrc/int4_gemm_cpu.cpp
-INT8_ACTIVATION_ROWS = 4  # kW4A8MaxRows there
+INT8_ACTIVATION_ROWS = 32  # kW4A8MaxRows there
 
 
 def available() -> bool:

@@ -169,21 +169,25 @@ void rows_kernel4(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const f
 #endif
 
 #ifdef KUBELLM_W4A8_TILES
-// int8 activations (w4a8_tiles.h): 1..kW4A8MaxRows rows; more rows keep bf16 activations, where the weight
-// widening is shared by enough rows that it no longer dominates.
-constexpr int64_t kW4A8MaxRows = 4;
+// int8 activations (w4a8_tiles.h), 1..kW4A8MaxRows rows: above 4 rows they run in blocks of up to 8 over each
+// one-block item, so the item's weights (L1-resident after the first row block) are read from memory once per call.
+// 8-16 rows: 0.88-0.98x native bf16 against 0.64-0.72x with bf16 activations; from 64 rows the dequantized-slice
+// path is faster (benchmarks/README.md, 2026-11-27).
+constexpr int64_t kW4A8MaxRows = 32;  // above, bf16 activations on dequantized slices are faster (benchmarks/README.md)
+constexpr int kW4A8RowBlock = 8;  // MR rows x NB <= 2 blocks: 2 * MR * NB accumulators + weights fit 32 zmm
 
 template <int MR, int NB>
 void w4a8_kernel(const int32_t* xq, int64_t x_stride, const float* scale, const float* qsum, int64_t groups,
                  const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads, tiles::GroupParams scales,
-                 tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy) {
+                 tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy,
+                 int64_t prefetch_bytes) {
   __m512 out[MR][NB];
   w4a8::dot_groups<MR, NB>(xq, x_stride, scale, qsum, groups, w, w_block_stride, K4, group_quads, scales, zeros, N,
-                           out, NB * w_block_stride);
+                           out, prefetch_bytes);
   store_tile<MR, NB>(out, bias, y, ldy);
 }
 
-// y's M (<= kW4A8MaxRows) rows from x quantized to int8; items of nb 16-channel blocks as the bf16 few-rows path.
+// y's M rows from x quantized to int8; items of nb 16-channel blocks as the bf16 few-rows path.
 void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4, int64_t group_size,
                tiles::GroupParams sp, tiles::GroupParams zp, const float* bias_p, c10::BFloat16* yp) {
   const int64_t M = x.size(0), K = x.size(1), N = NBLK * 16, groups = K / group_size;
@@ -197,31 +201,44 @@ void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4,
   float* qsum = scale + M * groups;
   w4a8::quantize_rows(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M, K, group_size, xq, scale, qsum);
   const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
-  const int nb = M <= 2 ? tiles::blocks_per_item(NBLK, 4) : tiles::blocks_per_item(NBLK, 2);
+  const int nb = M <= 2 ? tiles::blocks_per_item(NBLK, 4) : M <= 4 ? tiles::blocks_per_item(NBLK, 2) : 1;
   at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
       const int64_t blk = it * nb;
       const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
       const uint8_t* w = wp + blk * w_block_stride;
       const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
-#define KUBELLM_W4A8(R, B)                                                                                         \
-  w4a8_kernel<R, B>(xq, K4, scale, qsum, groups, w, w_block_stride, K4, group_quads, sp.offset(blk * 16),         \
-                    zp.offset(blk * 16), N, bp, yp + blk * 16, N)
-#define KUBELLM_W4A8_NB(R)         \
-  switch (n) {                     \
-    case 4: KUBELLM_W4A8(R, 4); break; \
-    case 3: KUBELLM_W4A8(R, 3); break; \
-    case 2: KUBELLM_W4A8(R, 2); break; \
-    default: KUBELLM_W4A8(R, 1); break; \
+      for (int64_t m0 = 0; m0 < M; m0 += kW4A8RowBlock) {
+        const int mr = static_cast<int>(std::min<int64_t>(kW4A8RowBlock, M - m0));
+        // Only the first row block prefetches the next item; the later ones find this item in cache.
+        const int64_t prefetch = m0 == 0 ? n * w_block_stride : 0;
+        const int32_t* xr = xq + m0 * K4;
+        const float* sr = scale + m0 * groups;
+        const float* qr = qsum + m0 * groups;
+        c10::BFloat16* yr = yp + m0 * N + blk * 16;
+#define KUBELLM_W4A8(R, B)                                                                                     \
+  w4a8_kernel<R, B>(xr, K4, sr, qr, groups, w, w_block_stride, K4, group_quads, sp.offset(blk * 16),         \
+                    zp.offset(blk * 16), N, bp, yr, N, prefetch)
+#define KUBELLM_W4A8_NB(R)                \
+  switch (n) {                            \
+    case 4: KUBELLM_W4A8(R, 4); break;    \
+    case 3: KUBELLM_W4A8(R, 3); break;    \
+    case 2: KUBELLM_W4A8(R, 2); break;    \
+    default: KUBELLM_W4A8(R, 1); break;   \
   }
-      switch (M) {
-        case 1: KUBELLM_W4A8_NB(1); break;
-        case 2: KUBELLM_W4A8_NB(2); break;
-        case 3: KUBELLM_W4A8_NB(3); break;
-        default: KUBELLM_W4A8_NB(4); break;
-      }
+        switch (mr) {
+          case 1: KUBELLM_W4A8_NB(1); break;
+          case 2: KUBELLM_W4A8_NB(2); break;
+          case 3: KUBELLM_W4A8_NB(3); break;
+          case 4: KUBELLM_W4A8_NB(4); break;
+          case 5: KUBELLM_W4A8(5, 1); break;
+          case 6: KUBELLM_W4A8(6, 1); break;
+          case 7: KUBELLM_W4A8(7, 1); break;
+          default: KUBELLM_W4A8(8, 1); break;
+        }
 #undef KUBELLM_W4A8_NB
 #undef KUBELLM_W4A8
+      }
     }
   });
 }

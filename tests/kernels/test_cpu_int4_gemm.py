@@ -110,22 +110,31 @@ def test_bad_inputs_are_refused(bad, match):
         k4.int4_gemm(*bad(x, k4.pack(q), scales, zeros))
 
 
-# ---- int8 activations (w4a8_tiles.h): 1..INT8_ACTIVATION_ROWS rows --------------------------------------------
+# ---- int8 activations (w4a8_tiles.h): 1..INT8_ACTIVATION_ROWS rows, above 4 in row blocks of up to 8 -------------
 def _w4a8(x, q, scales, zeros, group, bias=None):
     return k4.int4_gemm(x, k4.pack(q), scales, zeros, group, bias, int8_activations=True)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17, 32])
 @pytest.mark.parametrize(("n", "k", "group"), [(16, 128, 128), (48, 256, 64), (80, 576, 32), (144, 1536, 128),
                                                (32, 96, 32), (64, 192, 12)])
 def test_int8_activations_match_their_reference(m, n, k, group, native_int4_int8):
     """Odd numbers of blocks (items of 1-4), groups of 32/64/128 and odd quads per group (12), several items per
-    thread: the kernel computes exactly reference_w4a8_gemm's integers, so only float32 sums and the bf16 output
-    differ."""
+    thread, row counts with tails of the 8-row blocks up to INT8_ACTIVATION_ROWS: the kernel computes exactly
+    reference_w4a8_gemm's integers, so only float32 sums and the bf16 output differ."""
     x, q, scales, zeros, b = _case(m, n, k, group, seed=m * n + group, bias=True)
     out = _w4a8(x, q, scales, zeros, group, b)
     ref = k4.reference_w4a8_gemm(x, q, scales, zeros, group, b)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("m", [k4.INT8_ACTIVATION_ROWS + 1, 130])
+def test_more_rows_than_int8_activations_take_keep_bf16_activations(m, native_int4_int8):
+    """Above INT8_ACTIVATION_ROWS the flag is ignored: the same bits as the bf16-activation call."""
+    x, q, scales, zeros, b = _case(m, 80, 576, 32, seed=m, bias=True)
+    packed = k4.pack(q)
+    torch.testing.assert_close(k4.int4_gemm(x, packed, scales, zeros, 32, b, int8_activations=True),
+                               k4.int4_gemm(x, packed, scales, zeros, 32, b), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("zeros_of", ["symmetric", "float"])
@@ -141,18 +150,15 @@ def test_int8_activations_with_symmetric_and_float_zeros(zeros_of, native_int4_i
 
 
 def test_int8_activations_are_what_the_kernel_computes(native_int4_int8):
-    """The flag takes the int8 path (closer to its own reference than to the bf16 one, which differs by the
-    activations' rounding), within 1% of the bf16 activations' result on random data; from 5 rows the flag is
-    ignored (the bf16 path, bit for bit)."""
-    x, q, scales, zeros, _ = _case(8, 96, 1536, 64, seed=7)
-    packed = k4.pack(q)
-    out = _w4a8(x[:1], q, scales, zeros, 64).float()
-    exact = k4.reference_int4_gemm(x[:1], q, scales, zeros, 64).float()
-    own = k4.reference_w4a8_gemm(x[:1], q, scales, zeros, 64).float()
-    assert (out - own).abs().max() * 4 < (out - exact).abs().max()
-    assert (out - exact).norm() < 0.01 * exact.norm()
-    assert torch.equal(k4.int4_gemm(x, packed, scales, zeros, 64, int8_activations=True),
-                       k4.int4_gemm(x, packed, scales, zeros, 64))
+    """The flag takes the int8 path at 1 and at 20 rows (closer to its own reference than to the bf16 one, which
+    differs by the activations' rounding), within 1% of the bf16 activations' result on random data."""
+    x, q, scales, zeros, _ = _case(20, 96, 1536, 64, seed=7)
+    for rows in (x[:1], x):
+        out = _w4a8(rows, q, scales, zeros, 64).float()
+        exact = k4.reference_int4_gemm(rows, q, scales, zeros, 64).float()
+        own = k4.reference_w4a8_gemm(rows, q, scales, zeros, 64).float()
+        assert (out - own).abs().max() * 4 < (out - exact).abs().max()
+        assert (out - exact).norm() < 0.01 * exact.norm()
 
 
 def test_int8_activations_of_zero_and_extreme_rows(native_int4_int8):

@@ -277,7 +277,7 @@ def test_quantized_linear_equals_a_matmul_on_the_dequantized_weight(bits, act_or
 @pytest.mark.parametrize("act_order", [False, True])
 def test_int8_activations_of_a_4bit_layer_are_the_kernels_reference_on_the_gathered_columns(act_order,
                                                                                             native_int4_int8):
-    """``--cpu-int4-activations int8``: at 1-4 rows the layer computes reference_w4a8_gemm of x's columns in its
+    """``--cpu-int4-activations int8``: at 1-32 rows the layer computes reference_w4a8_gemm of x's columns in its
     sorted order (act-order gathers them first, so each group's int8 scale covers that group's inputs), from 5
     rows what the bf16-activation layer computes."""
     from kubellm.kernels import cpu_int4_gemm as k4

@@ -54,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="--int4 with fractional float32 zero points and scales, as GGUF Q4_1/Q4_K experts load "
                         "(else zero points 8, which narrow to float16 as AWQ's and Q4_0's do)")
     args = p.parse_args(argv)
+    previous = torch.get_default_dtype()  # restored: main() also runs inside a test process
+    try:
+        return _run(args)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -33,6 +33,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _default_dtype_kept():
+    """Fails a test that leaves torch's default dtype changed (one did: every later test then built bfloat16
+    tensors), and restores it so the tests after it still run as written."""
+    dtype = torch.get_default_dtype()
+    yield
+    changed = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    assert changed == dtype, f"the test left torch's default dtype at {changed} (was {dtype})"
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint_factory(tmp_path_factory) -> Callable[..., Path]:
     """``factory(arch="llama", **build_checkpoint_kwargs) -> Path``; the same arguments give the same folder."""

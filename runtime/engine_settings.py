@@ -137,7 +137,7 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "4-bit) at 1-32 rows: bf16 = as they are (weights widened to bf16 per row tile); int8 = quantized per "
         "weight group to int8 on the fly and multiplied in integer dot products (AVX512-VNNI, llama.cpp's Q4 x "
         "Q8): faster decode at batch 1, the activations rounded to 8 bits (+0.1-0.3%% perplexity on SmolLM2); "
-        "auto = int8 where the kernel has AVX512-VNNI, else bf16. Larger batches keep bf16 (default %(default)s)",
+        "auto = int8 where the kernel has AVX512-VNNI, else bf16. Steps of more rows keep bf16 (default %(default)s)",
     ),
     EngineSetting(
         "quantization", str, "none", flag="--quantization",

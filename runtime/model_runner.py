@@ -201,7 +201,7 @@ class ModelRunner:
         vocabulary: the other ranks are told the rows (they hold the same hidden states) and join the gather."""
         if self.tp.size > 1:
             self.tp.broadcast((LOGITS, rows))
-        if rows == list(range(rows[0], rows[0] + len(rows))):  # a slice (every decode step): no index tensor,
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):  # a slice (every decode step): no index tensor,
             return self.model.compute_logits(hidden[rows[0] : rows[0] + len(rows)])  # whose copy would wait for the GPU
         return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
 

@@ -278,8 +278,8 @@ def test_quantized_linear_equals_a_matmul_on_the_dequantized_weight(bits, act_or
 def test_int8_activations_of_a_4bit_layer_are_the_kernels_reference_on_the_gathered_columns(act_order,
                                                                                             native_int4_int8):
     """``--cpu-int4-activations int8``: at 1-32 rows the layer computes reference_w4a8_gemm of x's columns in its
-    sorted order (act-order gathers them first, so each group's int8 scale covers that group's inputs), from 5
-    rows what the bf16-activation layer computes."""
+    sorted order (act-order gathers them first, so each group's int8 scale covers that group's inputs), above
+    INT8_ACTIVATION_ROWS rows what the bf16-activation layer computes."""
     from kubellm.kernels import cpu_int4_gemm as k4
 
     out_f, in_f, group = 48, 256, 64
@@ -292,7 +292,7 @@ def test_int8_activations_of_a_4bit_layer_are_the_kernels_reference_on_the_gathe
     layer = QuantizedLinear(weight, 4, "native", bias, int8_activations=True)
     plain = QuantizedLinear(weight, 4, "native", bias)
     order = layer.perm if act_order else torch.arange(in_f)
-    x = torch.randn(5, in_f, generator=gen).to(torch.bfloat16)
+    x = torch.randn(k4.INT8_ACTIVATION_ROWS + 1, in_f, generator=gen).to(torch.bfloat16)
     expected = k4.reference_w4a8_gemm(x[:3, order], values[:, order].to(torch.uint8), layer.scales.float(),
                                       layer.zeros.float(), group, bias)
     torch.testing.assert_close(layer(x[:3]).float(), expected.float(), rtol=2**-7, atol=1e-3)

@@ -64,10 +64,11 @@ def test_engine_on_quantized_experts_equals_transformers_on_the_dequantized_twin
     _run_and_compare(llm, twin_dir, _prompts())
 
 
-@pytest.mark.parametrize("fmt", ["awq-4bit-g128", "w4a16-group128", "gptq-4bit-sym-desc_act-g32",
-                                 "gptq-8bit-sym-g128", "fp8-channel", "fp8-block128"])
-def test_native_cpu_kernels_serve_quantized_experts(fmt, moe, tmp_path, native_int4, native_grouped_int8,
-                                                     native_moe, native_fp8):
+@pytest.mark.parametrize(("fmt", "activations"), [
+    ("awq-4bit-g128", "bf16"), ("w4a16-group128", "bf16"), ("gptq-4bit-sym-desc_act-g32", "bf16"),
+    ("gptq-8bit-sym-g128", "bf16"), ("fp8-channel", "bf16"), ("fp8-block128", "bf16"), ("w4a16-group128", "int8")])
+def test_native_cpu_kernels_serve_quantized_experts(fmt, activations, moe, tmp_path, native_int4, native_grouped_int8,
+                                                     native_moe, native_fp8, native_int4_int8):
     """bfloat16 on the AVX512-BF16 kernels: 4-bit and 8-bit experts without act-order stacked and run by cpu_moe's
     quantized kernel, every hit expert of a layer in one call; act-order 4-bit and FP8 experts run cpu_int4_gemm /
     cpu_fp8_gemm over the tokens routed to them (act-order through the load-time column sort), one GEMM per hit
@@ -76,11 +77,14 @@ def test_native_cpu_kernels_serve_quantized_experts(fmt, moe, tmp_path, native_i
     single logits by up to ~5 on these tiny models whatever the weights (the dense twin in bf16 measured
     0.04-0.42 mean |error| per prompt, 0.11 overall); a wrong kernel moves them all by the logits' own size."""
     quant_dir, twin_dir = write_quantized(moe, tmp_path, fmt)
-    llm = _engine(quant_dir, dtype="bfloat16")
+    llm = _engine(quant_dir, dtype="bfloat16", cpu_int4_activations=activations)
     _check_layers(llm.engine.runner.model, "native",
                   fused=fmt in ("awq-4bit-g128", "w4a16-group128", "gptq-8bit-sym-g128"))
     errors = mean_logit_errors(llm, twin_dir, _prompts())
-    assert sum(errors) / len(errors) < 0.25, f"mean |logit error| per prompt {errors}"
+    # int8 activations (the default on VNNI for the 4-bit attention linears) round each activation group too,
+    # which swaps more near-tied experts: 0.30 measured on the tiny Mixtral; a wrong kernel gives the logits' size.
+    limit = 0.4 if activations == "int8" else 0.25
+    assert sum(errors) / len(errors) < limit, f"mean |logit error| per prompt {errors}"
 
 
 @pytest.mark.parametrize("path", ["dequantize", "native"])

@@ -218,7 +218,8 @@ def test_native_fp8_kernel_serves_the_fp8_checkpoint(fmt, dense, tmp_path, nativ
 
 
 BF16_LOGIT_ATOL = 0.75  # the dense model in bf16 differs from float32 by up to 0.38 here (logits O(1-10))
-# int8 activations round each group of 32-128 inputs to 1/254 of its largest: up to 0.82 here with groups of 128
+# int8 activations round each group of 32-128 inputs to 1/254 of its largest: 0.82 here with groups of 128 when
+# they covered steps of 1-4 rows (not re-measured at 1-32; CI passes at this bound)
 A8_LOGIT_ATOL = 1.0
 
 

@@ -698,7 +698,7 @@ systems:
   kubellm             kubellm.runtime LLM.generate (paged KV cache, continuous batching)
   kubellm-int8        the same with --quantization int8 (weight-only int8 decoder linears)
   kubellm-int4        the same with --quantization int4 (4-bit decoder linears, groups of 32)
-  kubellm-int4-a8     kubellm-int4 with --cpu-int4-activations int8 (int8 activations at 1-32 rows)
+  kubellm-int4-a8     kubellm-int4 with --cpu-int4-activations int8 (int8 activations)
   kubellm-int4-a16    kubellm-int4 with --cpu-int4-activations bf16 (bf16 activations at every row)
   hf-generate         transformers generate(), one request at a time (--hf-generate-limit K times only
                       the first K and extrapolates by output tokens; marked ~ in the table)
@@ -710,7 +710,7 @@ systems:
   vllm                vLLM's CPU build in its own venv, only with --vllm-venv
   only when named:
   kubellm-gguf        the GGUF file itself (--model a .gguf or known name), its blocks kept packed
-  kubellm-gguf-a8     kubellm-gguf with --cpu-int4-activations int8 (its 4-bit blocks: int8 activations at 1-32 rows)
+  kubellm-gguf-a8     kubellm-gguf with --cpu-int4-activations int8 (its 4-bit blocks: int8 activations)
   kubellm-gguf-a16    kubellm-gguf with --cpu-int4-activations bf16
   kubellm-FMT         the bf16 folder written once as FMT (awq, gptq, w4a16 = compressed-tensors 4-bit,
                       fp8 = compressed-tensors FP8) by the tests' writers (benchmarks/prequantized_checkpoints.py)

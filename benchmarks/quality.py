@@ -22,7 +22,6 @@ re-quantize them. See benchmarks/README.md for the table and ``--help`` for the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -48,7 +47,7 @@ class Variant:
     #              one of prequantized_checkpoints.FORMATS (written from the bf16 folder)
     dtype: str = "bfloat16"
     quantization: str = "none"
-    int4_activations: str = "bf16"  # --cpu-int4-activations; int8: every row as decode at 1-32 rows computes it
+    int4_activations: str = "bf16"  # --cpu-int4-activations
 
 
 VARIANTS = {
@@ -187,28 +186,6 @@ def model_sources(model: str, needed: set[str]) -> dict[str, Path]:
     return out
 
 
-@contextlib.contextmanager
-def int8_activations_on_every_row():
-    """The int4 GEMM quantizes activations to int8 only at 1-32 rows (decode); the windows here are prefilled
-    512 rows at a time. Called INT8_ACTIVATION_ROWS rows at a time, every scored position and greedy step computes
-    what decode computes (the quantization is per row)."""
-    from kubellm.kernels import cpu_int4_gemm as k4
-
-    gemm = k4.int4_gemm
-
-    def by_int8_rows(x, packed, scales, zeros, group_size, bias=None, int8_activations=False):
-        if not int8_activations or x.shape[0] <= k4.INT8_ACTIVATION_ROWS:
-            return gemm(x, packed, scales, zeros, group_size, bias, int8_activations)
-        return torch.cat([gemm(x[i:i + k4.INT8_ACTIVATION_ROWS], packed, scales, zeros, group_size, bias, True)
-                          for i in range(0, x.shape[0], k4.INT8_ACTIVATION_ROWS)])
-
-    k4.int4_gemm = by_int8_rows
-    try:
-        yield
-    finally:
-        k4.int4_gemm = gemm
-
-
 def run_variant(path: Path, variant: Variant, text_windows, prompts, args) -> tuple[Scores, dict[str, int]]:
     from kubellm.runtime.engine import LLM
 
@@ -216,10 +193,8 @@ def run_variant(path: Path, variant: Variant, text_windows, prompts, args) -> tu
     llm = LLM(str(path), progress=False, dtype=variant.dtype, quantization=variant.quantization,
               cpu_int4_activations=variant.int4_activations, kv_cache_memory=args.kv_cache_memory,
               max_model_len=longest, num_threads=args.threads, seed=0)
-    rows = int8_activations_on_every_row() if variant.int4_activations == "int8" else contextlib.nullcontext()
     try:
-        with rows:
-            return score(llm, text_windows, prompts, args.new_tokens), dict(llm.engine.weight_bytes)
+        return score(llm, text_windows, prompts, args.new_tokens), dict(llm.engine.weight_bytes)
     finally:
         llm.close()
 

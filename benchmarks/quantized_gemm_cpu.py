@@ -7,8 +7,8 @@ warm-up (same process and threads; each round calls every column in turn), of:
   the baseline of every ratio; ``--onednn`` adds ``F.linear`` on the bf16 weight (oneDNN) as a column;
 * ``int4 g32``: ``kernels/cpu_int4_gemm.py`` (4-bit, group 32 with zero points: GGUF Q4_1 / Q4_K, AWQ, GPTQ,
   ``--quantization int4``; ``--int4-groups 32 64`` adds other group sizes); ``int4 g32 a8``: the same weights
-  with the activations quantized to int8 per group (``--cpu-int4-activations int8``; up to 32 rows, the kernel's
-  bf16 path from 5);
+  with the activations quantized to int8 per group (``--cpu-int4-activations int8``, the default on CPUs with
+  AVX512-VNNI);
 * ``int8``: ``kernels/cpu_int8_gemm.py`` (``--quantization int8``: int8 with one scale per output channel);
 * ``int8 g32 zp``: ``kernels/cpu_grouped_int8_gemm.py`` with group 32 and zero points (GGUF Q5_K, GPTQ 8-bit);
   ``int8 g32``: group 32, symmetric (GGUF Q8_0: the demo's token embedding, also its tied LM head, the

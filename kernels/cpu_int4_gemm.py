@@ -12,10 +12,11 @@ Few rows (decode) use the weights as stored, widened in registers; from :data:`D
 dequantizes each slice of the weight to bf16 once and runs all rows over it, so there the weights are rounded
 to bf16 before the products, as a bf16 model's are (the reference does the same with ``weights_dtype``).
 
-``int8_activations=True`` (up to :data:`INT8_ACTIVATION_ROWS` rows; more rows ignore it): each row's
-activations are quantized to int8 per weight group (symmetric, scale ``max|x| / 127``) and multiplied with the
-nibbles in integer dot products (AVX512-VNNI, ``csrc/w4a8_tiles.h``), llama.cpp's Q4 x Q8: fewer instructions
-per weight at one row, at the cost of rounding the activations. :func:`reference_w4a8_gemm` is that math in
+``int8_activations=True`` (any number of rows): each row's activations are quantized to int8 per weight group
+(symmetric, scale ``max|x| / 127``) and multiplied with the nibbles in integer dot products (AVX512-VNNI,
+``csrc/w4a8_tiles.h``), llama.cpp's Q4 x Q8: half the multiply instructions of bf16 per weight, at the cost of
+rounding the activations. A row's result does not depend on the rows beside it (the same bits alone or in any
+batch). :func:`reference_w4a8_gemm` is that math in
 PyTorch; :func:`int8_available` says whether this build has it.
 """
 
@@ -25,11 +26,10 @@ import torch
 
 from kubellm.kernels.cpu_extension import available as extension_available
 
-__all__ = ["DEQUANTIZE_ROWS", "INT8_ACTIVATION_ROWS", "available", "int4_gemm", "int8_available", "pack", "packable",
+__all__ = ["DEQUANTIZE_ROWS", "available", "int4_gemm", "int8_available", "pack", "packable",
            "quantize_activations", "reference_int4_gemm", "reference_w4a8_gemm", "unpack"]
 
 DEQUANTIZE_ROWS = 16  # kDequantMinRows in csrc/int4_gemm_cpu.cpp
-INT8_ACTIVATION_ROWS = 32  # kW4A8MaxRows there
 
 
 def available() -> bool:

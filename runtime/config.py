@@ -67,7 +67,7 @@ class EngineConfig:
     attention_backend: str = default("attention_backend")  # auto | torch | cpu (native CPU kernels) | triton
     layer_ops: str = default("layer_ops")  # auto | native (fused CPU RMSNorm/rotary/SiLU-and-mul) | triton | torch
     prepack_weights: str = default("prepack_weights")  # auto | native | onednn | on | off: dense linear weights packed once
-    cpu_int4_activations: str = default("cpu_int4_activations")  # auto | bf16 | int8: the native int4 GEMM's at 1-32 rows
+    cpu_int4_activations: str = default("cpu_int4_activations")  # auto | bf16 | int8: the native int4 GEMM's activations
     quantization: str = default("quantization")  # none | int8 (weight-only, per output channel; runtime/quantization.py)
     tensor_parallel_size: int = default("tensor_parallel_size")  # processes (ranks) each holding 1/N of every layer (runtime/parallel.py)
     nnodes: int = default("nnodes")  # nodes (pods) the ranks span, tensor_parallel_size / nnodes on each

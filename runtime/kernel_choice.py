@@ -2,7 +2,7 @@
 
 Three engine settings choose (``--attention-backend``, ``--layer-ops``, ``--prepack-weights``); the quantized
 GEMMs follow the device, the dtype and what loaded (``--cpu-int4-activations`` picks what the native int4 GEMM
-multiplies the weights with at 1-32 rows). :func:`probe` finds out what can run here (loads or builds
+multiplies the weights with). :func:`probe` finds out what can run here (loads or builds
 kubellm's CPU extension, runs the Triton start-up checks), only for what the settings could pick;
 :func:`choose` is a pure function of (settings, target, what loaded) to a frozen :class:`KernelChoice`. The
 engine calls :func:`decide` once, which logs the choice, and hands it to quantization, to the model runner
@@ -26,7 +26,7 @@ What ``auto`` picks:
   AVX512-BF16) for bfloat16 on CPUs that have them, for layers they can pack; ``triton``
   (``triton_grouped_gemm``, 5..8-bit values packed as 8-bit) on CUDA once its checks passed, for layers it can
   pack; else ``dequantize`` (the reference, also what AVX2-only CPUs run). The native 4-bit GEMM's activations
-  at 1-32 rows: ``int8`` (quantized per group, integer dot products; AVX512-VNNI) where the build has it, else
+  (every step): ``int8`` (quantized per group, integer dot products; AVX512-VNNI) where the build has it, else
   ``bf16``; ``--cpu-int4-activations bf16|int8`` forces one (int8 refuses to start without VNNI); the setting has
   no effect where that kernel does not run.
 * FP8 weight GEMM (e4m3, per-tensor / per-channel / block scales): ``native`` (``cpu_fp8_gemm``, AVX512-BF16)
@@ -76,7 +76,7 @@ class KernelSettings:
     attention: str = "auto"  # auto | cpu | triton | torch
     layer_ops: str = "auto"  # auto | native | triton | torch
     prepack: str = "auto"  # auto | native | onednn | on (= onednn) | off
-    int4_activations: str = "auto"  # auto | bf16 | int8: the native int4 GEMM's at 1-32 rows
+    int4_activations: str = "auto"  # auto | bf16 | int8: the native int4 GEMM's activations
 
     @classmethod
     def from_config(cls, config) -> KernelSettings:
@@ -136,7 +136,7 @@ class KernelChoice:
     int8_gemm: str = "dequantize"  # native | triton | torch | dequantize
     int8_fallback: str = "dequantize"  # torch | dequantize: layers the native kernel cannot pack
     grouped_int4_gemm: str = "dequantize"  # native | triton | dequantize: 4-bit values, per-group scales, zeros
-    int4_activations: str = "bf16"  # bf16 | int8: what the native 4-bit GEMM multiplies with at 1-32 rows
+    int4_activations: str = "bf16"  # bf16 | int8: what the native 4-bit GEMM multiplies with
     grouped_int8_gemm: str = "dequantize"  # native | triton | dequantize: 8-bit values, per-group scales (zeros)
     fp8_gemm: str = "dequantize"  # native | triton | dequantize: e4m3 weights with their scales
     moe: str = "torch"  # native | torch: the routing and experts of mixture-of-experts layers

@@ -169,12 +169,12 @@ void rows_kernel4(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const f
 #endif
 
 #ifdef KUBELLM_W4A8_TILES
-// int8 activations (w4a8_tiles.h), 1..kW4A8MaxRows rows: above 4 rows they run in blocks of up to 8 over each
-// one-block item, so the item's weights (L1-resident after the first row block) are read from memory once per call.
-// 8-16 rows: 0.88-0.98x native bf16 against 0.64-0.72x with bf16 activations; from 64 rows the dequantized-slice
-// path is faster (benchmarks/README.md, 2026-11-27).
-constexpr int64_t kW4A8MaxRows = 32;  // above, bf16 activations on dequantized slices are faster (benchmarks/README.md)
-constexpr int kW4A8RowBlock = 8;  // MR rows x NB <= 2 blocks: 2 * MR * NB accumulators + weights fit 32 zmm
+// int8 activations (w4a8_tiles.h). 1-4 rows: dot_groups over items of several blocks, with prefetch (decode).
+// From 8 rows, each whole block of 8 rows runs the assembly tile dot_groups_rows8 over items of up to 2 blocks
+// (the item's weights, L1-resident after the first row block, are read from memory once per call); the rows
+// after the last whole block (and 5-7 rows) run dot_groups in row blocks of up to 8, one block at a time.
+// Against native bf16 the 8-row tile runs 1.2-1.4x from 16 to 256 rows (it does half the multiply
+// instructions), where dot_groups in intrinsics ran 0.86-0.98x (benchmarks/README.md, 2026-11-28).
 
 template <int MR, int NB>
 void w4a8_kernel(const int32_t* xq, int64_t x_stride, const float* scale, const float* qsum, int64_t groups,
@@ -187,10 +187,28 @@ void w4a8_kernel(const int32_t* xq, int64_t x_stride, const float* scale, const 
   store_tile<MR, NB>(out, bias, y, ldy);
 }
 
-// y's M rows from x quantized to int8; items of nb 16-channel blocks as the bf16 few-rows path.
+// dot_groups_rows8 and the store of its float tile (bias added, bf16), as store_tile does for registers.
+template <int NB>
+void w4a8_rows8_kernel(const int32_t* xq, const float* scale, const float* qsum, int64_t groups, const uint8_t* w,
+                       int64_t w_block_stride, int64_t group_quads, tiles::GroupParams scales,
+                       tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy,
+                       int64_t prefetch_bytes) {
+  alignas(64) float tile[w4a8::kRowBlock * NB * 16];
+  w4a8::dot_groups_rows8<NB>(xq, scale, qsum, groups, w, w_block_stride, group_quads, scales, zeros, N, tile,
+                             prefetch_bytes);
+  for (int b = 0; b < NB; ++b) {
+    const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < w4a8::kRowBlock; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + b * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(tile + (r * NB + b) * 16), bi)));
+  }
+}
+
+// y's M rows from x quantized to int8.
 void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4, int64_t group_size,
                tiles::GroupParams sp, tiles::GroupParams zp, const float* bias_p, c10::BFloat16* yp) {
   const int64_t M = x.size(0), K = x.size(1), N = NBLK * 16, groups = K / group_size;
+  constexpr int64_t RB = w4a8::kRowBlock;
   // The calling thread's buffers, reused across calls (two tensor allocations cost ~5% of a 576x576 call).
   thread_local std::vector<int32_t> xq_buffer;
   thread_local std::vector<float> params;
@@ -199,23 +217,35 @@ void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4,
   int32_t* xq = xq_buffer.data();
   float* scale = params.data();
   float* qsum = scale + M * groups;
-  w4a8::quantize_rows(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M, K, group_size, xq, scale, qsum);
+  const int64_t whole_rows = M / RB * RB;  // rows the 8-row tile takes
+  w4a8::quantize_rows(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M, K, group_size, xq, scale, qsum,
+                      whole_rows > 0);
   const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
-  const int nb = M <= 2 ? tiles::blocks_per_item(NBLK, 4) : M <= 4 ? tiles::blocks_per_item(NBLK, 2) : 1;
+  const int nb = M <= 2 ? tiles::blocks_per_item(NBLK, 4) : tiles::blocks_per_item(NBLK, 2);
   at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
       const int64_t blk = it * nb;
       const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
       const uint8_t* w = wp + blk * w_block_stride;
       const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += kW4A8RowBlock) {
-        const int mr = static_cast<int>(std::min<int64_t>(kW4A8RowBlock, M - m0));
-        // Only the first row block prefetches the next item; the later ones find this item in cache.
-        const int64_t prefetch = m0 == 0 ? n * w_block_stride : 0;
-        const int32_t* xr = xq + m0 * K4;
-        const float* sr = scale + m0 * groups;
-        const float* qr = qsum + m0 * groups;
+      for (int64_t m0 = 0; m0 < whole_rows; m0 += RB) {
         c10::BFloat16* yr = yp + m0 * N + blk * 16;
+        const int64_t ahead = m0 == 0 && blk + n < NBLK ? n * w_block_stride : 0;  // the next item
+        if (n == 2)
+          w4a8_rows8_kernel<2>(xq + m0 * K4, scale + m0 * groups, qsum + m0 * groups, groups, w, w_block_stride,
+                               group_quads, sp.offset(blk * 16), zp.offset(blk * 16), N, bp, yr, N, ahead);
+        else
+          w4a8_rows8_kernel<1>(xq + m0 * K4, scale + m0 * groups, qsum + m0 * groups, groups, w, w_block_stride,
+                               group_quads, sp.offset(blk * 16), zp.offset(blk * 16), N, bp, yr, N, ahead);
+      }
+      const int mr = static_cast<int>(M - whole_rows);
+      if (mr == 0) continue;
+      const int32_t* xr = xq + whole_rows * K4;
+      const float* sr = scale + whole_rows * groups;
+      const float* qr = qsum + whole_rows * groups;
+      c10::BFloat16* yr = yp + whole_rows * N + blk * 16;
+      // 1-4 rows alone (decode) prefetch the next item; tails after whole blocks find theirs in cache.
+      const int64_t prefetch = whole_rows == 0 ? n * w_block_stride : 0;
 #define KUBELLM_W4A8(R, B)                                                                                     \
   w4a8_kernel<R, B>(xr, K4, sr, qr, groups, w, w_block_stride, K4, group_quads, sp.offset(blk * 16),         \
                     zp.offset(blk * 16), N, bp, yr, N, prefetch)
@@ -226,19 +256,28 @@ void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4,
     case 2: KUBELLM_W4A8(R, 2); break;    \
     default: KUBELLM_W4A8(R, 1); break;   \
   }
-        switch (mr) {
-          case 1: KUBELLM_W4A8_NB(1); break;
-          case 2: KUBELLM_W4A8_NB(2); break;
-          case 3: KUBELLM_W4A8_NB(3); break;
-          case 4: KUBELLM_W4A8_NB(4); break;
-          case 5: KUBELLM_W4A8(5, 1); break;
-          case 6: KUBELLM_W4A8(6, 1); break;
-          case 7: KUBELLM_W4A8(7, 1); break;
-          default: KUBELLM_W4A8(8, 1); break;
-        }
+      switch (mr) {
+        case 1: KUBELLM_W4A8_NB(1); break;
+        case 2: KUBELLM_W4A8_NB(2); break;
+        case 3: KUBELLM_W4A8_NB(3); break;
+        case 4: KUBELLM_W4A8_NB(4); break;
+        default:  // 5-7 rows, one block at a time (2 * MR accumulators per block)
+          for (int b = 0; b < n; ++b, w += w_block_stride, yr += 16, bp = bp ? bp + 16 : nullptr) {
+            const int64_t off = (blk + b) * 16;
+            const int64_t ahead = whole_rows == 0 ? w_block_stride : 0;  // the next block
+            switch (mr) {
+              case 5: w4a8_kernel<5, 1>(xr, K4, sr, qr, groups, w, w_block_stride, K4, group_quads, sp.offset(off),
+                                        zp.offset(off), N, bp, yr, N, ahead); break;
+              case 6: w4a8_kernel<6, 1>(xr, K4, sr, qr, groups, w, w_block_stride, K4, group_quads, sp.offset(off),
+                                        zp.offset(off), N, bp, yr, N, ahead); break;
+              default: w4a8_kernel<7, 1>(xr, K4, sr, qr, groups, w, w_block_stride, K4, group_quads,
+                                         sp.offset(off), zp.offset(off), N, bp, yr, N, ahead); break;
+            }
+          }
+          break;
+      }
 #undef KUBELLM_W4A8_NB
 #undef KUBELLM_W4A8
-      }
     }
   });
 }
@@ -278,10 +317,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
   if (int8_activations) {
 #ifdef KUBELLM_W4A8_TILES
-    if (M <= kW4A8MaxRows) {
-      w4a8_gemm(x, wp, NBLK, K4, group_size, sp, zp, bias_p, yp);
-      return y;
-    }
+    w4a8_gemm(x, wp, NBLK, K4, group_size, sp, zp, bias_p, yp);
+    return y;
 #else
     TORCH_CHECK(false, "int4_gemm: int8 activations need a build with AVX512-VNNI");
 #endif

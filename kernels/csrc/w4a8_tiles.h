@@ -26,16 +26,29 @@ namespace w4a8 {
 // 4kq, 4kq+2, 4kq+1, 4kq+3 (the byte order the widened nibbles take in dot_groups), scale[m * groups + g] =
 // max|x| / 127 over the group and qsum[...] the sum of its int8 values; xq = round(x * (127 / max|x|)), half to
 // even (vcvtps2dq under the default rounding mode). An all-zero group has scale 0 and values 0.
+// interleave: the rows of each whole block of kRowBlock rows are stored interleaved instead, as dot_groups_rows8
+// reads them: row r of the block at xq[block * kRowBlock * K4 + kq * kRowBlock + r], its scale and sum at
+// [block * kRowBlock * groups + g * kRowBlock + r]. A block spans the same K4 * kRowBlock values as in the plain
+// layout, so the rows after the last whole block keep their plain offsets.
+constexpr int kRowBlock = 8;
+
 inline void quantize_rows(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t group, int32_t* xq,
-                          float* scale, float* qsum) {
-  const int64_t groups = K / group;
+                          float* scale, float* qsum, bool interleave = false) {
+  const int64_t groups = K / group, K4 = K / 4;
+  const int64_t interleaved_rows = interleave ? M / kRowBlock * kRowBlock : 0;
   const __m128i quad_order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
   auto load = [](const c10::BFloat16* p, __mmask16 mask) {  // 16 bf16 as float32
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
   };
   for (int64_t m = 0; m < M; ++m) {
     const c10::BFloat16* row = x + m * ldx;
-    int8_t* out = reinterpret_cast<int8_t*>(xq + m * (K / 4));
+    // Where row m's quads and group parameters go, and how far apart consecutive ones are.
+    const bool inter = m < interleaved_rows;
+    const int64_t block = m / kRowBlock, r = m % kRowBlock;
+    int32_t* out = xq + (inter ? block * kRowBlock * K4 + r : m * K4);
+    const int64_t quad_step = inter ? kRowBlock : 1;
+    float* scale_out = scale + (inter ? block * kRowBlock * groups + r : m * groups);
+    float* qsum_out = qsum + (inter ? block * kRowBlock * groups + r : m * groups);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t k0 = g * group;
       __m512 amax = _mm512_setzero_ps();
@@ -50,10 +63,18 @@ inline void quantize_rows(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_
         const __mmask16 mask = group - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (group - k)) - 1);
         const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load(row + k0 + k, mask), inv));  // |v| <= 127
         sum = _mm512_add_epi32(sum, v);
-        _mm_mask_storeu_epi8(out + k0 + k, mask, _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(v), quad_order));
+        const __m128i quads = _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(v), quad_order);
+        const int64_t kq = (k0 + k) / 4;
+        if (!inter) {
+          _mm_mask_storeu_epi8(reinterpret_cast<int8_t*>(out + kq), mask, quads);
+        } else {
+          alignas(16) int32_t lanes[4];
+          _mm_store_si128(reinterpret_cast<__m128i*>(lanes), quads);
+          for (int64_t i = 0; i < std::min<int64_t>(4, (group - k) / 4); ++i) out[(kq + i) * quad_step] = lanes[i];
+        }
       }
-      scale[m * groups + g] = a / 127.f;
-      qsum[m * groups + g] = static_cast<float>(_mm512_reduce_add_epi32(sum));
+      scale_out[g * quad_step] = a / 127.f;
+      qsum_out[g * quad_step] = static_cast<float>(_mm512_reduce_add_epi32(sum));
     }
   }
 }
@@ -120,6 +141,112 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* xq, int64_t
     }
   }
 }
+
+// Many rows: kRowBlock (8) rows x NB (1 or 2) blocks, rows interleaved (quantize_rows(..., interleave)).
+// Written in assembly because GCC 12 compiled the same loop in intrinsics (dot_groups<8, NB>, or with NB = 2)
+// with a register copy beside each vpdpbusd and accumulators spilled to the stack: 16 vpdpbusd took 37-50
+// instructions, and the tile ran at 40% of the core's two vpdpbusd per cycle, no faster than native bf16.
+// Here zmm0-15 hold the int32 group sums (row r, block b: zmm(NB * r + b)), zmm16-17 the widened quads,
+// zmm18 a broadcast: per quad 2 * 3 widening instructions, 8 broadcasts and 16 vpdpbusd. The group's epilogue is
+// dot_groups' own (the same operations in the same order, so the bits are equal: tested), accumulating into
+// out[(r * NB + b) * 16 ..] (an L1 tile of 64-byte-aligned floats, zeroed here) since 16 float sums would not
+// fit beside the 16 integer ones. Each quad prefetches prefetch_bytes ahead in each block's stream: the caller
+// passes its item's size to the first row block (the same quad of the next item, as dot_groups does) and 0 to
+// the others (a prefetch of the line being read, all but free); without it 8 rows from memory ran 0.7-0.9x the
+// bf16-activation path, which prefetches.
+#define KUBELLM_W4A8_ZERO(a) "vpxord %%zmm" #a ", %%zmm" #a ", %%zmm" #a "\n\t"
+#define KUBELLM_W4A8_WIDEN(reg, mem)                       \
+  "vpmovzxbw " mem ", %%zmm" #reg "\n\t"                   \
+  "vpsllw $4, %%zmm" #reg ", %%zmm18\n\t"                  \
+  "vpternlogd $0xA8, %[nibbles], %%zmm18, %%zmm" #reg "\n\t" /* (q | q << 4) & 0x0F0F */
+#define KUBELLM_W4A8_ROW1(r, a0) \
+  "vpbroadcastd " #r "*4(%[x]), %%zmm18\n\t" "vpdpbusd %%zmm18, %%zmm16, %%zmm" #a0 "\n\t"
+#define KUBELLM_W4A8_ROW2(r, a0, a1) KUBELLM_W4A8_ROW1(r, a0) "vpdpbusd %%zmm18, %%zmm17, %%zmm" #a1 "\n\t"
+// out = fma(s * scale, acc - z * qsum, out), with zmm16 = qsum and zmm17 = scale of the row broadcast
+#define KUBELLM_W4A8_EPI1(a, b, off)                           \
+  "vcvtdq2ps %%zmm" #a ", %%zmm" #a "\n\t"                     \
+  "vfnmadd231ps %%zmm16, %[z" #b "], %%zmm" #a "\n\t"          \
+  "vmulps %%zmm17, %[s" #b "], %%zmm18\n\t"                    \
+  "vfmadd213ps " #off "(%[out]), %%zmm18, %%zmm" #a "\n\t"     \
+  "vmovaps %%zmm" #a ", " #off "(%[out])\n\t"
+#define KUBELLM_W4A8_BCAST(r) "vbroadcastss " #r "*4(%[qsum]), %%zmm16\n\t" "vbroadcastss " #r "*4(%[scale]), %%zmm17\n\t"
+#define KUBELLM_W4A8_EPI_ROW1(r, a0) KUBELLM_W4A8_BCAST(r) KUBELLM_W4A8_EPI1(a0, 0, (r)*64)
+#define KUBELLM_W4A8_EPI_ROW2(r, a0, a1) \
+  KUBELLM_W4A8_BCAST(r) KUBELLM_W4A8_EPI1(a0, 0, (2*(r))*64) KUBELLM_W4A8_EPI1(a1, 1, (2*(r)+1)*64)
+#define KUBELLM_W4A8_OPERANDS                                                                                   \
+  : [w] "+r"(wp), [x] "+r"(xp), [n] "+r"(n)                                                                    \
+  : [ws] "r"(w_block_stride), [ahead] "r"(prefetch_bytes), [ahead2] "r"(prefetch_bytes + w_block_stride),     \
+    [nibbles] "v"(low_nibbles), [s0] "v"(s[0]), [s1] "v"(s[1]), [z0] "v"(z[0]),       \
+    [z1] "v"(z[1]), [scale] "r"(scale + g * kRowBlock), [qsum] "r"(qsum + g * kRowBlock), [out] "r"(out)        \
+  : "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",   \
+    "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18"
+
+template <int NB>
+inline void dot_groups_rows8(const int32_t* xq, const float* scale, const float* qsum, int64_t groups,
+                             const uint8_t* w, int64_t w_block_stride, int64_t group_quads, tiles::GroupParams scales,
+                             tiles::GroupParams zeros, int64_t param_row, float* out, int64_t prefetch_bytes) {
+  static_assert((NB == 1 || NB == 2) && kRowBlock == 8);
+  const __m512i low_nibbles = _mm512_set1_epi16(0x0F0F);
+  for (int i = 0; i < kRowBlock * NB; ++i) _mm512_store_ps(out + 16 * i, _mm512_setzero_ps());
+  const uint8_t* wp = w;
+  const int32_t* xp = xq;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 s[2], z[2];
+    for (int b = 0; b < 2; ++b) {  // NB = 1 passes block 0's twice (unused)
+      s[b] = scales.load16(g * param_row + (b < NB ? b * 16 : 0));
+      z[b] = zeros.load16(g * param_row + (b < NB ? b * 16 : 0));
+    }
+    int64_t n = group_quads;
+    if constexpr (NB == 2) {
+      asm volatile(
+          KUBELLM_W4A8_ZERO(0) KUBELLM_W4A8_ZERO(1) KUBELLM_W4A8_ZERO(2) KUBELLM_W4A8_ZERO(3)
+          KUBELLM_W4A8_ZERO(4) KUBELLM_W4A8_ZERO(5) KUBELLM_W4A8_ZERO(6) KUBELLM_W4A8_ZERO(7)
+          KUBELLM_W4A8_ZERO(8) KUBELLM_W4A8_ZERO(9) KUBELLM_W4A8_ZERO(10) KUBELLM_W4A8_ZERO(11)
+          KUBELLM_W4A8_ZERO(12) KUBELLM_W4A8_ZERO(13) KUBELLM_W4A8_ZERO(14) KUBELLM_W4A8_ZERO(15)
+          "1:\n\t"
+          "prefetcht0 (%[w],%[ahead])\n\t"
+          "prefetcht0 (%[w],%[ahead2])\n\t"
+          KUBELLM_W4A8_WIDEN(16, "(%[w])") KUBELLM_W4A8_WIDEN(17, "(%[w],%[ws])")
+          KUBELLM_W4A8_ROW2(0, 0, 1) KUBELLM_W4A8_ROW2(1, 2, 3) KUBELLM_W4A8_ROW2(2, 4, 5)
+          KUBELLM_W4A8_ROW2(3, 6, 7) KUBELLM_W4A8_ROW2(4, 8, 9) KUBELLM_W4A8_ROW2(5, 10, 11)
+          KUBELLM_W4A8_ROW2(6, 12, 13) KUBELLM_W4A8_ROW2(7, 14, 15)
+          "add $32, %[w]\n\t"
+          "add $32, %[x]\n\t"
+          "dec %[n]\n\t"
+          "jnz 1b\n\t"
+          KUBELLM_W4A8_EPI_ROW2(0, 0, 1) KUBELLM_W4A8_EPI_ROW2(1, 2, 3) KUBELLM_W4A8_EPI_ROW2(2, 4, 5)
+          KUBELLM_W4A8_EPI_ROW2(3, 6, 7) KUBELLM_W4A8_EPI_ROW2(4, 8, 9) KUBELLM_W4A8_EPI_ROW2(5, 10, 11)
+          KUBELLM_W4A8_EPI_ROW2(6, 12, 13) KUBELLM_W4A8_EPI_ROW2(7, 14, 15)
+          KUBELLM_W4A8_OPERANDS);
+    } else {
+      asm volatile(
+          KUBELLM_W4A8_ZERO(0) KUBELLM_W4A8_ZERO(1) KUBELLM_W4A8_ZERO(2) KUBELLM_W4A8_ZERO(3)
+          KUBELLM_W4A8_ZERO(4) KUBELLM_W4A8_ZERO(5) KUBELLM_W4A8_ZERO(6) KUBELLM_W4A8_ZERO(7)
+          "1:\n\t"
+          "prefetcht0 (%[w],%[ahead])\n\t"
+          KUBELLM_W4A8_WIDEN(16, "(%[w])")
+          KUBELLM_W4A8_ROW1(0, 0) KUBELLM_W4A8_ROW1(1, 1) KUBELLM_W4A8_ROW1(2, 2) KUBELLM_W4A8_ROW1(3, 3)
+          KUBELLM_W4A8_ROW1(4, 4) KUBELLM_W4A8_ROW1(5, 5) KUBELLM_W4A8_ROW1(6, 6) KUBELLM_W4A8_ROW1(7, 7)
+          "add $32, %[w]\n\t"
+          "add $32, %[x]\n\t"
+          "dec %[n]\n\t"
+          "jnz 1b\n\t"
+          KUBELLM_W4A8_EPI_ROW1(0, 0) KUBELLM_W4A8_EPI_ROW1(1, 1) KUBELLM_W4A8_EPI_ROW1(2, 2)
+          KUBELLM_W4A8_EPI_ROW1(3, 3) KUBELLM_W4A8_EPI_ROW1(4, 4) KUBELLM_W4A8_EPI_ROW1(5, 5)
+          KUBELLM_W4A8_EPI_ROW1(6, 6) KUBELLM_W4A8_EPI_ROW1(7, 7)
+          KUBELLM_W4A8_OPERANDS);
+    }
+  }
+}
+#undef KUBELLM_W4A8_OPERANDS
+#undef KUBELLM_W4A8_EPI_ROW2
+#undef KUBELLM_W4A8_EPI_ROW1
+#undef KUBELLM_W4A8_BCAST
+#undef KUBELLM_W4A8_EPI1
+#undef KUBELLM_W4A8_ROW2
+#undef KUBELLM_W4A8_ROW1
+#undef KUBELLM_W4A8_WIDEN
+#undef KUBELLM_W4A8_ZERO
 
 }  // namespace w4a8
 }  // namespace kubellm_cpu

@@ -6,7 +6,7 @@ and keeps it in what its GEMM reads, chosen per layer (``KernelChoice.grouped_pa
 
 * ``native`` 4-bit: ``kernels/cpu_int4_gemm.py`` (values 0..15 packed by its ``pack``; zeros always given:
   signed formats are shifted by 8, values and zeros alike, which leaves ``values - zeros`` unchanged), with
-  ``int8_activations`` (``--cpu-int4-activations int8``) quantizing 1-32 rows of ``x`` to int8 in the kernel.
+  ``int8_activations`` (``--cpu-int4-activations int8``) quantizing ``x`` to int8 in the kernel.
 * ``native`` 5..8-bit: ``kernels/cpu_grouped_int8_gemm.py`` (int8 values; unsigned 0..255 formats are
   shifted by -128, values and zeros alike).
 * ``native`` FP8: ``kernels/cpu_fp8_gemm.py`` (the e4m3 bytes packed by its ``pack``; per-channel scales, or
@@ -53,7 +53,7 @@ class QuantizedLinear(nn.Module):
     def __init__(self, weight: QuantizedWeight, bits: int, path: str = "dequantize",
                  bias: torch.Tensor | None = None, int8_activations: bool = False):
         super().__init__()
-        self.int8_activations = int8_activations  # the native 4-bit GEMM's at 1-32 rows
+        self.int8_activations = int8_activations  # the native 4-bit GEMM's activations
         if path not in PATHS and path not in GEMMS:
             raise ValueError(f"quantized GEMM path {path!r}; use one of {', '.join((*PATHS, *GEMMS))}")
         self.out_features, self.in_features = weight.values.shape

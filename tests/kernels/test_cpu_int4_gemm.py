@@ -110,17 +110,17 @@ def test_bad_inputs_are_refused(bad, match):
         k4.int4_gemm(*bad(x, k4.pack(q), scales, zeros))
 
 
-# ---- int8 activations (w4a8_tiles.h): 1..INT8_ACTIVATION_ROWS rows, above 4 in row blocks of up to 8 -------------
+# ---- int8 activations (w4a8_tiles.h): 1-4 rows in dot_groups, whole blocks of 8 in the assembly tile, tails -------
 def _w4a8(x, q, scales, zeros, group, bias=None):
     return k4.int4_gemm(x, k4.pack(q), scales, zeros, group, bias, int8_activations=True)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17, 32])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 47])
 @pytest.mark.parametrize(("n", "k", "group"), [(16, 128, 128), (48, 256, 64), (80, 576, 32), (144, 1536, 128),
                                                (32, 96, 32), (64, 192, 12)])
 def test_int8_activations_match_their_reference(m, n, k, group, native_int4_int8):
     """Odd numbers of blocks (items of 1-4), groups of 32/64/128 and odd quads per group (12), several items per
-    thread, row counts with tails of the 8-row blocks up to INT8_ACTIVATION_ROWS: the kernel computes exactly
+    thread, rows alone (1-7), in whole blocks of 8 and with tails after them: the kernel computes exactly
     reference_w4a8_gemm's integers, so only float32 sums and the bf16 output differ."""
     x, q, scales, zeros, b = _case(m, n, k, group, seed=m * n + group, bias=True)
     out = _w4a8(x, q, scales, zeros, group, b)
@@ -128,13 +128,20 @@ def test_int8_activations_match_their_reference(m, n, k, group, native_int4_int8
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-3)
 
 
-@pytest.mark.parametrize("m", [k4.INT8_ACTIVATION_ROWS + 1, 130])
-def test_more_rows_than_int8_activations_take_keep_bf16_activations(m, native_int4_int8):
-    """Above INT8_ACTIVATION_ROWS the flag is ignored: the same bits as the bf16-activation call."""
-    x, q, scales, zeros, b = _case(m, 80, 576, 32, seed=m, bias=True)
+@pytest.mark.parametrize(("n", "k", "group"), [(80, 576, 32), (48, 256, 64), (64, 192, 12)])
+def test_int8_activations_give_a_row_the_same_bits_alone_and_in_any_batch(n, k, group, native_int4_int8):
+    """130 rows (16 blocks of 8 in the assembly tile, a tail of 2) against each row alone (the 1-row tile) and
+    against batches of 5 and 12 (dot_groups' 5-row tile, one block of 8 plus a 4-row tail): the same operations
+    in the same order, so a request's output does not depend on what it is batched with."""
+    x, q, scales, zeros, b = _case(130, n, k, group, seed=n + group, bias=True)
     packed = k4.pack(q)
-    torch.testing.assert_close(k4.int4_gemm(x, packed, scales, zeros, 32, b, int8_activations=True),
-                               k4.int4_gemm(x, packed, scales, zeros, 32, b), rtol=0, atol=0)
+    full = k4.int4_gemm(x, packed, scales, zeros, group, b, int8_activations=True)
+    alone = torch.cat([k4.int4_gemm(x[i:i + 1], packed, scales, zeros, group, b, int8_activations=True)
+                       for i in range(x.shape[0])])
+    torch.testing.assert_close(full, alone, rtol=0, atol=0)
+    for rows in (5, 12):
+        torch.testing.assert_close(k4.int4_gemm(x[:rows], packed, scales, zeros, group, b, int8_activations=True),
+                                   full[:rows], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("zeros_of", ["symmetric", "float"])

@@ -278,9 +278,9 @@ def test_quantized_linear_equals_a_matmul_on_the_dequantized_weight(bits, act_or
 @pytest.mark.parametrize("act_order", [False, True])
 def test_int8_activations_of_a_4bit_layer_are_the_kernels_reference_on_the_gathered_columns(act_order,
                                                                                             native_int4_int8):
-    """``--cpu-int4-activations int8``: at 1-32 rows the layer computes reference_w4a8_gemm of x's columns in its
-    sorted order (act-order gathers them first, so each group's int8 scale covers that group's inputs), above
-    INT8_ACTIVATION_ROWS rows what the bf16-activation layer computes."""
+    """``--cpu-int4-activations int8``: the layer computes reference_w4a8_gemm of x's columns in its sorted order
+    (act-order gathers them first, so each group's int8 scale covers that group's inputs), at 3 rows and at 33
+    (four blocks of 8 in the assembly tile and a tail), not what the bf16-activation layer computes."""
     from kubellm.kernels import cpu_int4_gemm as k4
 
     out_f, in_f, group = 48, 256, 64
@@ -293,12 +293,12 @@ def test_int8_activations_of_a_4bit_layer_are_the_kernels_reference_on_the_gathe
     layer = QuantizedLinear(weight, 4, "native", bias, int8_activations=True)
     plain = QuantizedLinear(weight, 4, "native", bias)
     order = layer.perm if act_order else torch.arange(in_f)
-    x = torch.randn(k4.INT8_ACTIVATION_ROWS + 1, in_f, generator=gen).to(torch.bfloat16)
-    expected = k4.reference_w4a8_gemm(x[:3, order], values[:, order].to(torch.uint8), layer.scales.float(),
-                                      layer.zeros.float(), group, bias)
-    torch.testing.assert_close(layer(x[:3]).float(), expected.float(), rtol=2**-7, atol=1e-3)
-    assert not torch.equal(layer(x[:3]), plain(x[:3]))
-    assert torch.equal(layer(x), plain(x))
+    x = torch.randn(33, in_f, generator=gen).to(torch.bfloat16)
+    for rows in (x[:3], x):
+        expected = k4.reference_w4a8_gemm(rows[:, order], values[:, order].to(torch.uint8), layer.scales.float(),
+                                          layer.zeros.float(), group, bias)
+        torch.testing.assert_close(layer(rows).float(), expected.float(), rtol=2**-7, atol=1e-3)
+        assert not torch.equal(layer(rows), plain(rows))
 
 
 def test_scales_and_zeros_are_kept_in_float16_only_where_that_is_exact():

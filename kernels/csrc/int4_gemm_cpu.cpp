@@ -169,36 +169,26 @@ void rows_kernel4(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const f
 #endif
 
 #ifdef KUBELLM_W4A8_TILES
-// int8 activations (w4a8_tiles.h). 1-4 rows: dot_groups over items of several blocks, with prefetch (decode).
-// From 8 rows, each whole block of 8 rows runs the assembly tile dot_groups_rows8 over items of up to 2 blocks
-// (the item's weights, L1-resident after the first row block, are read from memory once per call); the rows
-// after the last whole block (and 5-7 rows) run dot_groups in row blocks of up to 8, one block at a time.
-// Against native bf16 the 8-row tile runs 1.2-1.4x from 16 to 256 rows (it does half the multiply
-// instructions), where dot_groups in intrinsics ran 0.86-0.98x (benchmarks/README.md, 2026-11-28).
+// int8 activations (w4a8_tiles.h). Rows in blocks of 8; the last block's 1-7 rows: 1-2 as plain rows in
+// dot_groups (with prefetch: decode at batch 1 and 2), 3-4 / 5-6 / 7 in a block of 4 / 6 / 8 padded with zero rows.
+// Blocks of 3-8 rows run the assembly tile dot_groups_rows over items of up to 2 blocks (the item's weights,
+// L1-resident after its first row block, are read from memory once per call). Against native bf16 (1 thread,
+// cache-resident) it runs 1.1-1.3x from 8 to 1024 rows, where dot_groups in intrinsics ran 0.83-0.98x at 4-32
+// rows (benchmarks/README.md, 2026-11-28).
 
+// dot_groups_rows over one row block and the store of its first `rows` rows (bias added, bf16), as store_tile
+// does for registers.
 template <int MR, int NB>
-void w4a8_kernel(const int32_t* xq, int64_t x_stride, const float* scale, const float* qsum, int64_t groups,
-                 const uint8_t* w, int64_t w_block_stride, int64_t K4, int64_t group_quads, tiles::GroupParams scales,
-                 tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy,
-                 int64_t prefetch_bytes) {
-  __m512 out[MR][NB];
-  w4a8::dot_groups<MR, NB>(xq, x_stride, scale, qsum, groups, w, w_block_stride, K4, group_quads, scales, zeros, N,
-                           out, prefetch_bytes);
-  store_tile<MR, NB>(out, bias, y, ldy);
-}
-
-// dot_groups_rows8 and the store of its float tile (bias added, bf16), as store_tile does for registers.
-template <int NB>
-void w4a8_rows8_kernel(const int32_t* xq, const float* scale, const float* qsum, int64_t groups, const uint8_t* w,
-                       int64_t w_block_stride, int64_t group_quads, tiles::GroupParams scales,
-                       tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy,
-                       int64_t prefetch_bytes) {
-  alignas(64) float tile[w4a8::kRowBlock * NB * 16];
-  w4a8::dot_groups_rows8<NB>(xq, scale, qsum, groups, w, w_block_stride, group_quads, scales, zeros, N, tile,
-                             prefetch_bytes);
+void w4a8_rows_kernel(int rows, const int32_t* xq, const float* scale, const float* qsum, int64_t groups,
+                      const uint8_t* w, int64_t w_block_stride, int64_t group_quads, tiles::GroupParams scales,
+                      tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy,
+                      int64_t prefetch_bytes) {
+  alignas(64) float tile[MR * NB * 16];
+  w4a8::dot_groups_rows<MR, NB>(xq, scale, qsum, groups, w, w_block_stride, group_quads, scales, zeros, N, tile,
+                                prefetch_bytes);
   for (int b = 0; b < NB; ++b) {
     const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < w4a8::kRowBlock; ++r)
+    for (int r = 0; r < rows; ++r)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + b * 16),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(tile + (r * NB + b) * 16), bi)));
   }
@@ -208,76 +198,77 @@ void w4a8_rows8_kernel(const int32_t* xq, const float* scale, const float* qsum,
 void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4, int64_t group_size,
                tiles::GroupParams sp, tiles::GroupParams zp, const float* bias_p, c10::BFloat16* yp) {
   const int64_t M = x.size(0), K = x.size(1), N = NBLK * 16, groups = K / group_size;
-  constexpr int64_t RB = w4a8::kRowBlock;
+  // Row blocks (size 0: `rows` plain rows, 1 or 2; else interleaved, padded to `size`).
+  struct RowBlock {
+    int64_t m0, rows, size;
+  };
+  std::vector<RowBlock> blocks;
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int64_t rows = std::min<int64_t>(8, M - m0);
+    blocks.push_back({m0, rows, rows <= 2 ? 0 : rows <= 4 ? 4 : rows <= 6 ? 6 : 8});
+  }
+  const int64_t padded = blocks.back().m0 + std::max(blocks.back().rows, blocks.back().size);
   // The calling thread's buffers, reused across calls (two tensor allocations cost ~5% of a 576x576 call).
   thread_local std::vector<int32_t> xq_buffer;
   thread_local std::vector<float> params;
-  xq_buffer.resize(M * K4);
-  params.resize(2 * M * groups);
+  xq_buffer.resize(padded * K4);
+  params.resize(2 * padded * groups);
   int32_t* xq = xq_buffer.data();
   float* scale = params.data();
-  float* qsum = scale + M * groups;
-  const int64_t whole_rows = M / RB * RB;  // rows the 8-row tile takes
-  w4a8::quantize_rows(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M, K, group_size, xq, scale, qsum,
-                      whole_rows > 0);
+  float* qsum = scale + padded * groups;
+  const c10::BFloat16* xv = x.const_data_ptr<c10::BFloat16>();
+  for (const RowBlock& rb : blocks)
+    for (int64_t m = rb.m0; m < rb.m0 + (rb.size ? 1 : rb.rows); ++m)  // an interleaved block, or each plain row
+      w4a8::quantize_block(xv + m * x.stride(0), x.stride(0), rb.size ? rb.rows : 1, std::max<int64_t>(rb.size, 1),
+                           K, group_size, xq + m * K4, scale + m * groups, qsum + m * groups);
   const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
-  const int nb = M <= 2 ? tiles::blocks_per_item(NBLK, 4) : tiles::blocks_per_item(NBLK, 2);
+  const int nb = tiles::blocks_per_item(NBLK, M <= 2 ? 4 : 2);
   at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
       const int64_t blk = it * nb;
       const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
       const uint8_t* w = wp + blk * w_block_stride;
       const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
-      for (int64_t m0 = 0; m0 < whole_rows; m0 += RB) {
-        c10::BFloat16* yr = yp + m0 * N + blk * 16;
-        const int64_t ahead = m0 == 0 && blk + n < NBLK ? n * w_block_stride : 0;  // the next item
-        if (n == 2)
-          w4a8_rows8_kernel<2>(xq + m0 * K4, scale + m0 * groups, qsum + m0 * groups, groups, w, w_block_stride,
-                               group_quads, sp.offset(blk * 16), zp.offset(blk * 16), N, bp, yr, N, ahead);
-        else
-          w4a8_rows8_kernel<1>(xq + m0 * K4, scale + m0 * groups, qsum + m0 * groups, groups, w, w_block_stride,
-                               group_quads, sp.offset(blk * 16), zp.offset(blk * 16), N, bp, yr, N, ahead);
-      }
-      const int mr = static_cast<int>(M - whole_rows);
-      if (mr == 0) continue;
-      const int32_t* xr = xq + whole_rows * K4;
-      const float* sr = scale + whole_rows * groups;
-      const float* qr = qsum + whole_rows * groups;
-      c10::BFloat16* yr = yp + whole_rows * N + blk * 16;
-      // 1-4 rows alone (decode) prefetch the next item; tails after whole blocks find theirs in cache.
-      const int64_t prefetch = whole_rows == 0 ? n * w_block_stride : 0;
-#define KUBELLM_W4A8(R, B)                                                                                     \
-  w4a8_kernel<R, B>(xr, K4, sr, qr, groups, w, w_block_stride, K4, group_quads, sp.offset(blk * 16),         \
-                    zp.offset(blk * 16), N, bp, yr, N, prefetch)
-#define KUBELLM_W4A8_NB(R)                \
-  switch (n) {                            \
-    case 4: KUBELLM_W4A8(R, 4); break;    \
-    case 3: KUBELLM_W4A8(R, 3); break;    \
-    case 2: KUBELLM_W4A8(R, 2); break;    \
-    default: KUBELLM_W4A8(R, 1); break;   \
+      const int64_t ahead = blk + n < NBLK ? n * w_block_stride : 0;  // the next item
+      const tiles::GroupParams s = sp.offset(blk * 16), z = zp.offset(blk * 16);
+      for (const RowBlock& rb : blocks) {
+        const int rows = static_cast<int>(rb.rows);
+        const int64_t pf = rb.m0 == 0 ? ahead : 0;  // later row blocks find the item in cache
+        const int32_t* xr = xq + rb.m0 * K4;
+        const float* sr = scale + rb.m0 * groups;
+        const float* qr = qsum + rb.m0 * groups;
+        c10::BFloat16* yr = yp + rb.m0 * N + blk * 16;
+#define KUBELLM_W4A8_PLAIN(R, B)                                                                              \
+  case B: {                                                                                                   \
+    __m512 out[R][B];                                                                                         \
+    w4a8::dot_groups<R, B>(xr, K4, sr, qr, groups, w, w_block_stride, K4, group_quads, s, z, N, out, pf);     \
+    store_tile<R, B>(out, bp, yr, N);                                                                         \
+    break;                                                                                                    \
   }
-      switch (mr) {
-        case 1: KUBELLM_W4A8_NB(1); break;
-        case 2: KUBELLM_W4A8_NB(2); break;
-        case 3: KUBELLM_W4A8_NB(3); break;
-        case 4: KUBELLM_W4A8_NB(4); break;
-        default:  // 5-7 rows, one block at a time (2 * MR accumulators per block)
-          for (int b = 0; b < n; ++b, w += w_block_stride, yr += 16, bp = bp ? bp + 16 : nullptr) {
-            const int64_t off = (blk + b) * 16;
-            const int64_t ahead = whole_rows == 0 ? w_block_stride : 0;  // the next block
-            switch (mr) {
-              case 5: w4a8_kernel<5, 1>(xr, K4, sr, qr, groups, w, w_block_stride, K4, group_quads, sp.offset(off),
-                                        zp.offset(off), N, bp, yr, N, ahead); break;
-              case 6: w4a8_kernel<6, 1>(xr, K4, sr, qr, groups, w, w_block_stride, K4, group_quads, sp.offset(off),
-                                        zp.offset(off), N, bp, yr, N, ahead); break;
-              default: w4a8_kernel<7, 1>(xr, K4, sr, qr, groups, w, w_block_stride, K4, group_quads,
-                                         sp.offset(off), zp.offset(off), N, bp, yr, N, ahead); break;
+#define KUBELLM_W4A8_PLAIN_ROWS(R) \
+  switch (n) { KUBELLM_W4A8_PLAIN(R, 4) KUBELLM_W4A8_PLAIN(R, 3) KUBELLM_W4A8_PLAIN(R, 2) KUBELLM_W4A8_PLAIN(R, 1) }
+#define KUBELLM_W4A8_ROWS(R, B) \
+  w4a8_rows_kernel<R, B>(rows, xr, sr, qr, groups, w, w_block_stride, group_quads, s, z, N, bp, yr, N, pf)
+        switch (rb.size * 2 + (n == 2)) {
+          case 0:
+          case 1:
+            if (rows == 1) {
+              KUBELLM_W4A8_PLAIN_ROWS(1)
+            } else {
+              KUBELLM_W4A8_PLAIN_ROWS(2)
             }
-          }
-          break;
+            break;
+          case 8: KUBELLM_W4A8_ROWS(4, 1); break;
+          case 9: KUBELLM_W4A8_ROWS(4, 2); break;
+          case 12: KUBELLM_W4A8_ROWS(6, 1); break;
+          case 13: KUBELLM_W4A8_ROWS(6, 2); break;
+          case 16: KUBELLM_W4A8_ROWS(8, 1); break;
+          default: KUBELLM_W4A8_ROWS(8, 2); break;
+        }
+#undef KUBELLM_W4A8_PLAIN_ROWS
+#undef KUBELLM_W4A8_PLAIN
+#undef KUBELLM_W4A8_ROWS
       }
-#undef KUBELLM_W4A8_NB
-#undef KUBELLM_W4A8
     }
   });
 }

@@ -1,6 +1,6 @@
 // The int8-activation few-rows tile of the int4 GEMM (int4_gemm_cpu.cpp; layout there): llama.cpp's Q4 x Q8
 // idea on the same packed weights. Each row's activations are quantized to int8 per weight group
-// (quantize_rows), and the nibbles meet them in AVX512-VNNI integer dot products with int32 group accumulators:
+// (quantize_block), and the nibbles meet them in AVX512-VNNI integer dot products with int32 group accumulators:
 //   y[m, n] = sum_g s[g, n] * a[m, g] * (sum_{k in g} q[n, k] * xq[m, k] - z[g, n] * sum_{k in g} xq[m, k])
 // with a[m, g] = max|x[m, g]| / 127 and xq = round(x / a) in -127..127 (kernels/cpu_int4_gemm.py's
 // reference_w4a8_gemm is the same math in PyTorch).
@@ -22,33 +22,22 @@
 namespace kubellm_cpu {
 namespace w4a8 {
 
-// Rows of x quantized per group of `group` inputs (a multiple of 4): xq[m * K4 + kq] holds the int8 of inputs
-// 4kq, 4kq+2, 4kq+1, 4kq+3 (the byte order the widened nibbles take in dot_groups), scale[m * groups + g] =
-// max|x| / 127 over the group and qsum[...] the sum of its int8 values; xq = round(x * (127 / max|x|)), half to
-// even (vcvtps2dq under the default rounding mode). An all-zero group has scale 0 and values 0.
-// interleave: the rows of each whole block of kRowBlock rows are stored interleaved instead, as dot_groups_rows8
-// reads them: row r of the block at xq[block * kRowBlock * K4 + kq * kRowBlock + r], its scale and sum at
-// [block * kRowBlock * groups + g * kRowBlock + r]. A block spans the same K4 * kRowBlock values as in the plain
-// layout, so the rows after the last whole block keep their plain offsets.
-constexpr int kRowBlock = 8;
-
-inline void quantize_rows(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t group, int32_t* xq,
-                          float* scale, float* qsum, bool interleave = false) {
+// Rows x[0..rows) quantized per group of `group` inputs (a multiple of 4) into one block of block_rows
+// interleaved rows: row r's quad kq (the int8 of inputs 4kq, 4kq+2, 4kq+1, 4kq+3, the byte order the widened
+// nibbles take) at xq[kq * block_rows + r], its group g's scale max|x| / 127 at scale[g * block_rows + r] and the
+// sum of the group's int8 values at qsum[g * block_rows + r]; xq = round(x * (127 / max|x|)), half to even
+// (vcvtps2dq under the default rounding mode). An all-zero group has scale 0 and values 0, and so do the rows
+// from `rows` to block_rows (padding a tile computes and its caller drops). block_rows 1 is one plain row.
+inline void quantize_block(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t block_rows, int64_t K,
+                           int64_t group, int32_t* xq, float* scale, float* qsum) {
   const int64_t groups = K / group, K4 = K / 4;
-  const int64_t interleaved_rows = interleave ? M / kRowBlock * kRowBlock : 0;
   const __m128i quad_order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
   auto load = [](const c10::BFloat16* p, __mmask16 mask) {  // 16 bf16 as float32
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
   };
-  for (int64_t m = 0; m < M; ++m) {
-    const c10::BFloat16* row = x + m * ldx;
-    // Where row m's quads and group parameters go, and how far apart consecutive ones are.
-    const bool inter = m < interleaved_rows;
-    const int64_t block = m / kRowBlock, r = m % kRowBlock;
-    int32_t* out = xq + (inter ? block * kRowBlock * K4 + r : m * K4);
-    const int64_t quad_step = inter ? kRowBlock : 1;
-    float* scale_out = scale + (inter ? block * kRowBlock * groups + r : m * groups);
-    float* qsum_out = qsum + (inter ? block * kRowBlock * groups + r : m * groups);
+  for (int64_t r = 0; r < rows; ++r) {
+    const c10::BFloat16* row = x + r * ldx;
+    int32_t* out = xq + r;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t k0 = g * group;
       __m512 amax = _mm512_setzero_ps();
@@ -65,26 +54,30 @@ inline void quantize_rows(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_
         sum = _mm512_add_epi32(sum, v);
         const __m128i quads = _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(v), quad_order);
         const int64_t kq = (k0 + k) / 4;
-        if (!inter) {
+        if (block_rows == 1) {
           _mm_mask_storeu_epi8(reinterpret_cast<int8_t*>(out + kq), mask, quads);
         } else {
           alignas(16) int32_t lanes[4];
           _mm_store_si128(reinterpret_cast<__m128i*>(lanes), quads);
-          for (int64_t i = 0; i < std::min<int64_t>(4, (group - k) / 4); ++i) out[(kq + i) * quad_step] = lanes[i];
+          for (int64_t i = 0; i < std::min<int64_t>(4, (group - k) / 4); ++i) out[(kq + i) * block_rows] = lanes[i];
         }
       }
-      scale_out[g * quad_step] = a / 127.f;
-      qsum_out[g * quad_step] = static_cast<float>(_mm512_reduce_add_epi32(sum));
+      scale[g * block_rows + r] = a / 127.f;
+      qsum[g * block_rows + r] = static_cast<float>(_mm512_reduce_add_epi32(sum));
     }
+  }
+  for (int64_t r = rows; r < block_rows; ++r) {
+    for (int64_t kq = 0; kq < K4; ++kq) xq[kq * block_rows + r] = 0;
+    for (int64_t g = 0; g < groups; ++g) scale[g * block_rows + r] = qsum[g * block_rows + r] = 0.f;
   }
 }
 
 // out[r][b] = sum over groups g of s * a[r, g] * (xq_r . q_b over g - z * qsum[r, g]) for MR rows of quantized
-// activations (quantize_rows; x_stride int32 apart) and NB 16-channel weight blocks (w_block_stride bytes apart);
+// activations (plain rows of quantize_block, x_stride int32 apart; the GEMM runs it at one row) and NB 16-channel weight blocks (w_block_stride bytes apart);
 // scales and zeros as in int4::dot_groups (param_row apart per group, 16 per block).
 // Widening: a quad's bytes zero-extended to words (word 2i + j = channel i's byte j), OR'd with themselves
 // shifted left by 4 and masked with 0x0F0F, hold channel i's q[k], q[k+2], q[k+1], q[k+3] as the four bytes of
-// dword lane i: the order quantize_rows stores each row's four activations in.
+// dword lane i: the order quantize_block stores each row's four activations in.
 // At 1-2 rows consecutive quads go to two accumulator sets (as int4::dot_groups does), so the additions into
 // one do not wait on each other. prefetch_bytes > 0: each cache line of the weights prefetches that far ahead
 // (the GEMM passes its item's size, as for int4::dot_groups), at one row too: with the widening this cheap,
@@ -142,26 +135,44 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* xq, int64_t
   }
 }
 
-// Many rows: kRowBlock (8) rows x NB (1 or 2) blocks, rows interleaved (quantize_rows(..., interleave)).
-// Written in assembly because GCC 12 compiled the same loop in intrinsics (dot_groups<8, NB>, or with NB = 2)
-// with a register copy beside each vpdpbusd and accumulators spilled to the stack: 16 vpdpbusd took 37-50
-// instructions, and the tile ran at 40% of the core's two vpdpbusd per cycle, no faster than native bf16.
-// Here zmm0-15 hold the int32 group sums (row r, block b: zmm(NB * r + b)), zmm16-17 the widened quads,
-// zmm18 a broadcast: per quad 2 * 3 widening instructions, 8 broadcasts and 16 vpdpbusd. The group's epilogue is
-// dot_groups' own (the same operations in the same order, so the bits are equal: tested), accumulating into
-// out[(r * NB + b) * 16 ..] (an L1 tile of 64-byte-aligned floats, zeroed here) since 16 float sums would not
-// fit beside the 16 integer ones. Each quad prefetches prefetch_bytes ahead in each block's stream: the caller
-// passes its item's size to the first row block (the same quad of the next item, as dot_groups does) and 0 to
-// the others (a prefetch of the line being read, all but free); without it 8 rows from memory ran 0.7-0.9x the
-// bf16-activation path, which prefetches.
+// Three or more rows: MR (4, 6 or 8) rows x NB (1 or 2) blocks over one block of quantize_block, in assembly because
+// GCC 12 compiled the same loop in intrinsics (dot_groups<8, NB>, and a variant with NB = 2) with a register copy
+// beside each vpdpbusd and accumulators spilled to the stack: 16 vpdpbusd took 37-50 instructions, and the tile
+// ran at 40% of the core's two vpdpbusd per cycle, no faster than native bf16. Here zmm0-15 hold the int32 group
+// sums (row r, block b: zmm(NB * r + b)), zmm16-17 the widened quads of the two blocks, zmm18 a broadcast: per
+// quad and block 3 widening instructions, per row one broadcast, per row and block one vpdpbusd. The group's
+// epilogue is dot_groups' own (the same operations in the same order: a row's bits do not depend on the tile it
+// ran in, tested), accumulating into out[(r * NB + b) * 16 ..] (an L1 tile of 64-byte-aligned floats, zeroed
+// here): 16 float sums would not fit beside 16 integer ones. Each quad prefetches prefetch_bytes ahead in each
+// block's stream: the caller passes its item's size to an item's first row block (the same quad of the next
+// item, as dot_groups does) and 0 to the others (a prefetch of the line being read, all but free); without it 8
+// rows from memory ran 0.7-0.9x the bf16-activation path, which prefetches.
 #define KUBELLM_W4A8_ZERO(a) "vpxord %%zmm" #a ", %%zmm" #a ", %%zmm" #a "\n\t"
+#define KUBELLM_W4A8_ZERO4 KUBELLM_W4A8_ZERO(0) KUBELLM_W4A8_ZERO(1) KUBELLM_W4A8_ZERO(2) KUBELLM_W4A8_ZERO(3)
+#define KUBELLM_W4A8_ZERO8 KUBELLM_W4A8_ZERO4 KUBELLM_W4A8_ZERO(4) KUBELLM_W4A8_ZERO(5) KUBELLM_W4A8_ZERO(6) \
+  KUBELLM_W4A8_ZERO(7)
+#define KUBELLM_W4A8_ZERO6 KUBELLM_W4A8_ZERO4 KUBELLM_W4A8_ZERO(4) KUBELLM_W4A8_ZERO(5)
+#define KUBELLM_W4A8_ZERO12 KUBELLM_W4A8_ZERO8 KUBELLM_W4A8_ZERO(8) KUBELLM_W4A8_ZERO(9) KUBELLM_W4A8_ZERO(10) \
+  KUBELLM_W4A8_ZERO(11)
+#define KUBELLM_W4A8_ZERO16 KUBELLM_W4A8_ZERO8 KUBELLM_W4A8_ZERO(8) KUBELLM_W4A8_ZERO(9) KUBELLM_W4A8_ZERO(10) \
+  KUBELLM_W4A8_ZERO(11) KUBELLM_W4A8_ZERO(12) KUBELLM_W4A8_ZERO(13) KUBELLM_W4A8_ZERO(14) KUBELLM_W4A8_ZERO(15)
 #define KUBELLM_W4A8_WIDEN(reg, mem)                       \
   "vpmovzxbw " mem ", %%zmm" #reg "\n\t"                   \
   "vpsllw $4, %%zmm" #reg ", %%zmm18\n\t"                  \
   "vpternlogd $0xA8, %[nibbles], %%zmm18, %%zmm" #reg "\n\t" /* (q | q << 4) & 0x0F0F */
+#define KUBELLM_W4A8_WIDEN1 "prefetcht0 (%[w],%[ahead])\n\t" KUBELLM_W4A8_WIDEN(16, "(%[w])")
+#define KUBELLM_W4A8_WIDEN2 KUBELLM_W4A8_WIDEN1 "prefetcht0 (%[w],%[ahead2])\n\t" KUBELLM_W4A8_WIDEN(17, "(%[w],%[ws])")
 #define KUBELLM_W4A8_ROW1(r, a0) \
   "vpbroadcastd " #r "*4(%[x]), %%zmm18\n\t" "vpdpbusd %%zmm18, %%zmm16, %%zmm" #a0 "\n\t"
 #define KUBELLM_W4A8_ROW2(r, a0, a1) KUBELLM_W4A8_ROW1(r, a0) "vpdpbusd %%zmm18, %%zmm17, %%zmm" #a1 "\n\t"
+#define KUBELLM_W4A8_ROWS4x1 KUBELLM_W4A8_ROW1(0, 0) KUBELLM_W4A8_ROW1(1, 1) KUBELLM_W4A8_ROW1(2, 2) \
+  KUBELLM_W4A8_ROW1(3, 3)
+#define KUBELLM_W4A8_ROWS6x1 KUBELLM_W4A8_ROWS4x1 KUBELLM_W4A8_ROW1(4, 4) KUBELLM_W4A8_ROW1(5, 5)
+#define KUBELLM_W4A8_ROWS8x1 KUBELLM_W4A8_ROWS6x1 KUBELLM_W4A8_ROW1(6, 6) KUBELLM_W4A8_ROW1(7, 7)
+#define KUBELLM_W4A8_ROWS4x2 KUBELLM_W4A8_ROW2(0, 0, 1) KUBELLM_W4A8_ROW2(1, 2, 3) KUBELLM_W4A8_ROW2(2, 4, 5) \
+  KUBELLM_W4A8_ROW2(3, 6, 7)
+#define KUBELLM_W4A8_ROWS6x2 KUBELLM_W4A8_ROWS4x2 KUBELLM_W4A8_ROW2(4, 8, 9) KUBELLM_W4A8_ROW2(5, 10, 11)
+#define KUBELLM_W4A8_ROWS8x2 KUBELLM_W4A8_ROWS6x2 KUBELLM_W4A8_ROW2(6, 12, 13) KUBELLM_W4A8_ROW2(7, 14, 15)
 // out = fma(s * scale, acc - z * qsum, out), with zmm16 = qsum and zmm17 = scale of the row broadcast
 #define KUBELLM_W4A8_EPI1(a, b, off)                           \
   "vcvtdq2ps %%zmm" #a ", %%zmm" #a "\n\t"                     \
@@ -173,80 +184,86 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* xq, int64_t
 #define KUBELLM_W4A8_EPI_ROW1(r, a0) KUBELLM_W4A8_BCAST(r) KUBELLM_W4A8_EPI1(a0, 0, (r)*64)
 #define KUBELLM_W4A8_EPI_ROW2(r, a0, a1) \
   KUBELLM_W4A8_BCAST(r) KUBELLM_W4A8_EPI1(a0, 0, (2*(r))*64) KUBELLM_W4A8_EPI1(a1, 1, (2*(r)+1)*64)
-#define KUBELLM_W4A8_OPERANDS                                                                                   \
-  : [w] "+r"(wp), [x] "+r"(xp), [n] "+r"(n)                                                                    \
-  : [ws] "r"(w_block_stride), [ahead] "r"(prefetch_bytes), [ahead2] "r"(prefetch_bytes + w_block_stride),     \
-    [nibbles] "v"(low_nibbles), [s0] "v"(s[0]), [s1] "v"(s[1]), [z0] "v"(z[0]),       \
-    [z1] "v"(z[1]), [scale] "r"(scale + g * kRowBlock), [qsum] "r"(qsum + g * kRowBlock), [out] "r"(out)        \
-  : "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",   \
-    "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18"
+#define KUBELLM_W4A8_EPIS4x1 KUBELLM_W4A8_EPI_ROW1(0, 0) KUBELLM_W4A8_EPI_ROW1(1, 1) KUBELLM_W4A8_EPI_ROW1(2, 2) \
+  KUBELLM_W4A8_EPI_ROW1(3, 3)
+#define KUBELLM_W4A8_EPIS6x1 KUBELLM_W4A8_EPIS4x1 KUBELLM_W4A8_EPI_ROW1(4, 4) KUBELLM_W4A8_EPI_ROW1(5, 5)
+#define KUBELLM_W4A8_EPIS8x1 KUBELLM_W4A8_EPIS6x1 KUBELLM_W4A8_EPI_ROW1(6, 6) KUBELLM_W4A8_EPI_ROW1(7, 7)
+#define KUBELLM_W4A8_EPIS4x2 KUBELLM_W4A8_EPI_ROW2(0, 0, 1) KUBELLM_W4A8_EPI_ROW2(1, 2, 3) \
+  KUBELLM_W4A8_EPI_ROW2(2, 4, 5) KUBELLM_W4A8_EPI_ROW2(3, 6, 7)
+#define KUBELLM_W4A8_EPIS6x2 KUBELLM_W4A8_EPIS4x2 KUBELLM_W4A8_EPI_ROW2(4, 8, 9) KUBELLM_W4A8_EPI_ROW2(5, 10, 11)
+#define KUBELLM_W4A8_EPIS8x2 KUBELLM_W4A8_EPIS6x2 KUBELLM_W4A8_EPI_ROW2(6, 12, 13) KUBELLM_W4A8_EPI_ROW2(7, 14, 15)
+// One group: zero the sums, n quads (w and x advance one quad each), the epilogue.
+#define KUBELLM_W4A8_GROUP(ZEROS, WIDENS, ROWS, X_STEP, EPIS)                                                      \
+  asm volatile(ZEROS "1:\n\t" WIDENS ROWS "add $32, %[w]\n\t" "add $" X_STEP ", %[x]\n\t" "dec %[n]\n\t"         \
+               "jnz 1b\n\t" EPIS                                                                                  \
+               : [w] "+r"(wp), [x] "+r"(xp), [n] "+r"(n)                                                          \
+               : [ws] "r"(w_block_stride), [ahead] "r"(prefetch_bytes),                                           \
+                 [ahead2] "r"(prefetch_bytes + w_block_stride), [nibbles] "v"(low_nibbles), [s0] "v"(s[0]),      \
+                 [s1] "v"(s[1]), [z0] "v"(z[0]), [z1] "v"(z[1]), [scale] "r"(scale + g * MR),                   \
+                 [qsum] "r"(qsum + g * MR), [out] "r"(out)                                                        \
+               : "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",  \
+                 "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18")
 
-template <int NB>
-inline void dot_groups_rows8(const int32_t* xq, const float* scale, const float* qsum, int64_t groups,
-                             const uint8_t* w, int64_t w_block_stride, int64_t group_quads, tiles::GroupParams scales,
-                             tiles::GroupParams zeros, int64_t param_row, float* out, int64_t prefetch_bytes) {
-  static_assert((NB == 1 || NB == 2) && kRowBlock == 8);
+template <int MR, int NB>
+inline void dot_groups_rows(const int32_t* xq, const float* scale, const float* qsum, int64_t groups,
+                            const uint8_t* w, int64_t w_block_stride, int64_t group_quads, tiles::GroupParams scales,
+                            tiles::GroupParams zeros, int64_t param_row, float* out, int64_t prefetch_bytes) {
+  static_assert((MR == 4 || MR == 6 || MR == 8) && (NB == 1 || NB == 2));
   const __m512i low_nibbles = _mm512_set1_epi16(0x0F0F);
-  for (int i = 0; i < kRowBlock * NB; ++i) _mm512_store_ps(out + 16 * i, _mm512_setzero_ps());
+  for (int i = 0; i < MR * NB; ++i) _mm512_store_ps(out + 16 * i, _mm512_setzero_ps());
   const uint8_t* wp = w;
   const int32_t* xp = xq;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 s[2], z[2];
-    for (int b = 0; b < 2; ++b) {  // NB = 1 passes block 0's twice (unused)
+    for (int b = 0; b < 2; ++b) {  // NB = 1 loads block 0's twice (the second unused)
       s[b] = scales.load16(g * param_row + (b < NB ? b * 16 : 0));
       z[b] = zeros.load16(g * param_row + (b < NB ? b * 16 : 0));
     }
     int64_t n = group_quads;
-    if constexpr (NB == 2) {
-      asm volatile(
-          KUBELLM_W4A8_ZERO(0) KUBELLM_W4A8_ZERO(1) KUBELLM_W4A8_ZERO(2) KUBELLM_W4A8_ZERO(3)
-          KUBELLM_W4A8_ZERO(4) KUBELLM_W4A8_ZERO(5) KUBELLM_W4A8_ZERO(6) KUBELLM_W4A8_ZERO(7)
-          KUBELLM_W4A8_ZERO(8) KUBELLM_W4A8_ZERO(9) KUBELLM_W4A8_ZERO(10) KUBELLM_W4A8_ZERO(11)
-          KUBELLM_W4A8_ZERO(12) KUBELLM_W4A8_ZERO(13) KUBELLM_W4A8_ZERO(14) KUBELLM_W4A8_ZERO(15)
-          "1:\n\t"
-          "prefetcht0 (%[w],%[ahead])\n\t"
-          "prefetcht0 (%[w],%[ahead2])\n\t"
-          KUBELLM_W4A8_WIDEN(16, "(%[w])") KUBELLM_W4A8_WIDEN(17, "(%[w],%[ws])")
-          KUBELLM_W4A8_ROW2(0, 0, 1) KUBELLM_W4A8_ROW2(1, 2, 3) KUBELLM_W4A8_ROW2(2, 4, 5)
-          KUBELLM_W4A8_ROW2(3, 6, 7) KUBELLM_W4A8_ROW2(4, 8, 9) KUBELLM_W4A8_ROW2(5, 10, 11)
-          KUBELLM_W4A8_ROW2(6, 12, 13) KUBELLM_W4A8_ROW2(7, 14, 15)
-          "add $32, %[w]\n\t"
-          "add $32, %[x]\n\t"
-          "dec %[n]\n\t"
-          "jnz 1b\n\t"
-          KUBELLM_W4A8_EPI_ROW2(0, 0, 1) KUBELLM_W4A8_EPI_ROW2(1, 2, 3) KUBELLM_W4A8_EPI_ROW2(2, 4, 5)
-          KUBELLM_W4A8_EPI_ROW2(3, 6, 7) KUBELLM_W4A8_EPI_ROW2(4, 8, 9) KUBELLM_W4A8_EPI_ROW2(5, 10, 11)
-          KUBELLM_W4A8_EPI_ROW2(6, 12, 13) KUBELLM_W4A8_EPI_ROW2(7, 14, 15)
-          KUBELLM_W4A8_OPERANDS);
+    if constexpr (MR == 8 && NB == 2) {
+      KUBELLM_W4A8_GROUP(KUBELLM_W4A8_ZERO16, KUBELLM_W4A8_WIDEN2, KUBELLM_W4A8_ROWS8x2, "32", KUBELLM_W4A8_EPIS8x2);
+    } else if constexpr (MR == 8) {
+      KUBELLM_W4A8_GROUP(KUBELLM_W4A8_ZERO8, KUBELLM_W4A8_WIDEN1, KUBELLM_W4A8_ROWS8x1, "32", KUBELLM_W4A8_EPIS8x1);
+    } else if constexpr (MR == 6 && NB == 2) {
+      KUBELLM_W4A8_GROUP(KUBELLM_W4A8_ZERO12, KUBELLM_W4A8_WIDEN2, KUBELLM_W4A8_ROWS6x2, "24", KUBELLM_W4A8_EPIS6x2);
+    } else if constexpr (MR == 6) {
+      KUBELLM_W4A8_GROUP(KUBELLM_W4A8_ZERO6, KUBELLM_W4A8_WIDEN1, KUBELLM_W4A8_ROWS6x1, "24", KUBELLM_W4A8_EPIS6x1);
+    } else if constexpr (NB == 2) {
+      KUBELLM_W4A8_GROUP(KUBELLM_W4A8_ZERO8, KUBELLM_W4A8_WIDEN2, KUBELLM_W4A8_ROWS4x2, "16", KUBELLM_W4A8_EPIS4x2);
     } else {
-      asm volatile(
-          KUBELLM_W4A8_ZERO(0) KUBELLM_W4A8_ZERO(1) KUBELLM_W4A8_ZERO(2) KUBELLM_W4A8_ZERO(3)
-          KUBELLM_W4A8_ZERO(4) KUBELLM_W4A8_ZERO(5) KUBELLM_W4A8_ZERO(6) KUBELLM_W4A8_ZERO(7)
-          "1:\n\t"
-          "prefetcht0 (%[w],%[ahead])\n\t"
-          KUBELLM_W4A8_WIDEN(16, "(%[w])")
-          KUBELLM_W4A8_ROW1(0, 0) KUBELLM_W4A8_ROW1(1, 1) KUBELLM_W4A8_ROW1(2, 2) KUBELLM_W4A8_ROW1(3, 3)
-          KUBELLM_W4A8_ROW1(4, 4) KUBELLM_W4A8_ROW1(5, 5) KUBELLM_W4A8_ROW1(6, 6) KUBELLM_W4A8_ROW1(7, 7)
-          "add $32, %[w]\n\t"
-          "add $32, %[x]\n\t"
-          "dec %[n]\n\t"
-          "jnz 1b\n\t"
-          KUBELLM_W4A8_EPI_ROW1(0, 0) KUBELLM_W4A8_EPI_ROW1(1, 1) KUBELLM_W4A8_EPI_ROW1(2, 2)
-          KUBELLM_W4A8_EPI_ROW1(3, 3) KUBELLM_W4A8_EPI_ROW1(4, 4) KUBELLM_W4A8_EPI_ROW1(5, 5)
-          KUBELLM_W4A8_EPI_ROW1(6, 6) KUBELLM_W4A8_EPI_ROW1(7, 7)
-          KUBELLM_W4A8_OPERANDS);
+      KUBELLM_W4A8_GROUP(KUBELLM_W4A8_ZERO4, KUBELLM_W4A8_WIDEN1, KUBELLM_W4A8_ROWS4x1, "16", KUBELLM_W4A8_EPIS4x1);
     }
   }
 }
-#undef KUBELLM_W4A8_OPERANDS
-#undef KUBELLM_W4A8_EPI_ROW2
-#undef KUBELLM_W4A8_EPI_ROW1
-#undef KUBELLM_W4A8_BCAST
-#undef KUBELLM_W4A8_EPI1
-#undef KUBELLM_W4A8_ROW2
-#undef KUBELLM_W4A8_ROW1
-#undef KUBELLM_W4A8_WIDEN
+
 #undef KUBELLM_W4A8_ZERO
+#undef KUBELLM_W4A8_ZERO4
+#undef KUBELLM_W4A8_ZERO8
+#undef KUBELLM_W4A8_ZERO16
+#undef KUBELLM_W4A8_WIDEN
+#undef KUBELLM_W4A8_WIDEN1
+#undef KUBELLM_W4A8_WIDEN2
+#undef KUBELLM_W4A8_ROW1
+#undef KUBELLM_W4A8_ROW2
+#undef KUBELLM_W4A8_ROWS4x1
+#undef KUBELLM_W4A8_ROWS8x1
+#undef KUBELLM_W4A8_ROWS4x2
+#undef KUBELLM_W4A8_ROWS8x2
+#undef KUBELLM_W4A8_EPI1
+#undef KUBELLM_W4A8_BCAST
+#undef KUBELLM_W4A8_EPI_ROW1
+#undef KUBELLM_W4A8_EPI_ROW2
+#undef KUBELLM_W4A8_EPIS4x1
+#undef KUBELLM_W4A8_EPIS8x1
+#undef KUBELLM_W4A8_EPIS4x2
+#undef KUBELLM_W4A8_EPIS8x2
+#undef KUBELLM_W4A8_GROUP
+#undef KUBELLM_W4A8_ZERO6
+#undef KUBELLM_W4A8_ZERO12
+#undef KUBELLM_W4A8_ROWS6x1
+#undef KUBELLM_W4A8_ROWS6x2
+#undef KUBELLM_W4A8_EPIS6x1
+#undef KUBELLM_W4A8_EPIS6x2
 
 }  // namespace w4a8
 }  // namespace kubellm_cpu

@@ -110,18 +110,19 @@ def test_bad_inputs_are_refused(bad, match):
         k4.int4_gemm(*bad(x, k4.pack(q), scales, zeros))
 
 
-# ---- int8 activations (w4a8_tiles.h): 1-4 rows in dot_groups, whole blocks of 8 in the assembly tile, tails -------
+# ---- int8 activations (w4a8_tiles.h): 1-2 plain rows in dot_groups, blocks of 3-8 rows in the assembly tile --------
 def _w4a8(x, q, scales, zeros, group, bias=None):
     return k4.int4_gemm(x, k4.pack(q), scales, zeros, group, bias, int8_activations=True)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 47])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 14, 17, 32, 47])
 @pytest.mark.parametrize(("n", "k", "group"), [(16, 128, 128), (48, 256, 64), (80, 576, 32), (144, 1536, 128),
                                                (32, 96, 32), (64, 192, 12)])
 def test_int8_activations_match_their_reference(m, n, k, group, native_int4_int8):
     """Odd numbers of blocks (items of 1-4), groups of 32/64/128 and odd quads per group (12), several items per
-    thread, rows alone (1-7), in whole blocks of 8 and with tails after them: the kernel computes exactly
-    reference_w4a8_gemm's integers, so only float32 sums and the bf16 output differ."""
+    thread, every row block (1-2 plain rows, tiles of 4, 6 and 8 rows padded with zero rows) alone and after
+    whole blocks of 8: the kernel computes exactly reference_w4a8_gemm's integers, so only float32 sums and the
+    bf16 output differ."""
     x, q, scales, zeros, b = _case(m, n, k, group, seed=m * n + group, bias=True)
     out = _w4a8(x, q, scales, zeros, group, b)
     ref = k4.reference_w4a8_gemm(x, q, scales, zeros, group, b)
@@ -130,16 +131,16 @@ def test_int8_activations_match_their_reference(m, n, k, group, native_int4_int8
 
 @pytest.mark.parametrize(("n", "k", "group"), [(80, 576, 32), (48, 256, 64), (64, 192, 12)])
 def test_int8_activations_give_a_row_the_same_bits_alone_and_in_any_batch(n, k, group, native_int4_int8):
-    """130 rows (16 blocks of 8 in the assembly tile, a tail of 2) against each row alone (the 1-row tile) and
-    against batches of 5 and 12 (dot_groups' 5-row tile, one block of 8 plus a 4-row tail): the same operations
-    in the same order, so a request's output does not depend on what it is batched with."""
+    """130 rows (16 blocks of 8 in the assembly tile, 2 plain rows) against each row alone (the 1-row tile) and
+    against batches of 3, 5, 7 and 12 (tiles of 4, 6 and 8 padded with zero rows; 8 plus a padded 4): the same
+    operations in the same order, so a request's output does not depend on what it is batched with."""
     x, q, scales, zeros, b = _case(130, n, k, group, seed=n + group, bias=True)
     packed = k4.pack(q)
     full = k4.int4_gemm(x, packed, scales, zeros, group, b, int8_activations=True)
     alone = torch.cat([k4.int4_gemm(x[i:i + 1], packed, scales, zeros, group, b, int8_activations=True)
                        for i in range(x.shape[0])])
     torch.testing.assert_close(full, alone, rtol=0, atol=0)
-    for rows in (5, 12):
+    for rows in (3, 5, 7, 12):
         torch.testing.assert_close(k4.int4_gemm(x[:rows], packed, scales, zeros, group, b, int8_activations=True),
                                    full[:rows], rtol=0, atol=0)
 

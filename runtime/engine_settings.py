@@ -143,12 +143,12 @@ ENGINE_SETTINGS: tuple[EngineSetting, ...] = (
         "quantization", str, "none", flag="--quantization",
         choices=("none", "int8", "int4", "fp8", "awq", "gptq", "gguf"), crd_field="quantization",
         help="weight quantization: int8 = weight-only int8 per output channel (about half bf16's weight memory); "
-        "int4 = 4-bit weights in groups of 128 inputs (about a quarter; a native kernel on CUDA and on CPUs with "
-        "AVX512-BF16, dequantized per call elsewhere); fp8, awq, gptq and gguf name a checkpoint's own format: "
+        "int4 = 4-bit weights with a scale and zero point per 32 inputs (about 30%% of bf16's; a native kernel on "
+        "CUDA and on CPUs with AVX512-BF16, dequantized per call elsewhere); fp8, awq, gptq and gguf name a checkpoint's own format: "
         "the checkpoint decides (none), naming it is a check",
         doc="Weight quantization. none: as the checkpoint is (a pre-quantized AWQ, GPTQ, compressed-tensors or FP8 "
         "checkpoint is served quantized, detected from its config.json; a GGUF file's quantized blocks are kept "
-        "packed); int8: weight-only int8; int4: 4-bit weights in groups of 128 (fast on GPUs and on CPUs with "
+        "packed); int8: weight-only int8; int4: 4-bit weights in groups of 32 (fast on GPUs and on CPUs with "
         "AVX512-BF16); fp8, awq, gptq, gguf: the checkpoint must be quantized that way (a check, refused at "
         "start-up when it is not).",
     ),

@@ -169,8 +169,9 @@ void rows_kernel4(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const f
 #endif
 
 #ifdef KUBELLM_W4A8_TILES
-// int8 activations (w4a8_tiles.h). Rows in blocks of 8; the last block's 1-7 rows: 1-2 as plain rows in
-// dot_groups (with prefetch: decode at batch 1 and 2), 3-4 / 5-6 / 7 in a block of 4 / 6 / 8 padded with zero rows.
+// int8 activations (w4a8_tiles.h). Rows in blocks of 8; the last block's 1-7 rows: 1-2 as plain rows (decode at
+// batch 1 and 2: dot_groups, two rows over items of 3-4 blocks in the assembly dot_groups_two_rows), 3-4 / 5-6 / 7
+// in a block of 4 / 6 / 8 padded with zero rows.
 // Blocks of 3-8 rows run the assembly tile dot_groups_rows over items of up to 2 blocks (the item's weights,
 // L1-resident after its first row block, are read from memory once per call). Against native bf16 (1 thread,
 // cache-resident) it runs 1.1-1.3x from 8 to 1024 rows, where dot_groups in intrinsics ran 0.83-0.98x at 4-32
@@ -189,6 +190,23 @@ void w4a8_rows_kernel(int rows, const int32_t* xq, const float* scale, const flo
   for (int b = 0; b < NB; ++b) {
     const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
     for (int r = 0; r < rows; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + b * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(tile + (r * NB + b) * 16), bi)));
+  }
+}
+
+// dot_groups_two_rows over two plain rows and the store of its tile, as w4a8_rows_kernel.
+template <int NB>
+void w4a8_two_rows_kernel(const int32_t* xq, int64_t x_stride, const float* scale, const float* qsum, int64_t groups,
+                          const uint8_t* w, int64_t w_block_stride, int64_t group_quads, tiles::GroupParams scales,
+                          tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy,
+                          int64_t prefetch_bytes) {
+  alignas(64) float tile[2 * NB * 16];
+  w4a8::dot_groups_two_rows<NB>(xq, x_stride, scale, qsum, groups, w, w_block_stride, group_quads, scales, zeros, N,
+                                tile, prefetch_bytes);
+  for (int b = 0; b < NB; ++b) {
+    const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < 2; ++r)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + b * 16),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(tile + (r * NB + b) * 16), bi)));
   }
@@ -254,6 +272,11 @@ void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4,
           case 1:
             if (rows == 1) {
               KUBELLM_W4A8_PLAIN_ROWS(1)
+            } else if (n >= 3) {  // two rows over 3-4 blocks: the assembly tile
+              if (n == 4)
+                w4a8_two_rows_kernel<4>(xr, K4, sr, qr, groups, w, w_block_stride, group_quads, s, z, N, bp, yr, N, pf);
+              else
+                w4a8_two_rows_kernel<3>(xr, K4, sr, qr, groups, w, w_block_stride, group_quads, s, z, N, bp, yr, N, pf);
             } else {
               KUBELLM_W4A8_PLAIN_ROWS(2)
             }

@@ -236,6 +236,73 @@ inline void dot_groups_rows(const int32_t* xq, const float* scale, const float* 
   }
 }
 
+// Two plain rows (quantize_block's block_rows 1, x_stride int32 apart) x NB (3 or 4) blocks: the two-row step
+// (decode at batch 2) as dot_groups<2, NB> computes it, in assembly for the same reason as above (that tile ran
+// 0.96-0.99x native bf16 on a cache-resident 576x576). zmm(4r + b) hold the sums, zmm16-19 the widened quads,
+// zmm20 the shift, zmm21 a broadcast; the epilogue is dot_groups' (same bits, tested).
+#define KUBELLM_W4A8_WIDEN_T(reg, mem)                     \
+  "vpmovzxbw " mem ", %%zmm" #reg "\n\t"                   \
+  "vpsllw $4, %%zmm" #reg ", %%zmm20\n\t"                  \
+  "vpternlogd $0xA8, %[nibbles], %%zmm20, %%zmm" #reg "\n\t"
+#define KUBELLM_W4A8_WIDEN3                                                                     \
+  "prefetcht0 (%[pf])\n\t" KUBELLM_W4A8_WIDEN_T(16, "(%[w])")                                  \
+  "prefetcht0 (%[pf],%[ws])\n\t" KUBELLM_W4A8_WIDEN_T(17, "(%[w],%[ws])")                      \
+  "prefetcht0 (%[pf],%[ws],2)\n\t" KUBELLM_W4A8_WIDEN_T(18, "(%[w],%[ws],2)")
+#define KUBELLM_W4A8_WIDEN4 KUBELLM_W4A8_WIDEN3 "prefetcht0 (%[pf],%[ws3])\n\t" KUBELLM_W4A8_WIDEN_T(19, "(%[w],%[ws3])")
+#define KUBELLM_W4A8_DOT(wreg, a) "vpdpbusd %%zmm21, %%zmm" #wreg ", %%zmm" #a "\n\t"
+#define KUBELLM_W4A8_TWO3(mem, a0, a1, a2) \
+  "vpbroadcastd " mem ", %%zmm21\n\t" KUBELLM_W4A8_DOT(16, a0) KUBELLM_W4A8_DOT(17, a1) KUBELLM_W4A8_DOT(18, a2)
+#define KUBELLM_W4A8_TWO4(mem, a0, a1, a2, a3) KUBELLM_W4A8_TWO3(mem, a0, a1, a2) KUBELLM_W4A8_DOT(19, a3)
+#define KUBELLM_W4A8_TWO_BCAST(q, sc) "vbroadcastss " q ", %%zmm16\n\t" "vbroadcastss " sc ", %%zmm17\n\t"
+// row r of a tile nb blocks wide (r, nb: digits, for the assembler's offset arithmetic)
+#define KUBELLM_W4A8_TWO_EPI3(r, nb, q, sc, a0, a1, a2) KUBELLM_W4A8_TWO_BCAST(q, sc)         \
+  KUBELLM_W4A8_EPI1(a0, 0, (r*nb+0)*64) KUBELLM_W4A8_EPI1(a1, 1, (r*nb+1)*64)               \
+  KUBELLM_W4A8_EPI1(a2, 2, (r*nb+2)*64)
+#define KUBELLM_W4A8_TWO_EPI4(r, q, sc, a0, a1, a2, a3) \
+  KUBELLM_W4A8_TWO_EPI3(r, 4, q, sc, a0, a1, a2) KUBELLM_W4A8_EPI1(a3, 3, (r*4+3)*64)
+#define KUBELLM_W4A8_TWO_GROUP(ZEROS, WIDENS, ROWS, EPIS)                                                         \
+  asm volatile(ZEROS "1:\n\t" WIDENS ROWS "add $32, %[w]\n\t" "add $32, %[pf]\n\t" "add $4, %[x]\n\t"      \
+               "dec %[n]\n\t" "jnz 1b\n\t" EPIS                                                                \
+               : [w] "+r"(wp), [x] "+r"(xp), [n] "+r"(n), [pf] "+r"(pp)                                          \
+               : [ws] "r"(w_block_stride), [ws3] "r"(3 * w_block_stride), [xs] "r"(x_stride * 4),              \
+                 [nibbles] "v"(low_nibbles), [s0] "v"(s[0]), [s1] "v"(s[1]), [s2] "v"(s[2]), [s3] "v"(s[3]),    \
+                 [z0] "v"(z[0]), [z1] "v"(z[1]), [z2] "v"(z[2]), [z3] "v"(z[3]), [scale] "r"(scale + g),        \
+                 [qsum] "r"(qsum + g), [gs] "r"(groups * 4), [out] "r"(out)                                    \
+               : "cc", "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm16",        \
+                 "xmm17", "xmm18", "xmm19", "xmm20", "xmm21")
+
+template <int NB>
+inline void dot_groups_two_rows(const int32_t* xq, int64_t x_stride, const float* scale, const float* qsum,
+                                int64_t groups, const uint8_t* w, int64_t w_block_stride, int64_t group_quads,
+                                tiles::GroupParams scales, tiles::GroupParams zeros, int64_t param_row, float* out,
+                                int64_t prefetch_bytes) {
+  static_assert(NB == 3 || NB == 4);
+  const __m512i low_nibbles = _mm512_set1_epi16(0x0F0F);
+  for (int i = 0; i < 2 * NB; ++i) _mm512_store_ps(out + 16 * i, _mm512_setzero_ps());
+  const uint8_t* wp = w;
+  const uint8_t* pp = w + prefetch_bytes;  // the prefetched stream, in step with wp
+  const int32_t* xp = xq;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 s[4], z[4];
+    for (int b = 0; b < 4; ++b) {  // NB = 3 loads block 0's again as the unused fourth
+      s[b] = scales.load16(g * param_row + (b < NB ? b * 16 : 0));
+      z[b] = zeros.load16(g * param_row + (b < NB ? b * 16 : 0));
+    }
+    int64_t n = group_quads;
+    if constexpr (NB == 4) {
+      KUBELLM_W4A8_TWO_GROUP(KUBELLM_W4A8_ZERO8, KUBELLM_W4A8_WIDEN4,
+                             KUBELLM_W4A8_TWO4("(%[x])", 0, 1, 2, 3) KUBELLM_W4A8_TWO4("(%[x],%[xs])", 4, 5, 6, 7),
+                             KUBELLM_W4A8_TWO_EPI4(0, "(%[qsum])", "(%[scale])", 0, 1, 2, 3)
+                             KUBELLM_W4A8_TWO_EPI4(1, "(%[qsum],%[gs])", "(%[scale],%[gs])", 4, 5, 6, 7));
+    } else {
+      KUBELLM_W4A8_TWO_GROUP(KUBELLM_W4A8_ZERO8, KUBELLM_W4A8_WIDEN3,
+                             KUBELLM_W4A8_TWO3("(%[x])", 0, 1, 2) KUBELLM_W4A8_TWO3("(%[x],%[xs])", 4, 5, 6),
+                             KUBELLM_W4A8_TWO_EPI3(0, 3, "(%[qsum])", "(%[scale])", 0, 1, 2)
+                             KUBELLM_W4A8_TWO_EPI3(1, 3, "(%[qsum],%[gs])", "(%[scale],%[gs])", 4, 5, 6));
+    }
+  }
+}
+
 #undef KUBELLM_W4A8_ZERO
 #undef KUBELLM_W4A8_ZERO4
 #undef KUBELLM_W4A8_ZERO8
@@ -258,6 +325,16 @@ inline void dot_groups_rows(const int32_t* xq, const float* scale, const float* 
 #undef KUBELLM_W4A8_EPIS4x2
 #undef KUBELLM_W4A8_EPIS8x2
 #undef KUBELLM_W4A8_GROUP
+#undef KUBELLM_W4A8_WIDEN_T
+#undef KUBELLM_W4A8_WIDEN3
+#undef KUBELLM_W4A8_WIDEN4
+#undef KUBELLM_W4A8_DOT
+#undef KUBELLM_W4A8_TWO3
+#undef KUBELLM_W4A8_TWO4
+#undef KUBELLM_W4A8_TWO_BCAST
+#undef KUBELLM_W4A8_TWO_EPI3
+#undef KUBELLM_W4A8_TWO_EPI4
+#undef KUBELLM_W4A8_TWO_GROUP
 #undef KUBELLM_W4A8_ZERO6
 #undef KUBELLM_W4A8_ZERO12
 #undef KUBELLM_W4A8_ROWS6x1

@@ -132,15 +132,16 @@ def test_int8_activations_match_their_reference(m, n, k, group, native_int4_int8
 @pytest.mark.parametrize(("n", "k", "group"), [(80, 576, 32), (48, 256, 64), (64, 192, 12)])
 def test_int8_activations_give_a_row_the_same_bits_alone_and_in_any_batch(n, k, group, native_int4_int8):
     """130 rows (16 blocks of 8 in the assembly tile, 2 plain rows) against each row alone (the 1-row tile) and
-    against batches of 3, 5, 7 and 12 (tiles of 4, 6 and 8 padded with zero rows; 8 plus a padded 4): the same
-    operations in the same order, so a request's output does not depend on what it is batched with."""
+    against batches of 2 (the two-row tile), 3, 5, 7 and 12 (tiles of 4, 6 and 8 padded with zero rows; 8 plus
+    a padded 4): the same operations in the same order, so a request's output does not depend on what it is
+    batched with."""
     x, q, scales, zeros, b = _case(130, n, k, group, seed=n + group, bias=True)
     packed = k4.pack(q)
     full = k4.int4_gemm(x, packed, scales, zeros, group, b, int8_activations=True)
     alone = torch.cat([k4.int4_gemm(x[i:i + 1], packed, scales, zeros, group, b, int8_activations=True)
                        for i in range(x.shape[0])])
     torch.testing.assert_close(full, alone, rtol=0, atol=0)
-    for rows in (3, 5, 7, 12):
+    for rows in (2, 3, 5, 7, 12):
         torch.testing.assert_close(k4.int4_gemm(x[:rows], packed, scales, zeros, group, b, int8_activations=True),
                                    full[:rows], rtol=0, atol=0)
 

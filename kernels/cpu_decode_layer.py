@@ -24,16 +24,20 @@ rotary, paged decode attention, SiLU-and-mul or the experts), in the same order 
 bit for bit; against the reference below (float32 GEMM sums in another order) it agrees to bfloat16 rounding.
 A one-row layer on several threads runs in one parallel region whose threads share each GEMM's work items, not
 one region per kernel (``KUBELLM_LAYER_REGION=0`` turns that off, for A/B runs; the bits are the same).
+
+:func:`decode_layer_q4_` is the same dense layer with native 4-bit linears (:mod:`kubellm.kernels.cpu_int4_gemm`):
+``packed``, ``scales``, ``zeros``, ``group_sizes`` and ``int8_activations`` each list qkv, o, gate_up and down,
+as their layers pass them to ``int4_gemm`` (``qkv_bias`` float32); each kernel runs in its own parallel region.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kubellm.kernels import cpu_bf16_gemm, cpu_layer_ops, cpu_moe
+from kubellm.kernels import cpu_bf16_gemm, cpu_int4_gemm, cpu_layer_ops, cpu_moe
 from kubellm.kernels.cpu_paged_attention import reference_paged_decode_attention
 
-__all__ = ["decode_layer_", "reference_decode_layer_"]
+__all__ = ["decode_layer_", "decode_layer_q4_", "reference_decode_layer_", "reference_decode_layer_q4_"]
 
 
 def decode_layer_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
@@ -55,13 +59,57 @@ def reference_decode_layer_(hidden, residual, positions, slots, block_tables, co
                             softcap: float = 0.0, q_norm=None, k_norm=None, router=None, top_k: int = 0,
                             renormalize: bool = False):
     """The same layer from the plain-PyTorch references (weights unpacked on every call)."""
-    t, size = hidden.shape
-    d = k_cache.shape[-1]
-    q_size, kv_size = num_heads * d, num_kv_heads * d
-
     def linear(x, packed, n, bias=None):
         return cpu_bf16_gemm.reference_bf16_linear(x, cpu_bf16_gemm.unpack(packed, n, x.shape[1]), bias)
 
+    out = _reference_attention(linear, hidden, residual, positions, slots, block_tables, context_lens, input_norm,
+                               post_norm, eps, qkv, qkv_bias, o, cos, sin, k_cache, v_cache, num_heads,
+                               num_kv_heads, scale, window, softcap, q_norm, k_norm)
+    size = hidden.shape[1]
+    if router is not None:
+        logits = linear(out, router, gate_up.shape[0])
+        return cpu_moe.reference_moe_experts(out, logits, *cpu_moe.unpack(gate_up, down), top_k, renormalize)
+    return linear(cpu_layer_ops.reference_silu_and_mul(linear(out, gate_up, 2 * intermediate)), down, size)
+
+
+def decode_layer_q4_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
+                     eps: float, packed, scales, zeros, group_sizes, int8_activations, qkv_bias, intermediate: int,
+                     cos, sin, k_cache, v_cache, num_heads: int, num_kv_heads: int, scale: float, window: int = 0,
+                     softcap: float = 0.0, q_norm=None, k_norm=None):
+    """The native layer on 4-bit linears (see the module docstring)."""
+    return torch.ops.kubellm_cpu.decode_layer_q4_.default(hidden, residual, positions, slots, block_tables,
+                                                         context_lens, input_norm, post_norm, eps, packed, scales,
+                                                         zeros, group_sizes, int8_activations, qkv_bias,
+                                                         intermediate, cos, sin, k_cache, v_cache, num_heads,
+                                                         num_kv_heads, scale, window, softcap, q_norm, k_norm)
+
+
+def reference_decode_layer_q4_(hidden, residual, positions, slots, block_tables, context_lens, input_norm,
+                               post_norm, eps: float, packed, scales, zeros, group_sizes, int8_activations, qkv_bias,
+                               intermediate: int, cos, sin, k_cache, v_cache, num_heads: int, num_kv_heads: int,
+                               scale: float, window: int = 0, softcap: float = 0.0, q_norm=None, k_norm=None):
+    """:func:`decode_layer_q4_` from the references: each linear through ``cpu_int4_gemm.reference_w4a8_gemm``
+    (int8 activations) or ``reference_int4_gemm`` on its unpacked values."""
+    def linear(x, i, n, bias=None):  # the i-th linear: 0 qkv, 1 o, 2 gate_up, 3 down
+        q = cpu_int4_gemm.unpack(packed[i])
+        assert q.shape[0] == n, (q.shape, n)
+        gemm = cpu_int4_gemm.reference_w4a8_gemm if int8_activations[i] else cpu_int4_gemm.reference_int4_gemm
+        return gemm(x, q, scales[i].float(), zeros[i].float(), group_sizes[i], bias)
+
+    out = _reference_attention(linear, hidden, residual, positions, slots, block_tables, context_lens, input_norm,
+                               post_norm, eps, 0, qkv_bias, 1, cos, sin, k_cache, v_cache, num_heads, num_kv_heads,
+                               scale, window, softcap, q_norm, k_norm)
+    return linear(cpu_layer_ops.reference_silu_and_mul(linear(out, 2, 2 * intermediate)), 3, hidden.shape[1])
+
+
+def _reference_attention(linear, hidden, residual, positions, slots, block_tables, context_lens, input_norm,
+                         post_norm, eps, qkv, qkv_bias, o, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, scale,
+                         window, softcap, q_norm, k_norm):
+    """The layer up to the MLP's input (``norm2(residual += o(attention))``), ``linear(x, qkv or o, n, bias)``
+    running its GEMMs."""
+    t, size = hidden.shape
+    d = k_cache.shape[-1]
+    q_size, kv_size = num_heads * d, num_kv_heads * d
     cpu_layer_ops.reference_add_rms_norm_(hidden, residual, input_norm, eps)
     q, k, v = linear(hidden, qkv, q_size + 2 * kv_size, qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
     q, k, v = q.reshape(t, num_heads, d), k.reshape(t, num_kv_heads, d), v.reshape(t, num_kv_heads, d)
@@ -75,7 +123,4 @@ def reference_decode_layer_(hidden, residual, positions, slots, block_tables, co
                                             window=window or None, softcap=softcap or None)
     out = linear(attn.reshape(t, q_size), o, size)
     cpu_layer_ops.reference_add_rms_norm_(out, residual, post_norm, eps)
-    if router is not None:
-        logits = linear(out, router, gate_up.shape[0])
-        return cpu_moe.reference_moe_experts(out, logits, *cpu_moe.unpack(gate_up, down), top_k, renormalize)
-    return linear(cpu_layer_ops.reference_silu_and_mul(linear(out, gate_up, 2 * intermediate)), down, size)
+    return out

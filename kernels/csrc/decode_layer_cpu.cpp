@@ -9,6 +9,10 @@
 // costs one Python -> C++ crossing. A one-row dense layer runs in one parallel region (not one per GEMM and
 // attention): the threads claim each GEMM's work items as thread 0 reaches it, and warm the next GEMM's weights
 // while thread 0 runs the serial ops between them (layer_in_one_region).
+//
+// decode_layer_q4_ is the same layer with native 4-bit linears (kubellm_cpu::int4_gemm: --quantization int4,
+// AWQ, GPTQ, compressed-tensors W4A16, GGUF 4-bit), each GEMM in its own parallel region: the one-region path
+// shares bf16_linear's work items only.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -39,6 +43,10 @@ struct Kernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&)>
       linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&)>(
           "kubellm_cpu::bf16_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      int64_t, const std::optional<at::Tensor>&, bool)>
+      int4_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                  const std::optional<at::Tensor>&, bool)>("kubellm_cpu::int4_gemm");
   c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)> add_rms_norm =
       op<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>("kubellm_cpu::add_rms_norm_");
   c10::TypedOperatorHandle<void(const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&)>
@@ -223,15 +231,9 @@ bool one_region() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-at::Tensor decode_layer_(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
-                         const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                         const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-                         const at::Tensor& qkv_w, const OptionalTensor& qkv_bias, const at::Tensor& o_w,
-                         const at::Tensor& gate_up_w, const at::Tensor& down_w, int64_t intermediate,
-                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                         int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window, double softcap,
-                         const OptionalTensor& q_norm, const OptionalTensor& k_norm,
-                         const OptionalTensor& router, int64_t top_k, bool renormalize) {
+void check_layer(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache, int64_t num_kv_heads, const OptionalTensor& q_norm,
+                 const OptionalTensor& k_norm) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16, "hidden must be [T, hidden] bfloat16");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == at::kBFloat16 &&
@@ -242,6 +244,18 @@ at::Tensor decode_layer_(at::Tensor& hidden, at::Tensor& residual, const at::Ten
               "slots must be a contiguous int64 [T] tensor");
   TORCH_CHECK(k_cache.size(2) == num_kv_heads, "the cache holds ", k_cache.size(2), " kv heads, not ", num_kv_heads);
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together (Qwen3) or not at all");
+}
+
+at::Tensor decode_layer_(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
+                         const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                         const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                         const at::Tensor& qkv_w, const OptionalTensor& qkv_bias, const at::Tensor& o_w,
+                         const at::Tensor& gate_up_w, const at::Tensor& down_w, int64_t intermediate,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                         int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window, double softcap,
+                         const OptionalTensor& q_norm, const OptionalTensor& k_norm,
+                         const OptionalTensor& router, int64_t top_k, bool renormalize) {
+  check_layer(hidden, slots, k_cache, v_cache, num_kv_heads, q_norm, k_norm);
   const Layer l{hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm, eps,
                 qkv_w, qkv_bias, o_w, gate_up_w, down_w, intermediate, cos, sin, k_cache, v_cache,
                 num_heads, num_kv_heads, scale, window, softcap, q_norm, k_norm, router, top_k, renormalize};
@@ -251,6 +265,33 @@ at::Tensor decode_layer_(at::Tensor& hidden, at::Tensor& residual, const at::Ten
   const bool region = hidden.size(0) == 1 && !router && at::get_num_threads() > 1 && !at::in_parallel_region() &&
                       one_region();
   return region ? layer_in_one_region(l) : layer_by_ops(l);
+}
+
+// decode_layer_ with 4-bit linears: packed/scales/zeros/group_sizes/int8_activations hold qkv, o, gate_up and down
+// in that order, each as its QuantizedLinear (runtime/layers/quantized_linear.py) hands int4_gemm them; a dense
+// MLP only. qkv_bias is float32 (int4_gemm's bias).
+at::Tensor decode_layer_q4_(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
+                            const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                            at::TensorList packed, at::TensorList scales, at::TensorList zeros,
+                            at::IntArrayRef group_sizes, std::array<bool, 4> int8_activations,
+                            const OptionalTensor& qkv_bias, int64_t intermediate, const at::Tensor& cos,
+                            const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t num_heads,
+                            int64_t num_kv_heads, double scale, int64_t window, double softcap,
+                            const OptionalTensor& q_norm, const OptionalTensor& k_norm) {
+  check_layer(hidden, slots, k_cache, v_cache, num_kv_heads, q_norm, k_norm);
+  TORCH_CHECK(packed.size() == 4 && scales.size() == 4 && zeros.size() == 4 && group_sizes.size() == 4,
+              "packed, scales, zeros and group_sizes each hold the 4 linears qkv, o, gate_up, down");
+  const OptionalTensor no_router;
+  const Layer l{hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm, eps,
+                packed[0], qkv_bias, packed[1], packed[2], packed[3], intermediate, cos, sin, k_cache, v_cache,
+                num_heads, num_kv_heads, scale, window, softcap, q_norm, k_norm, no_router, 0, false};
+  const Kernels& kn = kernels();
+  return layer_ops(l, [&](int i, const at::Tensor& x, const at::Tensor& w, int64_t n, const OptionalTensor& bias) {
+    at::Tensor y = kn.int4_linear.call(x, w, scales[i], zeros[i], group_sizes[i], bias, int8_activations[i]);
+    TORCH_CHECK(y.size(1) == n, "linear ", i, " (qkv, o, gate_up, down) has ", y.size(1), " outputs, not ", n);
+    return y;
+  });
 }
 
 }  // namespace
@@ -263,6 +304,15 @@ TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
       "Tensor gate_up, Tensor down, int intermediate, Tensor cos, Tensor sin, Tensor(c!) k_cache, "
       "Tensor(d!) v_cache, int num_heads, int num_kv_heads, float scale, int window, float softcap, "
       "Tensor? q_norm=None, Tensor? k_norm=None, Tensor? router=None, int top_k=0, bool renormalize=False) -> Tensor");
+  m.def(
+      "decode_layer_q4_(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor slots, "
+      "Tensor block_tables, Tensor context_lens, Tensor input_norm, Tensor post_norm, float eps, Tensor[] packed, "
+      "Tensor[] scales, Tensor[] zeros, int[] group_sizes, bool[4] int8_activations, Tensor? qkv_bias, "
+      "int intermediate, Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, int num_heads, "
+      "int num_kv_heads, float scale, int window, float softcap, Tensor? q_norm=None, Tensor? k_norm=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) { m.impl("decode_layer_", &kubellm_cpu::decode_layer_); }
+TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) {
+  m.impl("decode_layer_", &kubellm_cpu::decode_layer_);
+  m.impl("decode_layer_q4_", &kubellm_cpu::decode_layer_q4_);
+}

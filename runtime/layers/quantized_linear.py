@@ -150,6 +150,15 @@ class QuantizedLinear(nn.Module):
                                        None if self.bias is None else self.bias.to(rows.dtype))
         return out.view(*x.shape[:-1], self.out_features)
 
+    def int4_gemm_args(self) -> tuple | None:
+        """``(qweight, scales, zeros, group_size, int8_activations)`` when :meth:`forward` on bfloat16 rows is
+        exactly ``cpu_int4_gemm.int4_gemm(rows, *these, bias=self.bias)`` (the native 4-bit path, inputs in
+        their stored order: no act-order gather), else None. The fused decode layer calls it so (models/llama.py)."""
+        if self.path != "native" or self.bits != 4 or self.float_values or self.perm is not None \
+                or self.g_idx is not None:
+            return None
+        return self.qweight, self.scales, self.zeros, self.group_size, self.int8_activations
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[out, in]`` weight in the layer's own input order (after the act-order sort, if any)."""
         values = self.values().float()

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kubellm.kernels import cpu_layer_ops
-from kubellm.kernels.cpu_decode_layer import decode_layer_
+from kubellm.kernels.cpu_decode_layer import decode_layer_, decode_layer_q4_
 from kubellm.runtime.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -32,6 +32,7 @@ from kubellm.runtime.layers.parallel_linear import (
     ShardId,
     replicated_loader,
 )
+from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kubellm.runtime.models.checkpoint import CheckpointError
@@ -114,6 +115,16 @@ class LlamaAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
+def fused_linear(m: nn.Module) -> torch.Tensor | tuple | None:
+    """What the fused decode layer takes for linear ``m``: a native bf16 layer's packed weight, a native 4-bit
+    layer's ``int4_gemm`` arguments (:meth:`QuantizedLinear.int4_gemm_args`), else None (the module tree runs it)."""
+    if isinstance(m, NativeLinear):
+        return m.packed_weight
+    if isinstance(m, QuantizedLinear):
+        return m.int4_gemm_args()
+    return None
+
+
 class LlamaMLP(nn.Module):
     native = False  # SiLU-and-mul through the fused kernel of ops
     ops = cpu_layer_ops
@@ -128,12 +139,15 @@ class LlamaMLP(nn.Module):
 
     def fused_decode_args(self) -> tuple | None:
         """This MLP's arguments of the fused decode layer (gate_up, down, intermediate, router, top_k,
-        renormalize), or None unless it is this plain MLP on native linears and the native SiLU-and-mul."""
+        renormalize; the linears as :func:`fused_linear` gives them), or None unless it is this plain MLP on
+        native linears without biases and the native SiLU-and-mul."""
         linears = (self.gate_up_proj, self.down_proj)
-        if (type(self) is not LlamaMLP or not self.native or self.ops is not cpu_layer_ops or self.tp.size > 1
-                or not all(isinstance(m, NativeLinear) and m.bias is None for m in linears)):
+        if type(self) is not LlamaMLP or not self.native or self.ops is not cpu_layer_ops or self.tp.size > 1:
             return None
-        return self.gate_up_proj.packed_weight, self.down_proj.packed_weight, self.intermediate, None, 0, False
+        gate_up, down = (fused_linear(m) for m in linears)
+        if gate_up is None or down is None or any(m.bias is not None for m in linears):
+            return None
+        return gate_up, down, self.intermediate, None, 0, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -167,28 +181,37 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def fused_decode_args(self) -> tuple | None:
-        """This layer's constant arguments of :func:`kubellm.kernels.cpu_decode_layer.decode_layer_` (norms,
-        packed weights, rotary tables, cache, attention shape, q/k norms, experts), or None unless it is a Llama
-        layer running entirely on the native CPU kernels whose attention (Llama's, Qwen3's q/k norms) and MLP
-        (dense, or packed experts) each give their part (other families add norms, scales or layer types)."""
+        """``(fn, args)``: this layer's constant arguments (norms, weights, rotary tables, cache, attention shape,
+        q/k norms, experts) of ``fn``, :func:`kubellm.kernels.cpu_decode_layer.decode_layer_` (bf16 linears) or
+        its ``decode_layer_q4_`` (4-bit linears, a dense MLP), or None unless it is a Llama layer running
+        entirely on the native CPU kernels whose attention (Llama's, Qwen3's q/k norms) and MLP (dense, or packed
+        experts) each give their part (other families add norms, scales or layer types)."""
         attn = self.self_attn
         qk_norms = attn.fused_qk_norms() if isinstance(attn, LlamaAttention) else None
         mlp = getattr(self.mlp, "fused_decode_args", lambda: None)()
+        qkv, o = (fused_linear(getattr(attn, name, None)) for name in ("qkv_proj", "o_proj"))
         if (type(self) is not LlamaDecoderLayer or qk_norms is None or mlp is None or attn.tp.size > 1
-                or not all(isinstance(m, NativeLinear) for m in (attn.qkv_proj, attn.o_proj))
-                or attn.o_proj.bias is not None or not attn.native or attn.ops is not cpu_layer_ops
+                or qkv is None or o is None or attn.o_proj.bias is not None or not attn.native
+                or attn.ops is not cpu_layer_ops
                 or not all(type(n) is RMSNorm and n.native and n.ops is cpu_layer_ops
                            for n in (self.input_layernorm, self.post_attention_layernorm))
                 or not isinstance(attn.attn.backend, NativeCpuAttentionBackend)
                 or attn.attn.k_cache.dtype != torch.bfloat16):
             return None
         gate_up, down, intermediate, router, top_k, renormalize = mlp
+        linears = (qkv, o, gate_up, down)
         opts = attn.attn.opts
-        return (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
-                attn.qkv_proj.packed_weight, attn.qkv_proj.bias, attn.o_proj.packed_weight, gate_up, down,
-                intermediate, attn.rotary.cos, attn.rotary.sin, attn.attn.k_cache, attn.attn.v_cache, attn.num_heads,
-                attn.num_kv_heads, attn.attn.backend.scale, opts.window or 0, opts.softcap or 0.0, *qk_norms, router,
-                top_k, renormalize)
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps)
+        rest = (attn.rotary.cos, attn.rotary.sin, attn.attn.k_cache, attn.attn.v_cache, attn.num_heads,
+                attn.num_kv_heads, attn.attn.backend.scale, opts.window or 0, opts.softcap or 0.0, *qk_norms)
+        if all(isinstance(w, torch.Tensor) for w in linears):
+            return decode_layer_, (*norms, qkv, attn.qkv_proj.bias, o, gate_up, down, intermediate, *rest, router,
+                                   top_k, renormalize)
+        if all(isinstance(w, tuple) for w in linears) and router is None:
+            packed, scales, zeros, group_sizes, int8_activations = (list(c) for c in zip(*linears, strict=True))
+            return decode_layer_q4_, (*norms, packed, scales, zeros, group_sizes, int8_activations,
+                                      attn.qkv_proj.bias, intermediate, *rest)
+        return None  # a mix of bf16 and 4-bit linears, or 4-bit ones beside experts
 
 
 class LlamaModel(nn.Module):
@@ -201,16 +224,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, tp, attention_cls, mlp_factory(cfg, tp, i))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.fused_layers: list[tuple] | None = None  # each layer's fused_decode_args, set by use_fused_decode
+        self.fused_layers: list[tuple] | None = None  # each layer's (fn, args), set by use_fused_decode
 
     def forward(self, input_ids, positions, meta):
         hidden, residual = self.embed_tokens(input_ids), None
         if self.fused_layers is not None and meta.num_decodes == hidden.shape[0] and not meta.prefills:
             # A pure decode step: one native call per layer (zeros make the first add a copy).
             residual = torch.zeros_like(hidden)
-            for args in self.fused_layers:
-                hidden = decode_layer_(hidden, residual, positions, meta.slot_mapping, meta.decode_block_tables,
-                                       meta.decode_context_lens, *args)
+            for fn, args in self.fused_layers:
+                hidden = fn(hidden, residual, positions, meta.slot_mapping, meta.decode_block_tables,
+                            meta.decode_context_lens, *args)
             return self.norm(hidden, residual)[0]
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)

@@ -1,14 +1,19 @@
 """The fused decode layer (one native call per Llama layer) against its plain-PyTorch reference: the returned MLP
 output, the residual stream and the K/V written into the pool; with Qwen3's q/k norms and with a mixture of
-experts as the MLP."""
+experts as the MLP; and its variant on 4-bit linears (decode_layer_q4_), with bf16 and int8 activations."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kubellm.kernels import cpu_bf16_gemm, cpu_moe
-from kubellm.kernels.cpu_decode_layer import decode_layer_, reference_decode_layer_
+from kubellm.kernels import cpu_bf16_gemm, cpu_int4_gemm, cpu_moe
+from kubellm.kernels.cpu_decode_layer import (
+    decode_layer_,
+    decode_layer_q4_,
+    reference_decode_layer_,
+    reference_decode_layer_q4_,
+)
 from kubellm.runtime.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("native_bf16_gemm")  # tests/conftest.py: skip without it, fail under CI
@@ -147,3 +152,79 @@ def test_one_parallel_region_gives_the_op_by_op_layer_bit_for_bit(threads, conte
         torch.set_num_threads(before)
     for one, by_ops in zip(runs["1"], runs["0"], strict=True):
         assert torch.equal(one, by_ops)
+
+
+GROUPS = {"qkv": 32, "o": 16, "gate_up": 32, "down": 32}  # o's 96 inputs in groups of 16, the rest of 32
+
+
+def make_q4_layer(gen: torch.Generator, bias: bool, int8: tuple[bool, bool, bool, bool], qk_norm: bool) -> dict:
+    """The dense layer of make_layer on 4-bit linears: random values 0..15 with fp16 scales around 1/16 of a
+    unit weight and float zero points (asymmetric), laid out as a QuantizedLinear hands them to int4_gemm."""
+    layer = make_layer(gen, bias, qk_norm=qk_norm)
+    qkv_n = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    shapes = {"qkv": (qkv_n, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM), "gate_up": (2 * INTER, HIDDEN),
+              "down": (HIDDEN, INTER)}
+    packed, scales, zeros = [], [], []
+    for name, (n, k) in shapes.items():
+        groups = k // GROUPS[name]
+        packed.append(cpu_int4_gemm.pack(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)))
+        scales.append((torch.rand(groups, n, generator=gen) + 0.5).div(4 * k**0.5).half())
+        zeros.append(torch.rand(groups, n, generator=gen) * 4 + 6)
+    for name in ("qkv", "o", "gate_up", "down"):
+        del layer[name]
+    layer.update(packed=packed, scales=scales, zeros=zeros, group_sizes=list(GROUPS.values()),
+                 int8_activations=list(int8))
+    return layer
+
+
+@pytest.mark.parametrize("context_lens,bias,int8,family", [
+    ([1], False, (False,) * 4, "llama"),
+    ([13], True, (True,) * 4, "llama"),  # float32 qkv bias; int8 activations everywhere (the VNNI default)
+    ([9, 20, 4], False, (True, False, True, False), "llama"),  # several rows; each linear its own activations
+    ([11], False, (False,) * 4, "qwen3"),
+    ([6, 15], True, (True,) * 4, "qwen3"),
+])
+def test_q4_decode_layer_matches_the_reference(context_lens, bias, int8, family, native_int4, request):
+    if any(int8):
+        request.getfixturevalue("native_int4_int8")
+    gen = torch.Generator().manual_seed(len(context_lens) * 100 + context_lens[0] + 7)
+    layer = make_q4_layer(gen, bias, int8, qk_norm=family == "qwen3")
+    t = len(context_lens)
+    blocks_each = -(-max(context_lens) // BLOCK)
+    num_blocks = t * blocks_each + 3
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[: t * blocks_each].view(t, blocks_each).to(torch.int32)
+    positions = torch.tensor([n - 1 for n in context_lens])
+    slots = torch.stack([tables[i, p // BLOCK].long() * BLOCK + p % BLOCK for i, p in enumerate(positions.tolist())])
+    hidden = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
+    common = dict(positions=positions, slots=slots, block_tables=tables,
+                  context_lens=torch.tensor(context_lens, dtype=torch.int32))
+    runs = {}
+    for name, fn in (("kernel", decode_layer_q4_), ("reference", reference_decode_layer_q4_)):
+        h, r, k, v = hidden.clone(), residual.clone(), k_cache.clone(), v_cache.clone()
+        runs[name] = (fn(h, r, k_cache=k, v_cache=v, **common, **layer), r, k, v)
+    (out, res, k, v), (ref_out, ref_res, ref_k, ref_v) = runs["kernel"], runs["reference"]
+    assert out.shape == (t, HIDDEN) and out.dtype == torch.bfloat16
+    assert out.float().std() > 0.5  # outputs O(1): the tolerances are a bf16 step or two at that size
+    # The reference quantizes activations as the kernel does and sums in float32/64: equal but for a rare bf16
+    # rounding of a sum, carried through (measured: at most 1 ulp). bf16 instead of int8 activations in one
+    # linear moves outputs by ~0.05.
+    for got, want in ((res, ref_res), (out, ref_out), (k, ref_k), (v, ref_v)):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+    written = torch.zeros(num_blocks * BLOCK, dtype=torch.bool)
+    written[slots] = True
+    assert torch.equal(k.view(-1, KV_HEADS, HEAD_DIM)[~written], k_cache.view(-1, KV_HEADS, HEAD_DIM)[~written])
+
+
+def test_q4_decode_layer_refuses_a_linear_of_the_wrong_width(native_int4):
+    gen = torch.Generator().manual_seed(1)
+    layer = make_q4_layer(gen, False, (False,) * 4, qk_norm=False)
+    layer["intermediate"] = INTER - 16  # gate_up has 2 * INTER outputs
+    k_cache = torch.zeros(2, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="linear 2 .* has 320 outputs, not 288"):
+        decode_layer_q4_(torch.randn(1, HIDDEN).to(torch.bfloat16), torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
+                         torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),
+                         torch.tensor([1], dtype=torch.int32), k_cache=k_cache, v_cache=k_cache.clone(), **layer)

@@ -1,8 +1,8 @@
 """The fused decode layer on native 4-bit linears (kernels/cpu_decode_layer.py's decode_layer_q4_): an int4 model's
 pure decode steps run one native call per layer that calls the module tree's own kernels (int4_gemm with each
 layer's activations, add + RMSNorm, rotary or Qwen3's q/k norms, paged attention, SiLU-and-mul) in its order, so
-every sampled row's logits are the same bits as with ``KUBELLM_FUSED_DECODE=0``: ``--quantization int4`` and
-pre-quantized AWQ / GPTQ checkpoints, with bf16 and with int8 activations. Act-order layers (a column gather
+every sampled row's logits are the same bits as with ``KUBELLM_FUSED_DECODE=0``: ``--quantization int4``,
+pre-quantized AWQ / GPTQ checkpoints and a GGUF file's 4-bit blocks, with bf16 and with int8 activations. Act-order layers (a column gather
 before the GEMM) keep the module tree."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_engine_parity import LogitRecorder, _engine, _prompts
+from test_gguf import Q, byte_level_metadata, tiny_config, tiny_model, train_byte_level_tokenizer, write_gguf
 from test_prequantized_loading import SHAPE, write_quantized
 
 from kubellm.kernels import cpu_decode_layer
@@ -21,7 +22,8 @@ from kubellm.runtime.sampling_params import SamplingParams
 pytestmark = pytest.mark.usefixtures("native_int4", "native_int4_int8", "native_bf16_gemm")
 
 
-def _fused_vs_tree(model_dir, monkeypatch, activations: str, fused_expected: bool = True, **engine_kw):
+def _fused_vs_tree(model_dir, monkeypatch, activations: str, fused_expected: bool = True, vocab: int = 512,
+                   **engine_kw):
     """Greedy-generate with the fused layer on, then off; assert what ran and return (tokens, logits) of each."""
     calls = []
     monkeypatch.setattr(llama, "decode_layer_q4_", lambda *a: calls.append(1) or cpu_decode_layer.decode_layer_q4_(*a))
@@ -38,7 +40,7 @@ def _fused_vs_tree(model_dir, monkeypatch, activations: str, fused_expected: boo
             assert {m.int8_activations for m in layers} == {activations == "int8"}
             assert (model.model.fused_layers is not None) == (fused == "1" and fused_expected)
             recorder = llm.engine.runner.sampler = LogitRecorder(llm.engine.runner.sampler)
-            outs = llm.generate(_prompts()[:4], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+            outs = llm.generate(_prompts(vocab=vocab)[:4], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                                 use_tqdm=False)
         finally:
             llm.close()
@@ -73,6 +75,17 @@ def test_prequantized_4bit_fused_decode_gives_the_module_trees_logits_bit_for_bi
     """AWQ (fp16 scales, integer zero points) and GPTQ (asymmetric) checkpoints, fused q/k/v and gate/up parts."""
     quant_dir, _ = write_quantized(tiny_checkpoint_factory(arch, **SHAPE), tmp_path, fmt)
     _assert_same_bits(_fused_vs_tree(quant_dir, monkeypatch, activations))
+
+
+@pytest.mark.parametrize("activations", ["bf16", "int8"])
+def test_gguf_4bit_fused_decode_gives_the_module_trees_logits_bit_for_bit(activations, tmp_path, monkeypatch):
+    """A GGUF file's Q4_0 attention and Q4_1 MLP linears kept packed (Q4_1: float32 zero points -min / d)."""
+    meta = byte_level_metadata(train_byte_level_tokenizer())
+    model = tiny_model(tiny_config(len(meta["tokens"])), seed=2)
+    quants = {n: Q.Q4_1 if "mlp" in n else Q.Q4_0 for n in model.state_dict() if n.endswith("proj.weight")}
+    path = tmp_path / "packed.gguf"
+    write_gguf(path, model, meta, quants=quants)
+    _assert_same_bits(_fused_vs_tree(path, monkeypatch, activations, vocab=len(meta["tokens"])))
 
 
 def test_act_order_layers_keep_the_module_tree(tiny_checkpoint_factory, tmp_path, monkeypatch):

@@ -25,19 +25,36 @@ bit for bit; against the reference below (float32 GEMM sums in another order) it
 A one-row layer on several threads runs in one parallel region whose threads share each GEMM's work items, not
 one region per kernel (``KUBELLM_LAYER_REGION=0`` turns that off, for A/B runs; the bits are the same).
 
-:func:`decode_layer_q4_` is the same dense layer with native 4-bit linears (:mod:`kubellm.kernels.cpu_int4_gemm`):
-``packed``, ``scales``, ``zeros``, ``group_sizes`` and ``int8_activations`` each list qkv, o, gate_up and down,
-as their layers pass them to ``int4_gemm`` (``qkv_bias`` float32); each kernel runs in its own parallel region.
+:func:`decode_layer_q_` is the same dense layer with each linear on any native CPU GEMM, per linear a kind code
+(:data:`BF16` ``bf16_linear``, :data:`INT4` :mod:`~kubellm.kernels.cpu_int4_gemm`, :data:`FP8`
+:mod:`~kubellm.kernels.cpu_fp8_gemm`, :data:`GROUPED_INT8` :mod:`~kubellm.kernels.cpu_grouped_int8_gemm`,
+:data:`INT8` :mod:`~kubellm.kernels.cpu_int8_gemm`) and its arguments: ``kinds``, ``weights``, ``scales``,
+``zeros``, ``group_sizes`` and ``int8_activations`` each list qkv, o, gate_up and down, as their layers pass
+them to their kernel (entries a kind does not take: None, 0, False; ``qkv_bias`` as the qkv layer passes it,
+float32), so 4-bit and 8-bit linears mix within a layer (GGUF Q4_K_M). Each kernel runs in its own parallel
+region. :func:`decode_layer_q4_` is it with four 4-bit linears.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kubellm.kernels import cpu_bf16_gemm, cpu_int4_gemm, cpu_layer_ops, cpu_moe
+from kubellm.kernels import (
+    cpu_bf16_gemm,
+    cpu_fp8_gemm,
+    cpu_grouped_int8_gemm,
+    cpu_int4_gemm,
+    cpu_int8_gemm,
+    cpu_layer_ops,
+    cpu_moe,
+)
 from kubellm.kernels.cpu_paged_attention import reference_paged_decode_attention
 
-__all__ = ["decode_layer_", "decode_layer_q4_", "reference_decode_layer_", "reference_decode_layer_q4_"]
+__all__ = ["BF16", "FP8", "GROUPED_INT8", "INT4", "INT8", "decode_layer_", "decode_layer_q4_", "decode_layer_q_",
+           "reference_decode_layer_", "reference_decode_layer_q4_", "reference_decode_layer_q_"]
+
+# decode_layer_q_'s kinds of linear (enum Kind in csrc/decode_layer_cpu.cpp)
+BF16, INT4, FP8, GROUPED_INT8, INT8 = range(5)
 
 
 def decode_layer_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
@@ -72,34 +89,72 @@ def reference_decode_layer_(hidden, residual, positions, slots, block_tables, co
     return linear(cpu_layer_ops.reference_silu_and_mul(linear(out, gate_up, 2 * intermediate)), down, size)
 
 
+def decode_layer_q_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
+                    eps: float, kinds, weights, scales, zeros, group_sizes, int8_activations, qkv_bias,
+                    intermediate: int, cos, sin, k_cache, v_cache, num_heads: int, num_kv_heads: int, scale: float,
+                    window: int = 0, softcap: float = 0.0, q_norm=None, k_norm=None):
+    """The native layer on a native GEMM per linear (see the module docstring)."""
+    return torch.ops.kubellm_cpu.decode_layer_q_.default(hidden, residual, positions, slots, block_tables,
+                                                        context_lens, input_norm, post_norm, eps, kinds, weights,
+                                                        scales, zeros, group_sizes, int8_activations, qkv_bias,
+                                                        intermediate, cos, sin, k_cache, v_cache, num_heads,
+                                                        num_kv_heads, scale, window, softcap, q_norm, k_norm)
+
+
+def reference_decode_layer_q_(hidden, residual, positions, slots, block_tables, context_lens, input_norm,
+                              post_norm, eps: float, kinds, weights, scales, zeros, group_sizes, int8_activations,
+                              qkv_bias, intermediate: int, cos, sin, k_cache, v_cache, num_heads: int,
+                              num_kv_heads: int, scale: float, window: int = 0, softcap: float = 0.0, q_norm=None,
+                              k_norm=None):
+    """:func:`decode_layer_q_` from the references, each linear through its kernel's reference on its unpacked
+    values (4-bit: ``reference_w4a8_gemm`` with int8 activations, else ``reference_int4_gemm``)."""
+    def linear(x, i, n, bias=None):  # the i-th linear: 0 qkv, 1 o, 2 gate_up, 3 down
+        w, s, z, group, kind = weights[i], scales[i], zeros[i], group_sizes[i], kinds[i]
+        if kind == BF16:
+            return cpu_bf16_gemm.reference_bf16_linear(x, cpu_bf16_gemm.unpack(w, n, x.shape[1]), bias)
+        if kind == INT4:
+            q = cpu_int4_gemm.unpack(w)
+            assert q.shape[0] == n, (q.shape, n)
+            gemm = cpu_int4_gemm.reference_w4a8_gemm if int8_activations[i] else cpu_int4_gemm.reference_int4_gemm
+            return gemm(x, q, s.float(), z.float(), group, bias)
+        if kind == FP8:  # decode rows: the kernel's widened bytes, the scale on the sums
+            assert not cpu_fp8_gemm.rounds_weights(x.shape[0], x.shape[1], group)
+            return cpu_fp8_gemm.reference_fp8_gemm(x, cpu_fp8_gemm.unpack(w, n), s, group, bias)
+        if kind == GROUPED_INT8:
+            assert x.shape[0] < cpu_grouped_int8_gemm.DEQUANTIZE_ROWS  # weights as stored, not rounded to bf16
+            q = cpu_grouped_int8_gemm.unpack(w)[:n]
+            return cpu_grouped_int8_gemm.reference_grouped_int8_gemm(x, q, s, z, group, bias)
+        assert kind == INT8, kind
+        q = w.permute(0, 2, 1, 3).reshape(-1, x.shape[1])  # cpu_int8_gemm.pack's layout back to [N, K]
+        assert q.shape[0] == n, (q.shape, n)
+        return cpu_int8_gemm.reference_int8_gemm(x, q, s, bias)
+
+    out = _reference_attention(linear, hidden, residual, positions, slots, block_tables, context_lens, input_norm,
+                               post_norm, eps, 0, qkv_bias, 1, cos, sin, k_cache, v_cache, num_heads, num_kv_heads,
+                               scale, window, softcap, q_norm, k_norm)
+    return linear(cpu_layer_ops.reference_silu_and_mul(linear(out, 2, 2 * intermediate)), 3, hidden.shape[1])
+
+
 def decode_layer_q4_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
                      eps: float, packed, scales, zeros, group_sizes, int8_activations, qkv_bias, intermediate: int,
                      cos, sin, k_cache, v_cache, num_heads: int, num_kv_heads: int, scale: float, window: int = 0,
                      softcap: float = 0.0, q_norm=None, k_norm=None):
-    """The native layer on 4-bit linears (see the module docstring)."""
-    return torch.ops.kubellm_cpu.decode_layer_q4_.default(hidden, residual, positions, slots, block_tables,
-                                                         context_lens, input_norm, post_norm, eps, packed, scales,
-                                                         zeros, group_sizes, int8_activations, qkv_bias,
-                                                         intermediate, cos, sin, k_cache, v_cache, num_heads,
-                                                         num_kv_heads, scale, window, softcap, q_norm, k_norm)
+    """:func:`decode_layer_q_` with four 4-bit linears (``packed``: their weights)."""
+    return decode_layer_q_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
+                           eps, [INT4] * 4, packed, scales, zeros, group_sizes, int8_activations, qkv_bias,
+                           intermediate, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, scale, window,
+                           softcap, q_norm, k_norm)
 
 
 def reference_decode_layer_q4_(hidden, residual, positions, slots, block_tables, context_lens, input_norm,
                                post_norm, eps: float, packed, scales, zeros, group_sizes, int8_activations, qkv_bias,
                                intermediate: int, cos, sin, k_cache, v_cache, num_heads: int, num_kv_heads: int,
                                scale: float, window: int = 0, softcap: float = 0.0, q_norm=None, k_norm=None):
-    """:func:`decode_layer_q4_` from the references: each linear through ``cpu_int4_gemm.reference_w4a8_gemm``
-    (int8 activations) or ``reference_int4_gemm`` on its unpacked values."""
-    def linear(x, i, n, bias=None):  # the i-th linear: 0 qkv, 1 o, 2 gate_up, 3 down
-        q = cpu_int4_gemm.unpack(packed[i])
-        assert q.shape[0] == n, (q.shape, n)
-        gemm = cpu_int4_gemm.reference_w4a8_gemm if int8_activations[i] else cpu_int4_gemm.reference_int4_gemm
-        return gemm(x, q, scales[i].float(), zeros[i].float(), group_sizes[i], bias)
-
-    out = _reference_attention(linear, hidden, residual, positions, slots, block_tables, context_lens, input_norm,
-                               post_norm, eps, 0, qkv_bias, 1, cos, sin, k_cache, v_cache, num_heads, num_kv_heads,
-                               scale, window, softcap, q_norm, k_norm)
-    return linear(cpu_layer_ops.reference_silu_and_mul(linear(out, 2, 2 * intermediate)), 3, hidden.shape[1])
+    """:func:`decode_layer_q4_` from the references."""
+    return reference_decode_layer_q_(hidden, residual, positions, slots, block_tables, context_lens, input_norm,
+                                     post_norm, eps, [INT4] * 4, packed, scales, zeros, group_sizes,
+                                     int8_activations, qkv_bias, intermediate, cos, sin, k_cache, v_cache, num_heads,
+                                     num_kv_heads, scale, window, softcap, q_norm, k_norm)
 
 
 def _reference_attention(linear, hidden, residual, positions, slots, block_tables, context_lens, input_norm,

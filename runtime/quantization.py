@@ -145,6 +145,11 @@ class Int8Linear(nn.Module):
             out = nn.functional.linear(x, self.dequantized(x.dtype))
         return out if self.bias is None else out + self.bias
 
+    def int8_gemm_args(self) -> tuple | None:
+        """``(qweight, scales, bias)`` when :meth:`forward` on bfloat16 rows is exactly
+        ``cpu_int8_gemm.int8_gemm(rows, *these)`` (the native path; the bias in float32), else None."""
+        return (self.qweight, self.scales, self.bias_f32) if self.path == "native" else None
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The ``[out, in]`` weight this layer computes with."""
         q = self.qweight

@@ -10,9 +10,11 @@
 // attention): the threads claim each GEMM's work items as thread 0 reaches it, and warm the next GEMM's weights
 // while thread 0 runs the serial ops between them (layer_in_one_region).
 //
-// decode_layer_q4_ is the same layer with native 4-bit linears (kubellm_cpu::int4_gemm: --quantization int4,
-// AWQ, GPTQ, compressed-tensors W4A16, GGUF 4-bit), each GEMM in its own parallel region: the one-region path
-// shares bf16_linear's work items only.
+// decode_layer_q_ is the same dense layer with each linear on any native CPU GEMM, chosen per linear by a kind
+// code: bf16_linear, int4_gemm (--quantization int4, AWQ, GPTQ, compressed-tensors W4A16, GGUF 4-bit), fp8_gemm
+// (FP8 per channel or in blocks), grouped_int8_gemm (GPTQ 8-bit, W8A16, GGUF Q8_0/Q5_K/Q6_K) or int8_gemm
+// (--quantization int8), so a GGUF Q4_K_M layer mixing 4- and 8-bit linears is one call too. Each GEMM runs in
+// its own parallel region: the one-region path shares bf16_linear's work items only.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -47,6 +49,19 @@ struct Kernels {
                                       int64_t, const std::optional<at::Tensor>&, bool)>
       int4_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                                   const std::optional<at::Tensor>&, bool)>("kubellm_cpu::int4_gemm");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                      const std::optional<at::Tensor>&)>
+      fp8_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                 const std::optional<at::Tensor>&)>("kubellm_cpu::fp8_gemm");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const std::optional<at::Tensor>&, int64_t, const std::optional<at::Tensor>&)>
+      grouped_int8_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const std::optional<at::Tensor>&, int64_t,
+                                          const std::optional<at::Tensor>&)>("kubellm_cpu::grouped_int8_gemm");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const std::optional<at::Tensor>&)>
+      int8_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const std::optional<at::Tensor>&)>("kubellm_cpu::int8_gemm");
   c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)> add_rms_norm =
       op<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>("kubellm_cpu::add_rms_norm_");
   c10::TypedOperatorHandle<void(const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&)>
@@ -267,28 +282,50 @@ at::Tensor decode_layer_(at::Tensor& hidden, at::Tensor& residual, const at::Ten
   return region ? layer_in_one_region(l) : layer_by_ops(l);
 }
 
-// decode_layer_ with 4-bit linears: packed/scales/zeros/group_sizes/int8_activations hold qkv, o, gate_up and down
-// in that order, each as its QuantizedLinear (runtime/layers/quantized_linear.py) hands int4_gemm them; a dense
-// MLP only. qkv_bias is float32 (int4_gemm's bias).
-at::Tensor decode_layer_q4_(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
-                            const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-                            at::TensorList packed, at::TensorList scales, at::TensorList zeros,
-                            at::IntArrayRef group_sizes, std::array<bool, 4> int8_activations,
-                            const OptionalTensor& qkv_bias, int64_t intermediate, const at::Tensor& cos,
-                            const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t num_heads,
-                            int64_t num_kv_heads, double scale, int64_t window, double softcap,
-                            const OptionalTensor& q_norm, const OptionalTensor& k_norm) {
+// decode_layer_q_'s kind codes (kernels/cpu_decode_layer.py's BF16 ... INT8): which GEMM runs a linear.
+enum Kind : int64_t { kBf16 = 0, kInt4 = 1, kFp8 = 2, kGroupedInt8 = 3, kInt8 = 4 };
+
+// decode_layer_ with each linear on its own native GEMM: kinds/weights/scales/zeros/group_sizes/int8_activations
+// hold qkv, o, gate_up and down in that order, each as its layer's forward hands its kernel them (unused entries
+// None / 0 / false); a dense MLP only. qkv_bias is what the qkv layer passes its kernel (float32).
+at::Tensor decode_layer_q_(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
+                           const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                           at::IntArrayRef kinds, at::TensorList weights,
+                           const c10::List<std::optional<at::Tensor>>& scales,
+                           const c10::List<std::optional<at::Tensor>>& zeros, at::IntArrayRef group_sizes,
+                           std::array<bool, 4> int8_activations, const OptionalTensor& qkv_bias,
+                           int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                           at::Tensor& v_cache, int64_t num_heads, int64_t num_kv_heads, double scale,
+                           int64_t window, double softcap, const OptionalTensor& q_norm,
+                           const OptionalTensor& k_norm) {
   check_layer(hidden, slots, k_cache, v_cache, num_kv_heads, q_norm, k_norm);
-  TORCH_CHECK(packed.size() == 4 && scales.size() == 4 && zeros.size() == 4 && group_sizes.size() == 4,
-              "packed, scales, zeros and group_sizes each hold the 4 linears qkv, o, gate_up, down");
+  TORCH_CHECK(kinds.size() == 4 && weights.size() == 4 && scales.size() == 4 && zeros.size() == 4 &&
+                  group_sizes.size() == 4,
+              "kinds, weights, scales, zeros and group_sizes each hold the 4 linears qkv, o, gate_up, down");
+  std::array<OptionalTensor, 4> s, z;
+  for (size_t i = 0; i < 4; ++i) {
+    s[i] = scales.get(i);
+    z[i] = zeros.get(i);
+    const int64_t kind = kinds[i];
+    TORCH_CHECK(kind >= kBf16 && kind <= kInt8, "linear ", i, ": unknown kind ", kind);
+    TORCH_CHECK(kind == kBf16 || s[i].has_value(), "linear ", i, " (kind ", kind, ") needs its scales");
+    TORCH_CHECK(kind != kInt4 || z[i].has_value(), "linear ", i, " (int4) needs its zero points");
+  }
   const OptionalTensor no_router;
   const Layer l{hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm, eps,
-                packed[0], qkv_bias, packed[1], packed[2], packed[3], intermediate, cos, sin, k_cache, v_cache,
+                weights[0], qkv_bias, weights[1], weights[2], weights[3], intermediate, cos, sin, k_cache, v_cache,
                 num_heads, num_kv_heads, scale, window, softcap, q_norm, k_norm, no_router, 0, false};
   const Kernels& kn = kernels();
   return layer_ops(l, [&](int i, const at::Tensor& x, const at::Tensor& w, int64_t n, const OptionalTensor& bias) {
-    at::Tensor y = kn.int4_linear.call(x, w, scales[i], zeros[i], group_sizes[i], bias, int8_activations[i]);
+    at::Tensor y;
+    switch (kinds[i]) {
+      case kBf16: y = kn.linear.call(x, w, n, bias); break;
+      case kInt4: y = kn.int4_linear.call(x, w, *s[i], *z[i], group_sizes[i], bias, int8_activations[i]); break;
+      case kFp8: y = kn.fp8_linear.call(x, w, *s[i], group_sizes[i], bias); break;
+      case kGroupedInt8: y = kn.grouped_int8_linear.call(x, w, *s[i], z[i], group_sizes[i], bias); break;
+      default: y = kn.int8_linear.call(x, w, *s[i], bias); break;
+    }
     TORCH_CHECK(y.size(1) == n, "linear ", i, " (qkv, o, gate_up, down) has ", y.size(1), " outputs, not ", n);
     return y;
   });
@@ -305,14 +342,15 @@ TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
       "Tensor(d!) v_cache, int num_heads, int num_kv_heads, float scale, int window, float softcap, "
       "Tensor? q_norm=None, Tensor? k_norm=None, Tensor? router=None, int top_k=0, bool renormalize=False) -> Tensor");
   m.def(
-      "decode_layer_q4_(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor slots, "
-      "Tensor block_tables, Tensor context_lens, Tensor input_norm, Tensor post_norm, float eps, Tensor[] packed, "
-      "Tensor[] scales, Tensor[] zeros, int[] group_sizes, bool[4] int8_activations, Tensor? qkv_bias, "
-      "int intermediate, Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, int num_heads, "
-      "int num_kv_heads, float scale, int window, float softcap, Tensor? q_norm=None, Tensor? k_norm=None) -> Tensor");
+      "decode_layer_q_(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor slots, "
+      "Tensor block_tables, Tensor context_lens, Tensor input_norm, Tensor post_norm, float eps, int[] kinds, "
+      "Tensor[] weights, Tensor?[] scales, Tensor?[] zeros, int[] group_sizes, bool[4] int8_activations, "
+      "Tensor? qkv_bias, int intermediate, Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, "
+      "int num_heads, int num_kv_heads, float scale, int window, float softcap, Tensor? q_norm=None, "
+      "Tensor? k_norm=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) {
   m.impl("decode_layer_", &kubellm_cpu::decode_layer_);
-  m.impl("decode_layer_q4_", &kubellm_cpu::decode_layer_q4_);
+  m.impl("decode_layer_q_", &kubellm_cpu::decode_layer_q_);
 }

@@ -154,10 +154,27 @@ class QuantizedLinear(nn.Module):
         """``(qweight, scales, zeros, group_size, int8_activations)`` when :meth:`forward` on bfloat16 rows is
         exactly ``cpu_int4_gemm.int4_gemm(rows, *these, bias=self.bias)`` (the native 4-bit path, inputs in
         their stored order: no act-order gather), else None. The fused decode layer calls it so (models/llama.py)."""
-        if self.path != "native" or self.bits != 4 or self.float_values or self.perm is not None \
-                or self.g_idx is not None:
+        if not self._native_in_order() or self.bits != 4 or self.float_values:
             return None
         return self.qweight, self.scales, self.zeros, self.group_size, self.int8_activations
+
+    def fp8_gemm_args(self) -> tuple | None:
+        """``(qweight, scales, group_size)`` when :meth:`forward` on bfloat16 rows is exactly
+        ``cpu_fp8_gemm.fp8_gemm(rows, *these, bias=self.bias)`` (native FP8, no act-order gather), else None."""
+        if not self._native_in_order() or not self.float_values:
+            return None
+        return self.qweight, self.scales, self.group_size
+
+    def grouped_int8_gemm_args(self) -> tuple | None:
+        """``(qweight, scales, zeros, group_size)`` when :meth:`forward` on bfloat16 rows is exactly
+        ``cpu_grouped_int8_gemm.grouped_int8_gemm(rows, *these, bias=self.bias)`` (native 5..8-bit, no act-order
+        gather), else None."""
+        if not self._native_in_order() or self.float_values or self.bits == 4:
+            return None
+        return self.qweight, self.scales, self.zeros, self.group_size
+
+    def _native_in_order(self) -> bool:
+        return self.path == "native" and self.perm is None and self.g_idx is None
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[out, in]`` weight in the layer's own input order (after the act-order sort, if any)."""

@@ -16,8 +16,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_layer_ops
-from kubellm.kernels.cpu_decode_layer import decode_layer_, decode_layer_q4_
+from kubellm.kernels import cpu_decode_layer, cpu_layer_ops
+from kubellm.kernels.cpu_decode_layer import decode_layer_, decode_layer_q_
 from kubellm.runtime.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -37,6 +37,7 @@ from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
+from kubellm.runtime.quantization import Int8Linear
 from kubellm.runtime.tp_group import Group
 
 
@@ -115,13 +116,25 @@ class LlamaAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
-def fused_linear(m: nn.Module) -> torch.Tensor | tuple | None:
-    """What the fused decode layer takes for linear ``m``: a native bf16 layer's packed weight, a native 4-bit
-    layer's ``int4_gemm`` arguments (:meth:`QuantizedLinear.int4_gemm_args`), else None (the module tree runs it)."""
+def fused_linear(m: nn.Module) -> tuple | None:
+    """What the fused decode layer takes for linear ``m``: ``(kind, weight, scales, zeros, group_size,
+    int8_activations, bias)`` (kernels/cpu_decode_layer.py's kinds), exactly what ``m``'s forward hands its native
+    kernel on bfloat16 rows (a NativeLinear's packed weight, a QuantizedLinear's or Int8Linear's ``*_gemm_args``),
+    else None: the module tree runs it (other paths, act-order gathers)."""
     if isinstance(m, NativeLinear):
-        return m.packed_weight
-    if isinstance(m, QuantizedLinear):
-        return m.int4_gemm_args()
+        return cpu_decode_layer.BF16, m.packed_weight, None, None, 0, False, m.bias
+    if isinstance(m, Int8Linear):
+        args = m.int8_gemm_args()
+        return None if args is None else (cpu_decode_layer.INT8, args[0], args[1], None, 0, False, args[2])
+    if not isinstance(m, QuantizedLinear):
+        return None
+    if (args := m.int4_gemm_args()) is not None:
+        return cpu_decode_layer.INT4, *args, m.bias
+    if (args := m.fp8_gemm_args()) is not None:
+        weight, scales, group = args
+        return cpu_decode_layer.FP8, weight, scales, None, group, False, m.bias
+    if (args := m.grouped_int8_gemm_args()) is not None:
+        return cpu_decode_layer.GROUPED_INT8, *args, False, m.bias
     return None
 
 
@@ -145,7 +158,7 @@ class LlamaMLP(nn.Module):
         if type(self) is not LlamaMLP or not self.native or self.ops is not cpu_layer_ops or self.tp.size > 1:
             return None
         gate_up, down = (fused_linear(m) for m in linears)
-        if gate_up is None or down is None or any(m.bias is not None for m in linears):
+        if gate_up is None or down is None or gate_up[-1] is not None or down[-1] is not None:
             return None
         return gate_up, down, self.intermediate, None, 0, False
 
@@ -183,15 +196,16 @@ class LlamaDecoderLayer(nn.Module):
     def fused_decode_args(self) -> tuple | None:
         """``(fn, args)``: this layer's constant arguments (norms, weights, rotary tables, cache, attention shape,
         q/k norms, experts) of ``fn``, :func:`kubellm.kernels.cpu_decode_layer.decode_layer_` (bf16 linears) or
-        its ``decode_layer_q4_`` (4-bit linears, a dense MLP), or None unless it is a Llama layer running
-        entirely on the native CPU kernels whose attention (Llama's, Qwen3's q/k norms) and MLP (dense, or packed
-        experts) each give their part (other families add norms, scales or layer types)."""
+        its ``decode_layer_q_`` (each linear on its native GEMM, bf16, 4-bit, FP8 or 8-bit, mixed as they come; a
+        dense MLP), or None unless it is a Llama layer running entirely on the native CPU kernels whose attention
+        (Llama's, Qwen3's q/k norms) and MLP (dense, or packed experts) each give their part (other families add
+        norms, scales or layer types)."""
         attn = self.self_attn
         qk_norms = attn.fused_qk_norms() if isinstance(attn, LlamaAttention) else None
         mlp = getattr(self.mlp, "fused_decode_args", lambda: None)()
         qkv, o = (fused_linear(getattr(attn, name, None)) for name in ("qkv_proj", "o_proj"))
         if (type(self) is not LlamaDecoderLayer or qk_norms is None or mlp is None or attn.tp.size > 1
-                or qkv is None or o is None or attn.o_proj.bias is not None or not attn.native
+                or qkv is None or o is None or o[-1] is not None or not attn.native
                 or attn.ops is not cpu_layer_ops
                 or not all(type(n) is RMSNorm and n.native and n.ops is cpu_layer_ops
                            for n in (self.input_layernorm, self.post_attention_layernorm))
@@ -199,19 +213,24 @@ class LlamaDecoderLayer(nn.Module):
                 or attn.attn.k_cache.dtype != torch.bfloat16):
             return None
         gate_up, down, intermediate, router, top_k, renormalize = mlp
-        linears = (qkv, o, gate_up, down)
         opts = attn.attn.opts
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps)
         rest = (attn.rotary.cos, attn.rotary.sin, attn.attn.k_cache, attn.attn.v_cache, attn.num_heads,
                 attn.num_kv_heads, attn.attn.backend.scale, opts.window or 0, opts.softcap or 0.0, *qk_norms)
-        if all(isinstance(w, torch.Tensor) for w in linears):
-            return decode_layer_, (*norms, qkv, attn.qkv_proj.bias, o, gate_up, down, intermediate, *rest, router,
+        qkv_bias = qkv[-1]
+        if router is not None:  # packed bf16 experts: their kernel runs in decode_layer_ only
+            if qkv[0] != cpu_decode_layer.BF16 or o[0] != cpu_decode_layer.BF16:
+                return None
+            return decode_layer_, (*norms, qkv[1], qkv_bias, o[1], gate_up, down, intermediate, *rest, router,
                                    top_k, renormalize)
-        if all(isinstance(w, tuple) for w in linears) and router is None:
-            packed, scales, zeros, group_sizes, int8_activations = (list(c) for c in zip(*linears, strict=True))
-            return decode_layer_q4_, (*norms, packed, scales, zeros, group_sizes, int8_activations,
-                                      attn.qkv_proj.bias, intermediate, *rest)
-        return None  # a mix of bf16 and 4-bit linears, or 4-bit ones beside experts
+        linears = (qkv, o, gate_up, down)
+        if all(lin[0] == cpu_decode_layer.BF16 for lin in linears):
+            return decode_layer_, (*norms, qkv[1], qkv_bias, o[1], gate_up[1], down[1], intermediate, *rest, None,
+                                   0, False)
+        kinds, weights, scales, zeros, group_sizes, int8_activations, _ = (list(c) for c in zip(*linears,
+                                                                                               strict=True))
+        return decode_layer_q_, (*norms, kinds, weights, scales, zeros, group_sizes, int8_activations, qkv_bias,
+                                 intermediate, *rest)
 
 
 class LlamaModel(nn.Module):

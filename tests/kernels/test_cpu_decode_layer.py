@@ -1,18 +1,34 @@
 """The fused decode layer (one native call per Llama layer) against its plain-PyTorch reference: the returned MLP
 output, the residual stream and the K/V written into the pool; with Qwen3's q/k norms and with a mixture of
-experts as the MLP; and its variant on 4-bit linears (decode_layer_q4_), with bf16 and int8 activations."""
+experts as the MLP; and its variant with a native GEMM per linear (decode_layer_q_: bf16, 4-bit with bf16 and
+int8 activations, FP8 per channel and in blocks, grouped 8-bit with and without zero points, per-channel int8,
+mixed within a layer; decode_layer_q4_ is it with four 4-bit linears)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kubellm.kernels import cpu_bf16_gemm, cpu_int4_gemm, cpu_moe
+from kubellm.kernels import (
+    cpu_bf16_gemm,
+    cpu_fp8_gemm,
+    cpu_grouped_int8_gemm,
+    cpu_int4_gemm,
+    cpu_int8_gemm,
+    cpu_moe,
+)
 from kubellm.kernels.cpu_decode_layer import (
+    BF16,
+    FP8,
+    GROUPED_INT8,
+    INT4,
+    INT8,
     decode_layer_,
     decode_layer_q4_,
+    decode_layer_q_,
     reference_decode_layer_,
     reference_decode_layer_q4_,
+    reference_decode_layer_q_,
 )
 from kubellm.runtime.layers.rotary import RotaryEmbedding
 
@@ -189,6 +205,12 @@ def test_q4_decode_layer_matches_the_reference(context_lens, bias, int8, family,
         request.getfixturevalue("native_int4_int8")
     gen = torch.Generator().manual_seed(len(context_lens) * 100 + context_lens[0] + 7)
     layer = make_q4_layer(gen, bias, int8, qk_norm=family == "qwen3")
+    _check_against_reference(gen, layer, context_lens, decode_layer_q4_, reference_decode_layer_q4_)
+
+
+def _check_against_reference(gen, layer, context_lens, kernel, reference):
+    """Runs ``kernel`` and ``reference`` on the same random decode rows, pool and tables: the MLP output, residual
+    and K/V pool within a bf16 step or two, the pool's other slots untouched."""
     t = len(context_lens)
     blocks_each = -(-max(context_lens) // BLOCK)
     num_blocks = t * blocks_each + 3
@@ -203,7 +225,7 @@ def test_q4_decode_layer_matches_the_reference(context_lens, bias, int8, family,
     common = dict(positions=positions, slots=slots, block_tables=tables,
                   context_lens=torch.tensor(context_lens, dtype=torch.int32))
     runs = {}
-    for name, fn in (("kernel", decode_layer_q4_), ("reference", reference_decode_layer_q4_)):
+    for name, fn in (("kernel", kernel), ("reference", reference)):
         h, r, k, v = hidden.clone(), residual.clone(), k_cache.clone(), v_cache.clone()
         runs[name] = (fn(h, r, k_cache=k, v_cache=v, **common, **layer), r, k, v)
     (out, res, k, v), (ref_out, ref_res, ref_k, ref_v) = runs["kernel"], runs["reference"]
@@ -211,7 +233,7 @@ def test_q4_decode_layer_matches_the_reference(context_lens, bias, int8, family,
     assert out.float().std() > 0.5  # outputs O(1): the tolerances are a bf16 step or two at that size
     # The reference quantizes activations as the kernel does and sums in float32/64: equal but for a rare bf16
     # rounding of a sum, carried through (measured: at most 1 ulp). bf16 instead of int8 activations in one
-    # linear moves outputs by ~0.05.
+    # linear moves outputs by ~0.05; so does any linear's scale off by 5%.
     for got, want in ((res, ref_res), (out, ref_out), (k, ref_k), (v, ref_v)):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
     written = torch.zeros(num_blocks * BLOCK, dtype=torch.bool)
@@ -228,3 +250,90 @@ def test_q4_decode_layer_refuses_a_linear_of_the_wrong_width(native_int4):
         decode_layer_q4_(torch.randn(1, HIDDEN).to(torch.bfloat16), torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
                          torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),
                          torch.tensor([1], dtype=torch.int32), k_cache=k_cache, v_cache=k_cache.clone(), **layer)
+
+
+SHAPES = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM),
+          "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+
+
+def make_linear(gen: torch.Generator, kind: int, n: int, k: int, group: int, zeros: bool = False) -> tuple:
+    """A random linear of ``kind`` as its layer hands its kernel it: (weight, scales, zeros, group_size), weights
+    about 1/sqrt(k) (outputs O(1))."""
+    if kind == BF16:
+        return cpu_bf16_gemm.pack((torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)), None, None, 0
+    if kind == INT4:
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        return (cpu_int4_gemm.pack(q), (torch.rand(k // group, n, generator=gen) + 0.5).div(4 * k**0.5).half(),
+                torch.rand(k // group, n, generator=gen) * 4 + 6, group)
+    if kind == FP8:  # e4m3 values ~N(0, 1); the last block shorter where group does not divide k
+        w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn)
+        scales = (torch.rand(-(-k // group), n, generator=gen) + 0.5) / k**0.5
+        return cpu_fp8_gemm.pack(w), scales, None, group
+    if kind == GROUPED_INT8:  # -128..127 around a zero point (asymmetric) or 0
+        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        z = (torch.rand(k // group, n, generator=gen) * 8 - 4).round() if zeros else None
+        return cpu_grouped_int8_gemm.pack(q), (torch.rand(k // group, n, generator=gen) + 0.5) / (74 * k**0.5), z, \
+            group
+    assert kind == INT8
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    return cpu_int8_gemm.pack(q), (torch.rand(n, generator=gen) + 0.5) / (74 * k**0.5), None, 0
+
+
+def make_mixed_layer(gen: torch.Generator, bias: bool, kinds: tuple, groups: tuple, qk_norm: bool,
+                     int8: tuple = (False,) * 4, zeros: bool = False) -> dict:
+    """make_layer's dense layer with linear i of ``kinds[i]`` (group ``groups[i]``), laid out for decode_layer_q_."""
+    layer = make_layer(gen, bias, qk_norm=qk_norm)
+    for name in SHAPES:
+        del layer[name]
+    parts = [make_linear(gen, kind, *SHAPES[name], group, zeros)
+             for kind, name, group in zip(kinds, SHAPES, groups, strict=True)]
+    weights, scales, zero_points, group_sizes = (list(c) for c in zip(*parts, strict=True))
+    layer.update(kinds=list(kinds), weights=weights, scales=scales, zeros=zero_points, group_sizes=group_sizes,
+                 int8_activations=list(int8))
+    return layer
+
+
+@pytest.mark.parametrize("context_lens,bias,kinds,groups,zeros,family", [
+    ([1], False, (FP8,) * 4, (-1, -1, -1, -1), False, "llama"),  # FP8 per channel (group = K)
+    ([13], True, (FP8,) * 4, (32, 32, 32, 32), False, "llama"),  # FP8 blocks (128 x 128 read as 128-input groups)
+    ([9, 20, 4], False, (FP8, FP8, FP8, FP8), (64, 64, 64, 64), False, "qwen3"),  # last group of 96/160 shorter
+    ([11], False, (GROUPED_INT8,) * 4, (32, 16, 32, 32), False, "llama"),  # GPTQ 8-bit sym, Q8_0
+    ([6, 15], True, (GROUPED_INT8,) * 4, (16, 32, 32, 16), True, "qwen3"),  # zero points (Q5_K, GPTQ asym)
+    ([7], True, (INT8,) * 4, (0, 0, 0, 0), False, "llama"),  # --quantization int8, qkv bias
+    ([5, 12], False, (INT4, GROUPED_INT8, INT4, GROUPED_INT8), (32, 16, 32, 16), False, "llama"),  # Q4_K_M-like
+    ([10], True, (BF16, FP8, GROUPED_INT8, INT4), (0, 32, 32, 32), True, "qwen3"),  # every kind in one layer
+    ([3], False, (INT8, INT4, BF16, FP8), (0, 16, 0, -1), False, "llama"),
+])
+def test_q_decode_layer_matches_the_reference(context_lens, bias, kinds, groups, zeros, family, native_int4,
+                                              native_fp8, native_grouped_int8, native_int8):
+    gen = torch.Generator().manual_seed(len(context_lens) * 100 + context_lens[0] + 11)
+    groups = tuple(SHAPES[name][1] if g == -1 else g for g, name in zip(groups, SHAPES, strict=True))
+    layer = make_mixed_layer(gen, bias, kinds, groups, qk_norm=family == "qwen3", zeros=zeros)
+    _check_against_reference(gen, layer, context_lens, decode_layer_q_, reference_decode_layer_q_)
+
+
+def test_q_decode_layer_reference_sees_a_wrong_scale(native_fp8, native_grouped_int8):
+    """The comparison above can fail: one linear's scales 5% off in the reference breaks it."""
+    gen = torch.Generator().manual_seed(3)
+    layer = make_mixed_layer(gen, False, (FP8, GROUPED_INT8, FP8, GROUPED_INT8), (32, 32, 32, 32), qk_norm=False)
+
+    def reference(*args, **kw):
+        kw["scales"] = [s * 1.05 if i == 3 else s for i, s in enumerate(kw["scales"])]
+        return reference_decode_layer_q_(*args, **kw)
+
+    with pytest.raises(AssertionError):
+        _check_against_reference(gen, layer, [8], decode_layer_q_, reference)
+
+
+def test_q_decode_layer_refuses_unknown_kinds_and_missing_scales(native_fp8):
+    gen = torch.Generator().manual_seed(2)
+    layer = make_mixed_layer(gen, False, (FP8,) * 4, (32,) * 4, qk_norm=False)
+    k_cache = torch.zeros(2, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    rows = (torch.randn(1, HIDDEN).to(torch.bfloat16), torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
+            torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="linear 1: unknown kind 7"):
+        decode_layer_q_(*rows, k_cache=k_cache, v_cache=k_cache.clone(), **{**layer, "kinds": [FP8, 7, FP8, FP8]})
+    with pytest.raises(RuntimeError, match="linear 2 .kind 2. needs its scales"):
+        decode_layer_q_(*rows, k_cache=k_cache, v_cache=k_cache.clone(),
+                        **{**layer, "scales": [*layer["scales"][:2], None, layer["scales"][3]]})

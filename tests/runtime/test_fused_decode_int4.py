@@ -1,4 +1,4 @@
-"""The fused decode layer on native 4-bit linears (kernels/cpu_decode_layer.py's decode_layer_q4_): an int4 model's
+"""The fused decode layer on native 4-bit linears (kernels/cpu_decode_layer.py's decode_layer_q_): an int4 model's
 pure decode steps run one native call per layer that calls the module tree's own kernels (int4_gemm with each
 layer's activations, add + RMSNorm, rotary or Qwen3's q/k norms, paged attention, SiLU-and-mul) in its order, so
 every sampled row's logits are the same bits as with ``KUBELLM_FUSED_DECODE=0``: ``--quantization int4``,
@@ -16,17 +16,30 @@ from test_prequantized_loading import SHAPE, write_quantized
 from kubellm.kernels import cpu_decode_layer
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models import llama
+from kubellm.runtime.quantization import Int8Linear
 from kubellm.runtime.sampling_params import SamplingParams
 
 # int8 activations need VNNI, which every AVX512-BF16 CPU has (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("native_int4", "native_int4_int8", "native_bf16_gemm")
 
 
+def _is_native_4bit(layers, activations):
+    assert all(m.path == "native" and m.bits == 4 for m in layers)
+    assert {m.int8_activations for m in layers} == {activations == "int8"}
+
+
 def _fused_vs_tree(model_dir, monkeypatch, activations: str, fused_expected: bool = True, vocab: int = 512,
-                   **engine_kw):
-    """Greedy-generate with the fused layer on, then off; assert what ran and return (tokens, logits) of each."""
+                   check_layers=_is_native_4bit, kinds: set | None = None, **engine_kw):
+    """Greedy-generate with the fused layer on, then off; assert what ran (``check_layers(quantized linears,
+    activations)``; with ``kinds``, the set of per-layer kind lists decode_layer_q_ was called with) and return
+    (tokens, logits) of each."""
     calls = []
-    monkeypatch.setattr(llama, "decode_layer_q4_", lambda *a: calls.append(1) or cpu_decode_layer.decode_layer_q4_(*a))
+
+    def spy(*a):
+        calls.append(tuple(a[9]))  # kinds
+        return cpu_decode_layer.decode_layer_q_(*a)
+
+    monkeypatch.setattr(llama, "decode_layer_q_", spy)
     runs = {}
     for fused in ("1", "0"):
         monkeypatch.setenv(llama.FUSED_DECODE_ENV, fused)
@@ -34,18 +47,19 @@ def _fused_vs_tree(model_dir, monkeypatch, activations: str, fused_expected: boo
         llm = _engine(model_dir, dtype="bfloat16", cpu_int4_activations=activations, **engine_kw)
         try:
             model = llm.engine.runner.model
-            layers = [m for m in model.model.layers.modules() if isinstance(m, QuantizedLinear)]
-            assert len(layers) == 4 * len(model.model.layers) and all(m.path == "native" and m.bits == 4
-                                                                      for m in layers)
-            assert {m.int8_activations for m in layers} == {activations == "int8"}
+            layers = [m for m in model.model.layers.modules() if isinstance(m, QuantizedLinear | Int8Linear)]
+            assert len(layers) == 4 * len(model.model.layers)
+            check_layers(layers, activations)
             assert (model.model.fused_layers is not None) == (fused == "1" and fused_expected)
             recorder = llm.engine.runner.sampler = LogitRecorder(llm.engine.runner.sampler)
             outs = llm.generate(_prompts(vocab=vocab)[:4], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                                 use_tqdm=False)
         finally:
             llm.close()
-        # pure decode steps came after the prefills and ran the 4-bit fused layer
+        # pure decode steps came after the prefills and ran the fused layer on the expected kernels
         assert bool(calls) == (fused == "1" and fused_expected)
+        if calls:
+            assert set(calls) == (kinds or {(cpu_decode_layer.INT4,) * 4})
         runs[fused] = ([o.token_ids for o in outs], [torch.stack(recorder.rows[o.request_id]) for o in outs])
     return runs
 

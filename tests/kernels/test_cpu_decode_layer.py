@@ -65,6 +65,25 @@ def make_layer(gen: torch.Generator, bias: bool, qk_norm: bool = False, moe: boo
     return layer
 
 
+def _decode_rows(gen, context_lens):
+    """Random decode rows (hidden, residual) and a K/V pool of earlier tokens (and unused blocks) with shuffled
+    block tables: one query token per row at the end of its context; common = the op's position/table arguments."""
+    t = len(context_lens)
+    blocks_each = -(-max(context_lens) // BLOCK)
+    num_blocks = t * blocks_each + 3
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[: t * blocks_each].view(t, blocks_each).to(torch.int32)
+    positions = torch.tensor([n - 1 for n in context_lens])
+    slots = torch.stack([tables[i, p // BLOCK].long() * BLOCK + p % BLOCK for i, p in enumerate(positions.tolist())])
+    hidden = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
+    common = dict(positions=positions, slots=slots, block_tables=tables,
+                  context_lens=torch.tensor(context_lens, dtype=torch.int32))
+    return hidden, residual, k_cache, v_cache, common
+
+
 @pytest.mark.parametrize("context_lens,bias,window,softcap,family", [
     ([1], False, 0, 0.0, "llama"),  # the first token: attends to itself only
     ([13], True, 0, 0.0, "llama"),  # Qwen2's qkv bias, a partly filled last block
@@ -80,18 +99,8 @@ def test_fused_decode_layer_matches_the_reference(context_lens, bias, window, so
     gen = torch.Generator().manual_seed(len(context_lens) * 100 + context_lens[0])
     layer = make_layer(gen, bias, qk_norm=family.startswith("qwen3"), moe=family in ("qwen3_moe", "mixtral"))
     t = len(context_lens)
-    blocks_each = -(-max(context_lens) // BLOCK)
-    num_blocks = t * blocks_each + 3
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)  # earlier tokens' K/V (and unused blocks)
-    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    tables = torch.randperm(num_blocks, generator=gen)[: t * blocks_each].view(t, blocks_each).to(torch.int32)
-    positions = torch.tensor([n - 1 for n in context_lens])
-    slots = torch.stack([tables[i, p // BLOCK].long() * BLOCK + p % BLOCK for i, p in enumerate(positions.tolist())])
-    hidden = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
-    residual = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
-    common = dict(positions=positions, slots=slots, block_tables=tables,
-                  context_lens=torch.tensor(context_lens, dtype=torch.int32), window=window, softcap=softcap)
+    hidden, residual, k_cache, v_cache, common = _decode_rows(gen, context_lens)
+    common.update(window=window, softcap=softcap)
 
     runs = {}
     for name, fn in (("kernel", decode_layer_), ("reference", reference_decode_layer_)):
@@ -106,8 +115,8 @@ def test_fused_decode_layer_matches_the_reference(context_lens, bias, window, so
     torch.testing.assert_close(out.float(), ref_out.float(), atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(k.float(), ref_k.float(), atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(v.float(), ref_v.float(), atol=3e-2, rtol=2e-2)
-    written = torch.zeros(num_blocks * BLOCK, dtype=torch.bool)
-    written[slots] = True  # every other slot of the pool is left as it was
+    written = torch.zeros(k_cache.shape[0] * BLOCK, dtype=torch.bool)
+    written[common["slots"]] = True  # every other slot of the pool is left as it was
     assert torch.equal(k.view(-1, KV_HEADS, HEAD_DIM)[~written], k_cache.view(-1, KV_HEADS, HEAD_DIM)[~written])
     assert not torch.equal(k.view(-1, KV_HEADS, HEAD_DIM)[written], k_cache.view(-1, KV_HEADS, HEAD_DIM)[written])
 
@@ -212,18 +221,7 @@ def _check_against_reference(gen, layer, context_lens, kernel, reference):
     """Runs ``kernel`` and ``reference`` on the same random decode rows, pool and tables: the MLP output, residual
     and K/V pool within a bf16 step or two, the pool's other slots untouched."""
     t = len(context_lens)
-    blocks_each = -(-max(context_lens) // BLOCK)
-    num_blocks = t * blocks_each + 3
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    tables = torch.randperm(num_blocks, generator=gen)[: t * blocks_each].view(t, blocks_each).to(torch.int32)
-    positions = torch.tensor([n - 1 for n in context_lens])
-    slots = torch.stack([tables[i, p // BLOCK].long() * BLOCK + p % BLOCK for i, p in enumerate(positions.tolist())])
-    hidden = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
-    residual = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16)
-    common = dict(positions=positions, slots=slots, block_tables=tables,
-                  context_lens=torch.tensor(context_lens, dtype=torch.int32))
+    hidden, residual, k_cache, v_cache, common = _decode_rows(gen, context_lens)
     runs = {}
     for name, fn in (("kernel", kernel), ("reference", reference)):
         h, r, k, v = hidden.clone(), residual.clone(), k_cache.clone(), v_cache.clone()
@@ -236,8 +234,8 @@ def _check_against_reference(gen, layer, context_lens, kernel, reference):
     # linear moves outputs by ~0.05; so does any linear's scale off by 5%.
     for got, want in ((res, ref_res), (out, ref_out), (k, ref_k), (v, ref_v)):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
-    written = torch.zeros(num_blocks * BLOCK, dtype=torch.bool)
-    written[slots] = True
+    written = torch.zeros(k_cache.shape[0] * BLOCK, dtype=torch.bool)
+    written[common["slots"]] = True
     assert torch.equal(k.view(-1, KV_HEADS, HEAD_DIM)[~written], k_cache.view(-1, KV_HEADS, HEAD_DIM)[~written])
 
 

@@ -32,7 +32,7 @@ one region per kernel (``KUBELLM_LAYER_REGION=0`` turns that off, for A/B runs; 
 ``zeros``, ``group_sizes`` and ``int8_activations`` each list qkv, o, gate_up and down, as their layers pass
 them to their kernel (entries a kind does not take: None, 0, False; ``qkv_bias`` as the qkv layer passes it,
 float32), so 4-bit and 8-bit linears mix within a layer (GGUF Q4_K_M). Each kernel runs in its own parallel
-region. :func:`decode_layer_q4_` is it with four 4-bit linears.
+region.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from kubellm.kernels import (
 )
 from kubellm.kernels.cpu_paged_attention import reference_paged_decode_attention
 
-__all__ = ["BF16", "FP8", "GROUPED_INT8", "INT4", "INT8", "decode_layer_", "decode_layer_q4_", "decode_layer_q_",
-           "reference_decode_layer_", "reference_decode_layer_q4_", "reference_decode_layer_q_"]
+__all__ = ["BF16", "FP8", "GROUPED_INT8", "INT4", "INT8", "decode_layer_", "decode_layer_q_", "reference_decode_layer_",
+           "reference_decode_layer_q_"]
 
 # decode_layer_q_'s kinds of linear (enum Kind in csrc/decode_layer_cpu.cpp)
 BF16, INT4, FP8, GROUPED_INT8, INT8 = range(5)
@@ -133,28 +133,6 @@ def reference_decode_layer_q_(hidden, residual, positions, slots, block_tables, 
                                post_norm, eps, 0, qkv_bias, 1, cos, sin, k_cache, v_cache, num_heads, num_kv_heads,
                                scale, window, softcap, q_norm, k_norm)
     return linear(cpu_layer_ops.reference_silu_and_mul(linear(out, 2, 2 * intermediate)), 3, hidden.shape[1])
-
-
-def decode_layer_q4_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
-                     eps: float, packed, scales, zeros, group_sizes, int8_activations, qkv_bias, intermediate: int,
-                     cos, sin, k_cache, v_cache, num_heads: int, num_kv_heads: int, scale: float, window: int = 0,
-                     softcap: float = 0.0, q_norm=None, k_norm=None):
-    """:func:`decode_layer_q_` with four 4-bit linears (``packed``: their weights)."""
-    return decode_layer_q_(hidden, residual, positions, slots, block_tables, context_lens, input_norm, post_norm,
-                           eps, [INT4] * 4, packed, scales, zeros, group_sizes, int8_activations, qkv_bias,
-                           intermediate, cos, sin, k_cache, v_cache, num_heads, num_kv_heads, scale, window,
-                           softcap, q_norm, k_norm)
-
-
-def reference_decode_layer_q4_(hidden, residual, positions, slots, block_tables, context_lens, input_norm,
-                               post_norm, eps: float, packed, scales, zeros, group_sizes, int8_activations, qkv_bias,
-                               intermediate: int, cos, sin, k_cache, v_cache, num_heads: int, num_kv_heads: int,
-                               scale: float, window: int = 0, softcap: float = 0.0, q_norm=None, k_norm=None):
-    """:func:`decode_layer_q4_` from the references."""
-    return reference_decode_layer_q_(hidden, residual, positions, slots, block_tables, context_lens, input_norm,
-                                     post_norm, eps, [INT4] * 4, packed, scales, zeros, group_sizes,
-                                     int8_activations, qkv_bias, intermediate, cos, sin, k_cache, v_cache, num_heads,
-                                     num_kv_heads, scale, window, softcap, q_norm, k_norm)
 
 
 def _reference_attention(linear, hidden, residual, positions, slots, block_tables, context_lens, input_norm,

@@ -177,16 +177,10 @@ void rows_kernel4(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const f
 // cache-resident) it runs 1.1-1.3x from 8 to 1024 rows, where dot_groups in intrinsics ran 0.83-0.98x at 4-32
 // rows (benchmarks/README.md, 2026-11-28).
 
-// dot_groups_rows over one row block and the store of its first `rows` rows (bias added, bf16), as store_tile
-// does for registers.
-template <int MR, int NB>
-void w4a8_rows_kernel(int rows, const int32_t* xq, const float* scale, const float* qsum, int64_t groups,
-                      const uint8_t* w, int64_t w_block_stride, int64_t group_quads, tiles::GroupParams scales,
-                      tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy,
-                      int64_t prefetch_bytes) {
-  alignas(64) float tile[MR * NB * 16];
-  w4a8::dot_groups_rows<MR, NB>(xq, scale, qsum, groups, w, w_block_stride, group_quads, scales, zeros, N, tile,
-                                prefetch_bytes);
+// Adds the bias to the first `rows` rows of a float32 tile (row r, block b at tile[(r * NB + b) * 16 ..]) and
+// stores them as bf16 rows of y: store_tile for the assembly tiles, whose results are in memory.
+template <int NB>
+void store_float_tile(const float* tile, int rows, const float* bias, c10::BFloat16* y, int64_t ldy) {
   for (int b = 0; b < NB; ++b) {
     const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
     for (int r = 0; r < rows; ++r)
@@ -195,7 +189,19 @@ void w4a8_rows_kernel(int rows, const int32_t* xq, const float* scale, const flo
   }
 }
 
-// dot_groups_two_rows over two plain rows and the store of its tile, as w4a8_rows_kernel.
+// dot_groups_rows over one row block, then the store of its first `rows` rows.
+template <int MR, int NB>
+void w4a8_rows_kernel(int rows, const int32_t* xq, const float* scale, const float* qsum, int64_t groups,
+                      const uint8_t* w, int64_t w_block_stride, int64_t group_quads, tiles::GroupParams scales,
+                      tiles::GroupParams zeros, int64_t N, const float* bias, c10::BFloat16* y, int64_t ldy,
+                      int64_t prefetch_bytes) {
+  alignas(64) float tile[MR * NB * 16];
+  w4a8::dot_groups_rows<MR, NB>(xq, scale, qsum, groups, w, w_block_stride, group_quads, scales, zeros, N, tile,
+                                prefetch_bytes);
+  store_float_tile<NB>(tile, rows, bias, y, ldy);
+}
+
+// dot_groups_two_rows over two plain rows, then their store.
 template <int NB>
 void w4a8_two_rows_kernel(const int32_t* xq, int64_t x_stride, const float* scale, const float* qsum, int64_t groups,
                           const uint8_t* w, int64_t w_block_stride, int64_t group_quads, tiles::GroupParams scales,
@@ -204,28 +210,24 @@ void w4a8_two_rows_kernel(const int32_t* xq, int64_t x_stride, const float* scal
   alignas(64) float tile[2 * NB * 16];
   w4a8::dot_groups_two_rows<NB>(xq, x_stride, scale, qsum, groups, w, w_block_stride, group_quads, scales, zeros, N,
                                 tile, prefetch_bytes);
-  for (int b = 0; b < NB; ++b) {
-    const __m512 bi = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < 2; ++r)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + b * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(tile + (r * NB + b) * 16), bi)));
-  }
+  store_float_tile<NB>(tile, 2, bias, y, ldy);
 }
 
 // y's M rows from x quantized to int8.
 void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4, int64_t group_size,
                tiles::GroupParams sp, tiles::GroupParams zp, const float* bias_p, c10::BFloat16* yp) {
   const int64_t M = x.size(0), K = x.size(1), N = NBLK * 16, groups = K / group_size;
-  // Row blocks (size 0: `rows` plain rows, 1 or 2; else interleaved, padded to `size`).
+  // Row block i: rows 8i.. (size 0: `rows` plain rows, 1 or 2; else interleaved, padded to `size`).
   struct RowBlock {
     int64_t m0, rows, size;
   };
-  std::vector<RowBlock> blocks;
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const int64_t rows = std::min<int64_t>(8, M - m0);
-    blocks.push_back({m0, rows, rows <= 2 ? 0 : rows <= 4 ? 4 : rows <= 6 ? 6 : 8});
-  }
-  const int64_t padded = blocks.back().m0 + std::max(blocks.back().rows, blocks.back().size);
+  const int64_t num_blocks = (M + 7) / 8;
+  auto row_block = [M](int64_t i) {
+    const int64_t rows = std::min<int64_t>(8, M - 8 * i);
+    return RowBlock{8 * i, rows, rows <= 2 ? 0 : rows <= 4 ? 4 : rows <= 6 ? 6 : 8};
+  };
+  const RowBlock last = row_block(num_blocks - 1);
+  const int64_t padded = last.m0 + std::max(last.rows, last.size);
   // The calling thread's buffers, reused across calls (two tensor allocations cost ~5% of a 576x576 call).
   thread_local std::vector<int32_t> xq_buffer;
   thread_local std::vector<float> params;
@@ -237,7 +239,7 @@ void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4,
   const c10::BFloat16* xv = x.const_data_ptr<c10::BFloat16>();
   auto quantize = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const RowBlock& rb = blocks[i];
+      const RowBlock rb = row_block(i);
       for (int64_t m = rb.m0; m < rb.m0 + (rb.size ? 1 : rb.rows); ++m)  // an interleaved block, or each plain row
         w4a8::quantize_block(xv + m * x.stride(0), x.stride(0), rb.size ? rb.rows : 1,
                              std::max<int64_t>(rb.size, 1), K, group_size, xq + m * K4, scale + m * groups,
@@ -246,10 +248,10 @@ void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4,
   };
   // The quantization is ~10% of a call from 32 rows (64 x 576: ~10 of 76 us on one thread); split over the
   // threads from 4 row blocks, below which a second parallel region costs about what it saves.
-  if (blocks.size() >= 4)
-    at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, quantize);
+  if (num_blocks >= 4)
+    at::parallel_for(0, num_blocks, 1, quantize);
   else
-    quantize(0, static_cast<int64_t>(blocks.size()));
+    quantize(0, num_blocks);
   const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
   const int nb = tiles::blocks_per_item(NBLK, M <= 2 ? 4 : 2);
   at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
@@ -260,7 +262,8 @@ void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4,
       const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
       const int64_t ahead = blk + n < NBLK ? n * w_block_stride : 0;  // the next item
       const tiles::GroupParams s = sp.offset(blk * 16), z = zp.offset(blk * 16);
-      for (const RowBlock& rb : blocks) {
+      for (int64_t i = 0; i < num_blocks; ++i) {
+        const RowBlock rb = row_block(i);
         const int rows = static_cast<int>(rb.rows);
         const int64_t pf = rb.m0 == 0 ? ahead : 0;  // later row blocks find the item in cache
         const int32_t* xr = xq + rb.m0 * K4;

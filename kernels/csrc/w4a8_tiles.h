@@ -72,14 +72,14 @@ inline void quantize_block(const c10::BFloat16* x, int64_t ldx, int64_t rows, in
   }
 }
 
-// out[r][b] = sum over groups g of s * a[r, g] * (xq_r . q_b over g - z * qsum[r, g]) for MR rows of quantized
-// activations (plain rows of quantize_block, x_stride int32 apart; the GEMM runs it at one row) and NB 16-channel weight blocks (w_block_stride bytes apart);
-// scales and zeros as in int4::dot_groups (param_row apart per group, 16 per block).
+// out[r][b] = sum over groups g of s * a[r, g] * (xq_r . q_b over g - z * qsum[r, g]) for MR (1 or 2) plain rows
+// of quantized activations (quantize_block's block_rows 1, x_stride int32 apart) and NB 16-channel weight blocks
+// (w_block_stride bytes apart); scales and zeros as in int4::dot_groups (param_row apart per group, 16 per block).
 // Widening: a quad's bytes zero-extended to words (word 2i + j = channel i's byte j), OR'd with themselves
 // shifted left by 4 and masked with 0x0F0F, hold channel i's q[k], q[k+2], q[k+1], q[k+3] as the four bytes of
 // dword lane i: the order quantize_block stores each row's four activations in.
-// At 1-2 rows consecutive quads go to two accumulator sets (as int4::dot_groups does), so the additions into
-// one do not wait on each other. prefetch_bytes > 0: each cache line of the weights prefetches that far ahead
+// Consecutive quads go to two accumulator sets (as int4::dot_groups does at 1-2 rows), so the additions into one
+// do not wait on each other. prefetch_bytes > 0: each cache line of the weights prefetches that far ahead
 // (the GEMM passes its item's size, as for int4::dot_groups), at one row too: with the widening this cheap,
 // the hardware prefetcher alone left one row from memory slower than two (benchmarks/README.md).
 template <int MR, int NB>
@@ -89,10 +89,11 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* xq, int64_t
                                                       tiles::GroupParams scales, tiles::GroupParams zeros,
                                                       int64_t param_row, __m512 (&out)[MR][NB],
                                                       int64_t prefetch_bytes = 0) {
+  static_assert(MR <= 2, "3 or more rows run dot_groups_rows");
+  constexpr int KC = 2;  // accumulator sets
   const __m512i low_nibbles = _mm512_set1_epi16(0x0F0F);
   for (int r = 0; r < MR; ++r)
     for (int b = 0; b < NB; ++b) out[r][b] = _mm512_setzero_ps();
-  constexpr int KC = MR <= 2 ? 2 : 1;  // accumulator sets
   for (int64_t g = 0, kq0 = 0; kq0 < K4; ++g, kq0 += group_quads) {
     __m512i acc[KC][MR][NB];
     for (int c = 0; c < KC; ++c)
@@ -118,9 +119,8 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* xq, int64_t
     for (; kq + KC <= kq1; kq += KC)
       for (int c = 0; c < KC; ++c) quad(kq + c, c);
     if (kq < kq1) quad(kq, 0);
-    if constexpr (KC == 2)
-      for (int r = 0; r < MR; ++r)
-        for (int b = 0; b < NB; ++b) acc[0][r][b] = _mm512_add_epi32(acc[0][r][b], acc[1][r][b]);
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < NB; ++b) acc[0][r][b] = _mm512_add_epi32(acc[0][r][b], acc[1][r][b]);
     // out += s * a * (acc - z * qsum)
     for (int b = 0; b < NB; ++b) {
       const int64_t at = g * param_row + b * 16;
@@ -136,9 +136,11 @@ __attribute__((always_inline)) inline void dot_groups(const int32_t* xq, int64_t
 }
 
 // Three or more rows: MR (4, 6 or 8) rows x NB (1 or 2) blocks over one block of quantize_block, in assembly because
-// GCC 12 compiled the same loop in intrinsics (dot_groups<8, NB>, and a variant with NB = 2) with a register copy
-// beside each vpdpbusd and accumulators spilled to the stack: 16 vpdpbusd took 37-50 instructions, and the tile
-// ran at 40% of the core's two vpdpbusd per cycle, no faster than native bf16. Here zmm0-15 hold the int32 group
+// GCC 12 compiled the same loop in intrinsics (dot_groups<8, 1>, and a variant with 2 blocks) with a register copy
+// beside each vpdpbusd (about 40 instructions per quad of the 8 vpdpbusd; about 50 per 16 with 2 blocks,
+// accumulators spilled to the stack), and the tile ran at 40-50% of the core's two vpdpbusd per cycle, no faster
+// than native bf16. A quad of the 8 x 2 tile here is 36 instructions: 16 vpdpbusd, 8 broadcasts, 6 widening, 2
+// prefetches, 4 of loop. zmm0-15 hold the int32 group
 // sums (row r, block b: zmm(NB * r + b)), zmm16-17 the widened quads of the two blocks, zmm18 a broadcast: per
 // quad and block 3 widening instructions, per row one broadcast, per row and block one vpdpbusd. The group's
 // epilogue is dot_groups' own (the same operations in the same order: a row's bits do not depend on the tile it

@@ -2,7 +2,7 @@
 output, the residual stream and the K/V written into the pool; with Qwen3's q/k norms and with a mixture of
 experts as the MLP; and its variant with a native GEMM per linear (decode_layer_q_: bf16, 4-bit with bf16 and
 int8 activations, FP8 per channel and in blocks, grouped 8-bit with and without zero points, per-channel int8,
-mixed within a layer; decode_layer_q4_ is it with four 4-bit linears)."""
+mixed within a layer)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,8 @@ from kubellm.kernels.cpu_decode_layer import (
     INT4,
     INT8,
     decode_layer_,
-    decode_layer_q4_,
     decode_layer_q_,
     reference_decode_layer_,
-    reference_decode_layer_q4_,
     reference_decode_layer_q_,
 )
 from kubellm.runtime.layers.rotary import RotaryEmbedding
@@ -179,27 +177,7 @@ def test_one_parallel_region_gives_the_op_by_op_layer_bit_for_bit(threads, conte
         assert torch.equal(one, by_ops)
 
 
-GROUPS = {"qkv": 32, "o": 16, "gate_up": 32, "down": 32}  # o's 96 inputs in groups of 16, the rest of 32
-
-
-def make_q4_layer(gen: torch.Generator, bias: bool, int8: tuple[bool, bool, bool, bool], qk_norm: bool) -> dict:
-    """The dense layer of make_layer on 4-bit linears: random values 0..15 with fp16 scales around 1/16 of a
-    unit weight and float zero points (asymmetric), laid out as a QuantizedLinear hands them to int4_gemm."""
-    layer = make_layer(gen, bias, qk_norm=qk_norm)
-    qkv_n = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    shapes = {"qkv": (qkv_n, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM), "gate_up": (2 * INTER, HIDDEN),
-              "down": (HIDDEN, INTER)}
-    packed, scales, zeros = [], [], []
-    for name, (n, k) in shapes.items():
-        groups = k // GROUPS[name]
-        packed.append(cpu_int4_gemm.pack(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)))
-        scales.append((torch.rand(groups, n, generator=gen) + 0.5).div(4 * k**0.5).half())
-        zeros.append(torch.rand(groups, n, generator=gen) * 4 + 6)
-    for name in ("qkv", "o", "gate_up", "down"):
-        del layer[name]
-    layer.update(packed=packed, scales=scales, zeros=zeros, group_sizes=list(GROUPS.values()),
-                 int8_activations=list(int8))
-    return layer
+GROUPS = (32, 16, 32, 32)  # qkv, o (96 inputs in groups of 16), gate_up, down
 
 
 @pytest.mark.parametrize("context_lens,bias,int8,family", [
@@ -213,8 +191,8 @@ def test_q4_decode_layer_matches_the_reference(context_lens, bias, int8, family,
     if any(int8):
         request.getfixturevalue("native_int4_int8")
     gen = torch.Generator().manual_seed(len(context_lens) * 100 + context_lens[0] + 7)
-    layer = make_q4_layer(gen, bias, int8, qk_norm=family == "qwen3")
-    _check_against_reference(gen, layer, context_lens, decode_layer_q4_, reference_decode_layer_q4_)
+    layer = make_mixed_layer(gen, bias, (INT4,) * 4, GROUPS, qk_norm=family == "qwen3", int8=int8)
+    _check_against_reference(gen, layer, context_lens, decode_layer_q_, reference_decode_layer_q_)
 
 
 def _check_against_reference(gen, layer, context_lens, kernel, reference):
@@ -241,13 +219,13 @@ def _check_against_reference(gen, layer, context_lens, kernel, reference):
 
 def test_q4_decode_layer_refuses_a_linear_of_the_wrong_width(native_int4):
     gen = torch.Generator().manual_seed(1)
-    layer = make_q4_layer(gen, False, (False,) * 4, qk_norm=False)
+    layer = make_mixed_layer(gen, False, (INT4,) * 4, GROUPS, qk_norm=False)
     layer["intermediate"] = INTER - 16  # gate_up has 2 * INTER outputs
     k_cache = torch.zeros(2, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="linear 2 .* has 320 outputs, not 288"):
-        decode_layer_q4_(torch.randn(1, HIDDEN).to(torch.bfloat16), torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
-                         torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),
-                         torch.tensor([1], dtype=torch.int32), k_cache=k_cache, v_cache=k_cache.clone(), **layer)
+        decode_layer_q_(torch.randn(1, HIDDEN).to(torch.bfloat16), torch.zeros(1, HIDDEN, dtype=torch.bfloat16),
+                        torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),
+                        torch.tensor([1], dtype=torch.int32), k_cache=k_cache, v_cache=k_cache.clone(), **layer)
 
 
 SHAPES = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM),

@@ -1,5 +1,5 @@
 """Weight-only 8-bit GEMM on CPU with per-group scales and optional zero points: a native kernel
-(``csrc/grouped_int8_gemm_cpu.cpp``, AVX512-BF16) beside its PyTorch reference.
+(``csrc/grouped_int8_gemm_cpu.cpp``, AVX512-BF16 or AVX2) beside its PyTorch reference.
 
 ``y = x @ ((q - z) * s).T`` (+ bias), group by group: ``x`` ``[M, K]`` bfloat16 (rows may be strided),
 ``q`` ``[N, K]`` int8 (-128..127), ``scales`` and ``zeros`` ``[K / group, N]`` float32 (``zeros`` None:
@@ -12,8 +12,10 @@ What reads into it: GPTQ 8-bit and compressed-tensors W8A16 (unsigned values ``u
 inputs sorted by group first (permute ``q``'s columns once, ``x``'s per call).
 
 The kernel wants the weight packed once by :func:`pack` (``[ceil(N/16), K/2, 16, 2]`` int8, the last block
-padded with zero channels; any ``N``, even ``K``). It exists only in builds for CPUs with AVX512-BF16;
-:func:`available` says whether this process has it.
+padded with zero channels; any ``N``, even ``K``). It exists in builds for CPUs with AVX512-BF16 and in AVX2
+builds (x86-64-v3, ``csrc/avx2_tiles.h``), which also take float32 ``x`` (``y`` in ``x``'s dtype; products
+float32-rounded then) and never dequantize; :func:`available` says whether this process has it,
+:func:`takes_float32` whether it takes float32.
 
 Few rows (decode) use the weights as stored, widened in registers; from :data:`DEQUANTIZE_ROWS` rows the kernel
 dequantizes each slice of the weight to bf16 once and runs all rows over it, so there the weights are rounded
@@ -28,13 +30,24 @@ import torch
 from kubellm.kernels.cpu_extension import available as extension_available
 
 __all__ = ["DEQUANTIZE_ROWS", "available", "grouped_int8_gemm", "pack", "packable", "reference_grouped_int8_gemm",
-           "unpack"]
+           "rounds_weights", "takes_float32", "unpack"]
 
 DEQUANTIZE_ROWS = 16  # kDequantMinRowsG8 in csrc/grouped_int8_gemm_cpu.cpp
 
 
 def available() -> bool:
     return extension_available() and bool(torch.ops.kubellm_cpu.grouped_int8_gemm_available())
+
+
+def rounds_weights(rows: int) -> bool:
+    """Whether the kernel rounds the dequantized weights to bf16 for ``rows`` rows: the AVX512-BF16 build from
+    :data:`DEQUANTIZE_ROWS` (unless one scale per channel without zero points); the AVX2 build never."""
+    return rows >= DEQUANTIZE_ROWS and not takes_float32()
+
+
+def takes_float32() -> bool:
+    """Whether :func:`grouped_int8_gemm` takes float32 ``x`` here (the AVX2 build; AVX-512 takes bfloat16)."""
+    return available() and bool(torch.ops.kubellm_cpu.grouped_int8_gemm_takes_float32())
 
 
 def packable(q: torch.Tensor, group_size: int) -> bool:

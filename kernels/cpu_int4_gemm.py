@@ -6,7 +6,11 @@
 and ``zeros`` ``[K / group, N]`` float32, ``y`` ``[M, N]`` bfloat16. The form every 4-bit format reads into
 (runtime/prequantized.py: AWQ, GPTQ, compressed-tensors W4A16). The kernel wants the weight packed once by
 :func:`pack` (``[N/16, K/4, 16, 2]`` uint8; ``N % 16 == 0``, ``K`` divisible by the group size, a multiple of
-4). It exists only in builds for CPUs with AVX512-BF16; :func:`available` says whether this process has it.
+4). Which paths a build has depends on the ISA it was compiled for: AVX512-BF16 builds run both activation
+kinds below on bfloat16 ``x``; AVX2 builds (x86-64-v3, and any build without AVX512-BF16) only
+``int8_activations=True``, on bfloat16 or float32 ``x`` (``y`` in ``x``'s dtype; ``csrc/avx2_tiles.h``).
+:func:`available` says whether this process has the bf16-activation path, :func:`int8_available` the int8 one,
+:func:`takes_float32` whether that one takes float32.
 
 Few rows (decode) use the weights as stored, widened in registers; from :data:`DEQUANTIZE_ROWS` rows the kernel
 dequantizes each slice of the weight to bf16 once and runs all rows over it, so there the weights are rounded
@@ -15,8 +19,8 @@ to bf16 before the products, as a bf16 model's are (the reference does the same 
 ``int8_activations=True`` (any number of rows): each row's activations are quantized to int8 per weight group
 (symmetric, scale ``max|x| / 127``) and multiplied with the nibbles in integer dot products (AVX512-VNNI,
 ``csrc/w4a8_tiles.h``), llama.cpp's Q4 x Q8: half the multiply instructions of bf16 per weight, at the cost of
-rounding the activations. A row's result does not depend on the rows beside it (the same bits alone or in any
-batch). :func:`reference_w4a8_gemm` is that math in
+rounding the activations (AVX2: vpmaddubsw / vpmaddwd, llama.cpp's Q4 x Q8 on AVX2, the same integers and
+epilogue). A row's result does not depend on the rows beside it (the same bits alone or in any batch). :func:`reference_w4a8_gemm` is that math in
 PyTorch; :func:`int8_available` says whether this build has it.
 """
 
@@ -27,18 +31,24 @@ import torch
 from kubellm.kernels.cpu_extension import available as extension_available
 
 __all__ = ["DEQUANTIZE_ROWS", "available", "int4_gemm", "int8_available", "pack", "packable",
-           "quantize_activations", "reference_int4_gemm", "reference_w4a8_gemm", "unpack"]
+           "quantize_activations", "reference_int4_gemm", "reference_w4a8_gemm", "takes_float32", "unpack"]
 
 DEQUANTIZE_ROWS = 16  # kDequantMinRows in csrc/int4_gemm_cpu.cpp
 
 
 def available() -> bool:
+    """Whether :func:`int4_gemm` runs with bf16 activations here (a build with AVX512-BF16)."""
     return extension_available() and bool(torch.ops.kubellm_cpu.int4_gemm_available())
 
 
 def int8_available() -> bool:
-    """Whether :func:`int4_gemm` takes ``int8_activations`` here (a build with AVX512-VNNI)."""
-    return available() and bool(torch.ops.kubellm_cpu.int4_gemm_int8_available())
+    """Whether :func:`int4_gemm` takes ``int8_activations`` here (a build with AVX512-VNNI, or with AVX2)."""
+    return extension_available() and bool(torch.ops.kubellm_cpu.int4_gemm_int8_available())
+
+
+def takes_float32() -> bool:
+    """Whether the int8-activation path takes float32 ``x`` here (the AVX2 build; AVX-512 takes bfloat16)."""
+    return int8_available() and bool(torch.ops.kubellm_cpu.int4_gemm_takes_float32())
 
 
 def packable(q: torch.Tensor, group_size: int) -> bool:

@@ -196,9 +196,17 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     print(f"library: {info['library'] or '-'}")
     print(f"error: {info['error'] or '-'}")
     if ok:
-        from kubellm.kernels import cpu_int8_gemm
+        from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm, cpu_int8_gemm
 
-        print(f"int8 GEMM (AVX512-BF16 build): {'yes' if cpu_int8_gemm.available() else 'no'}")
+        def has(yes: bool, float32: bool = False) -> str:
+            return ("yes" + (" (bfloat16 and float32 activations)" if float32 else "")) if yes else "no"
+
+        print(f"int8 GEMM (AVX512-BF16 build): {has(cpu_int8_gemm.available())}")
+        print(f"4-bit GEMM, bf16 activations (AVX512-BF16 build): {has(cpu_int4_gemm.available())}")
+        print(f"4-bit GEMM, int8 activations (AVX512-VNNI or AVX2 build): "
+              f"{has(cpu_int4_gemm.int8_available(), cpu_int4_gemm.takes_float32())}")
+        print(f"8-bit grouped GEMM (AVX512-BF16 or AVX2 build): "
+              f"{has(cpu_grouped_int8_gemm.available(), cpu_grouped_int8_gemm.takes_float32())}")
     print(f"x86-64 levels of this CPU: {', '.join(cpu_extension.supported_levels()) or 'none'}")
     print(f"build directory (for -march={cpu_extension._march()}): {info['build_directory']}")
     return 0 if ok else 1

@@ -22,13 +22,15 @@ What ``auto`` picks:
   pack; ``torch`` (torch's int8 GEMM for small steps) for the other CPU cases; ``triton`` on CUDA once its
   check passed; else ``dequantize`` per call.
 * grouped 4-bit and 8-bit GEMMs (the forms pre-quantized checkpoints read into: per-group scales and zero
-  points; GGUF blocks through kernels/gguf_blocks.py; the 4-bit one also serves ``--quantization int4``): ``native`` (``cpu_int4_gemm``, ``cpu_grouped_int8_gemm``,
-  AVX512-BF16) for bfloat16 on CPUs that have them, for layers they can pack; ``triton``
+  points; GGUF blocks through kernels/gguf_blocks.py; the 4-bit one also serves ``--quantization int4``): ``native`` (``cpu_int4_gemm``, ``cpu_grouped_int8_gemm``)
+  on CPU where the build has them for the activations' dtype, for layers they can pack: AVX512-BF16 builds take
+  bfloat16, AVX2 builds (x86-64-v3 CPUs such as AMD EPYC before Zen 4) bfloat16 and float32, the dtype
+  ``--dtype auto`` picks there, and only int8 activations for the 4-bit one; ``triton``
   (``triton_grouped_gemm``, 5..8-bit values packed as 8-bit) on CUDA once its checks passed, for layers it can
-  pack; else ``dequantize`` (the reference, also what AVX2-only CPUs run). The native 4-bit GEMM's activations
-  (every step): ``int8`` (quantized per group, integer dot products; AVX512-VNNI) where the build has it, else
-  ``bf16``; ``--cpu-int4-activations bf16|int8`` forces one (int8 refuses to start without VNNI); the setting has
-  no effect where that kernel does not run.
+  pack; else ``dequantize`` (the reference). The native 4-bit GEMM's activations
+  (every step): ``int8`` (quantized per group, integer dot products; AVX512-VNNI or AVX2) where the build has it,
+  else ``bf16``; ``--cpu-int4-activations bf16|int8`` forces one (int8 refuses to start where only bf16 runs;
+  bf16 dequantizes where only int8 runs); the setting has no effect where that kernel does not run.
 * FP8 weight GEMM (e4m3, per-tensor / per-channel / block scales): ``native`` (``cpu_fp8_gemm``, AVX512-BF16)
   for bfloat16 on CPUs that have it, for layers it can pack (inputs and groups multiples of 4); ``triton``
   (``triton_fp8_gemm``) on CUDA once its check passed; else ``dequantize``.
@@ -116,9 +118,10 @@ class Loaded:
     int8_cpu_kernel: str | None = NOT_PROBED  # the AVX512-BF16 int8 GEMM of the CPU extension
     int8_torch_gemm: bool = False  # torch._weight_int8pack_mm exists
     triton_int8: str | None = NOT_PROBED
-    grouped_int4_cpu_kernel: str | None = NOT_PROBED  # cpu_int4_gemm (AVX512-BF16)
-    int4_int8_activations: str | None = NOT_PROBED  # cpu_int4_gemm's int8 activations (AVX512-VNNI)
-    grouped_int8_cpu_kernel: str | None = NOT_PROBED  # cpu_grouped_int8_gemm (AVX512-BF16)
+    grouped_int4_cpu_kernel: str | None = NOT_PROBED  # cpu_int4_gemm with bf16 activations (AVX512-BF16)
+    int4_int8_activations: str | None = NOT_PROBED  # cpu_int4_gemm's int8 activations (AVX512-VNNI or AVX2)
+    grouped_int8_cpu_kernel: str | None = NOT_PROBED  # cpu_grouped_int8_gemm (AVX512-BF16 or AVX2)
+    float32_grouped_cpu: str | None = NOT_PROBED  # those two (int4: int8 activations) take float32 (AVX2)
     triton_grouped_int4: str | None = NOT_PROBED  # triton_grouped_gemm, bits=4
     triton_grouped_int8: str | None = NOT_PROBED  # triton_grouped_gemm, bits=8
     triton_fp8: str | None = NOT_PROBED  # triton_fp8_gemm
@@ -199,43 +202,49 @@ def choose(settings: KernelSettings, target: Target, loaded: Loaded) -> KernelCh
     native_cpu = target.cpu and cpu_head_size_ok(target.head_dim) and loaded.cpu_kernels is None
     int8_gemm, int8_fallback = _int8_gemm(target, loaded)
     layer_ops = _layer_ops(settings.layer_ops, target, loaded, native_cpu)
-    grouped_int4 = _grouped(target, loaded.grouped_int4_cpu_kernel, loaded.triton_grouped_int4)
+    grouped_int4, int4_activations = _grouped_int4(settings.int4_activations, target, loaded)
     return KernelChoice(
         attention=_attention(settings.attention, target, loaded, native_cpu),
         layer_ops=layer_ops,
         prepack=_prepack(settings.prepack, target, loaded, native_cpu),
         int8_gemm=int8_gemm, int8_fallback=int8_fallback,
-        grouped_int4_gemm=grouped_int4,
-        int4_activations=_int4_activations(settings.int4_activations, grouped_int4 == "native" and target.cpu,
-                                           loaded),
-        grouped_int8_gemm=_grouped(target, loaded.grouped_int8_cpu_kernel, loaded.triton_grouped_int8),
+        grouped_int4_gemm=grouped_int4, int4_activations=int4_activations,
+        grouped_int8_gemm=_grouped(target, loaded.grouped_int8_cpu_kernel, loaded.triton_grouped_int8,
+                                   loaded.float32_grouped_cpu),
         fp8_gemm=_grouped(target, loaded.fp8_cpu_kernel, loaded.triton_fp8),
         moe="native" if layer_ops == "native" and target.quantization in ("none", "int4", *PREQUANTIZED)
         and target.dtype == torch.bfloat16 and target.cpu and loaded.moe_cpu_kernel is None else "torch",
     )
 
 
-def _grouped(target: Target, cpu_reason: str | None, triton_reason: str | None) -> str:
-    """A native AVX512-BF16 GEMM serves bfloat16 on CPU where it loaded, the Triton one CUDA where its check
-    passed; anything else dequantizes."""
-    if target.cpu and target.dtype == torch.bfloat16 and cpu_reason is None:
+def _grouped(target: Target, cpu_reason: str | None, triton_reason: str | None,
+             float32_reason: str | None = "bfloat16 only") -> str:
+    """A native CPU GEMM serves bfloat16 on CPU where it loaded (float32 too where ``float32_reason`` is None:
+    the AVX2 build), the Triton one CUDA where its check passed; anything else dequantizes."""
+    dtype_ok = target.dtype == torch.bfloat16 or (target.dtype == torch.float32 and float32_reason is None)
+    if target.cpu and dtype_ok and cpu_reason is None:
         return "native"
     return "triton" if target.cuda and triton_reason is None else "dequantize"
 
 
-def _int4_activations(kind: str, native_cpu_int4: bool, loaded: Loaded) -> str:
-    """int8 only where the native CPU int4 GEMM runs (the setting means nothing elsewhere) and has it; ``auto``
-    takes it there, as llama.cpp quantizes activations for every quantized matmul on CPU (it cost 0.1-0.3%
-    perplexity on SmolLM2, benchmarks/README.md), and bf16 elsewhere."""
+def _grouped_int4(kind: str, target: Target, loaded: Loaded) -> tuple[str, str]:
+    """(the 4-bit GEMM's path, the native CPU kernel's activations). ``auto`` takes int8 activations where the
+    build has them, as llama.cpp quantizes activations for every quantized matmul on CPU (it cost 0.1-0.3%
+    perplexity on SmolLM2, benchmarks/README.md), else bf16; each kind is native where its kernel loaded (bf16:
+    AVX512-BF16 builds; int8: AVX512-VNNI or AVX2 builds, the latter for float32 too). The activations mean
+    nothing off the native CPU path (bf16 there)."""
     if kind not in ("auto", "bf16", "int8"):
         raise ValueError(f"cpu int4 activations {kind!r}: use auto, bf16 or int8")
     has_int8 = loaded.int4_int8_activations is None
-    if kind == "int8" and native_cpu_int4 and not has_int8:
+    bf16_path = _grouped(target, loaded.grouped_int4_cpu_kernel, loaded.triton_grouped_int4)
+    if kind == "int8" and not has_int8 and target.cpu and bf16_path == "native":
         raise ValueError(f"int8 activations for the int4 GEMM cannot run here: {loaded.int4_int8_activations}; "
                          "use --cpu-int4-activations bf16")
     if kind == "auto":
         kind = "int8" if has_int8 else "bf16"
-    return kind if native_cpu_int4 else "bf16"
+    path = _grouped(target, loaded.int4_int8_activations, loaded.triton_grouped_int4,
+                    loaded.float32_grouped_cpu) if kind == "int8" else bf16_path
+    return path, kind if path == "native" and target.cpu else "bf16"
 
 
 def _attention(kind: str, target: Target, loaded: Loaded, native_cpu: bool) -> str:
@@ -330,14 +339,17 @@ def probe(settings: KernelSettings, target: Target) -> Loaded:
             found["int8_cpu_kernel"] = None if cpu_int8_gemm.available() else "no AVX512-BF16 int8 kernel in this build"
         if target.cuda:
             found["triton_int8"] = triton_gemm_reason("int8", target.device, target.dtype)
-    if target.cpu and target.dtype == torch.bfloat16 and (target.quantization != "none" or "cpu_kernels" in found):
+    if target.cpu and target.dtype in (torch.bfloat16, torch.float32) and (
+            target.quantization != "none" or "cpu_kernels" in found):
         # The formats a checkpoint brings (GGUF blocks, GPTQ...) are known only once it loads: check both here.
         for field, module in (("grouped_int4_cpu_kernel", cpu_int4_gemm),
                               ("grouped_int8_cpu_kernel", cpu_grouped_int8_gemm), ("fp8_cpu_kernel", cpu_fp8_gemm)):
-            found[field] = None if module.available() else f"no AVX512-BF16 {module.__name__} in this build"
+            found[field] = None if module.available() else f"no {module.__name__} in this build (AVX512-BF16)"
         if settings.int4_activations in ("auto", "int8"):
             found["int4_int8_activations"] = None if cpu_int4_gemm.int8_available() else \
-                "no AVX512-VNNI int8 activations in this build of cpu_int4_gemm"
+                "no int8 activations in this build of cpu_int4_gemm (AVX512-VNNI or AVX2)"
+        found["float32_grouped_cpu"] = None if cpu_int4_gemm.takes_float32() and \
+            cpu_grouped_int8_gemm.takes_float32() else "this build's grouped CPU GEMMs take bfloat16 only"
     if target.cpu and target.dtype == torch.bfloat16 and "cpu_kernels" in found:
         found["moe_cpu_kernel"] = None if cpu_moe.available() else "no AVX512-BF16 cpu_moe in this build"
     if target.quantization == "int4" and target.cuda:  # --quantization int4 computes with the 4-bit grouped GEMM

@@ -138,15 +138,26 @@ def _expect_native_int8() -> str | None:
     return _expect_native_kernels()
 
 
+def _expect_native_avx2() -> str | None:
+    """The int4 GEMM's int8 activations and the grouped 8-bit GEMM are in every build for x86-64-v3 or better:
+    the AVX-512 kernels where the build has AVX512-BF16, the AVX2 ones (kernels/csrc/avx2_tiles.h) otherwise."""
+    if "x86-64-v3" not in cpu_extension.supported_levels():
+        return "this CPU lacks AVX2 (x86-64-v3)"
+    march = os.environ.get(cpu_extension.MARCH_ENV, "").strip() or "native"
+    if march not in ("native", "x86-64-v3", "x86-64-v4", "x86-64-v4-bf16"):
+        return f"{cpu_extension.MARCH_ENV}={march} builds without AVX2"
+    return _expect_native_kernels()
+
+
 # fixture name -> (what it covers, why the host need not have it (None: it must), whether it loads here)
 NATIVE_SETS: dict[str, tuple[str, Callable[[], str | None], Callable[[], bool]]] = {
     "native_kernels": ("native CPU kernels (paged and prefill attention, layer ops)", _expect_native_kernels,
                        cpu_extension.available),
     "native_int8": ("native int8 GEMM (AVX512-BF16)", _expect_native_int8, cpu_int8_gemm.available),
     "native_int4": ("native int4 GEMM (AVX512-BF16)", _expect_native_int8, cpu_int4_gemm.available),
-    "native_int4_int8": ("native int4 GEMM's int8 activations (AVX512-VNNI, every AVX512-BF16 CPU has it)",
-                         _expect_native_int8, cpu_int4_gemm.int8_available),
-    "native_grouped_int8": ("native grouped 8-bit GEMM (AVX512-BF16)", _expect_native_int8,
+    "native_int4_int8": ("native int4 GEMM's int8 activations (AVX512-VNNI or AVX2)", _expect_native_avx2,
+                         cpu_int4_gemm.int8_available),
+    "native_grouped_int8": ("native grouped 8-bit GEMM (AVX512-BF16 or AVX2)", _expect_native_avx2,
                             cpu_grouped_int8_gemm.available),
     "native_moe": ("native mixture-of-experts kernel (AVX512-BF16)", _expect_native_int8, cpu_moe.available),
     "native_bf16_gemm": ("native bf16 linear (AVX512-BF16)", _expect_native_int8, cpu_bf16_gemm.available),
@@ -187,15 +198,16 @@ def native_int4(native_kernels) -> None:
 
 
 @pytest.fixture(scope="session")
-def native_int4_int8(native_int4) -> None:
-    """The native int4 GEMM's int8 activations; skip without them (fail under CI where the CPU has them)."""
+def native_int4_int8(native_kernels) -> None:
+    """The native int4 GEMM's int8 activations (AVX512-VNNI or AVX2); skip without them (fail under CI where the
+    CPU has them)."""
     _require_native("native_int4_int8")
 
 
 @pytest.fixture(scope="session")
 def native_grouped_int8(native_kernels) -> None:
-    """The native grouped 8-bit GEMM (CPUs with AVX512-BF16 only); skip without it (fail under CI where the CPU
-    has it)."""
+    """The native grouped 8-bit GEMM (AVX512-BF16 or AVX2); skip without it (fail under CI where the CPU has
+    it)."""
     _require_native("native_grouped_int8")
 
 

@@ -1,4 +1,5 @@
-// Weight-only 8-bit GEMM for CPUs with AVX512-BF16, with per-group scales and optional zero points (GPTQ 8-bit,
+// Weight-only 8-bit GEMM for CPUs with AVX512-BF16, or AVX2 (float32 or bf16 x: avx2_tiles.h, below), with
+// per-group scales and optional zero points (GPTQ 8-bit,
 // compressed-tensors W8A16, GGUF Q8_0 / Q6_K / Q5_K after kernels/gguf_blocks.py):
 //   y[m, n] = sum_g s[g, n] * (sum_{k in g} q[n, k] * x[m, k] - z[g, n] * sum_{k in g} x[m, k])  (+ bias[n])
 // with q int8 (-128..127), x and y bfloat16, s and z float32 or float16 (tiles::GroupParams; no z: symmetric). One group (group = K)
@@ -25,7 +26,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
+#include "avx2_tiles.h"
 #include "gemm_tiles.h"
 #include "int8_tiles.h"
 
@@ -37,8 +40,16 @@
 namespace kubellm_cpu {
 namespace {
 
-bool grouped_int8_gemm_available() {
-#ifdef KUBELLM_GROUPED_INT8_GEMM
+bool grouped_int8_gemm_available() {  // AVX512-BF16, or AVX2 in a build without it
+#if defined(KUBELLM_GROUPED_INT8_GEMM) || defined(KUBELLM_AVX2_TILES)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool grouped_int8_gemm_takes_float32() {  // float32 x (and y): the AVX2 build
+#ifdef KUBELLM_AVX2_TILES
   return true;
 #else
   return false;
@@ -131,14 +142,93 @@ void dequantized_g8(int64_t M, const int32_t* xp, int64_t x_pair_stride, const i
 }
 #endif
 
+#ifdef KUBELLM_AVX2_TILES
+// AVX2 (avx2_tiles.h): x widened to float32 once per call, with its group sums where there are zero points;
+// work items of nb blocks over all rows, in tiles of one row x up to 3 blocks (decode at batch 1) or up to two
+// rows x one block. A row's operations do not depend on its tile.
+template <int MR, int NB, typename T>
+void g8_avx2_tile(const float* x, int64_t K, const float* xsum, int64_t groups, const int8_t* w,
+                  int64_t w_block_stride, int64_t group_pairs, tiles::GroupParams s, tiles::GroupParams z, int64_t N,
+                  int64_t valid, const float* bias, T* y) {
+  alignas(32) float tile[MR * NB * 16];
+  avx2::g8_dot_groups<MR, NB>(x, K, xsum, groups, w, w_block_stride, group_pairs, s, z, N, valid, tile);
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < NB * 2; ++i) {
+      const int64_t left = valid - i * 8;
+      if (left <= 0) break;
+      alignas(32) float v[8];
+      __m256 t = _mm256_load_ps(tile + (r * NB * 2 + i) * 8);
+      if (bias && left >= 8) t = _mm256_add_ps(t, _mm256_loadu_ps(bias + i * 8));
+      if (left >= 8) {
+        avx2::store_y8(y + r * N + i * 8, t);
+        continue;
+      }
+      _mm256_store_ps(v, t);  // the last block's partial half
+      for (int64_t j = 0; j < left; ++j) y[r * N + i * 8 + j] = static_cast<T>(v[j] + (bias ? bias[i * 8 + j] : 0.f));
+    }
+}
+
+template <typename T>
+void grouped_int8_gemm_avx2(const T* xv, int64_t ldx, int64_t M, int64_t K, const int8_t* wp, int64_t NBLK,
+                            int64_t group_size, tiles::GroupParams sp, tiles::GroupParams zp, int64_t N,
+                            const float* bias_p, T* yp) {
+  const int64_t groups = K / group_size, K2 = K / 2, w_block_stride = K2 * 32, group_pairs = group_size / 2;
+  thread_local std::vector<float> xf_buffer;  // reused across calls
+  xf_buffer.resize(M * K + (zp.data ? M * groups : 0));
+  float* xf = xf_buffer.data();
+  float* xsum = xf + M * K;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k)
+        sum += xf[m * K + k] = static_cast<float>(xv[m * ldx + k]);
+      if (zp.data) xsum[m * groups + g] = sum;
+    }
+  const int nb = M == 1 ? tiles::blocks_per_item(NBLK, 3) : 1;
+  at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t blk = it * nb;
+      const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
+      const int8_t* w = wp + blk * w_block_stride;
+      const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
+      const int64_t valid = std::min<int64_t>(n * 16, N - blk * 16);
+      const tiles::GroupParams s = sp.offset(blk * 16), z = zp.offset(blk * 16);
+      for (int64_t m0 = 0; m0 < M;) {
+        const int rows = M == 1 ? 1 : static_cast<int>(std::min<int64_t>(2, M - m0));
+        const float* xr = xf + m0 * K;
+        const float* xs = xsum + m0 * groups;
+        T* yr = yp + m0 * N + blk * 16;
+#define KUBELLM_G8_AVX2(R, B) \
+  g8_avx2_tile<R, B>(xr, K, xs, groups, w, w_block_stride, group_pairs, s, z, N, valid, bp, yr)
+        switch (rows * 4 + n) {
+          case 4 + 3: KUBELLM_G8_AVX2(1, 3); break;
+          case 4 + 2: KUBELLM_G8_AVX2(1, 2); break;
+          case 4 + 1: KUBELLM_G8_AVX2(1, 1); break;
+          case 8 + 1: KUBELLM_G8_AVX2(2, 1); break;
+          default: TORCH_CHECK(false, "grouped_int8_gemm: bad AVX2 tile ", rows, " x ", n);
+        }
+#undef KUBELLM_G8_AVX2
+        m0 += rows;
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                              const c10::optional<at::Tensor>& zeros, int64_t group_size,
                              const c10::optional<at::Tensor>& bias) {
-#ifndef KUBELLM_GROUPED_INT8_GEMM
-  TORCH_CHECK(false, "grouped_int8_gemm needs a build with AVX512-BF16 (-march of a CPU that has it)");
+#if !defined(KUBELLM_GROUPED_INT8_GEMM) && !defined(KUBELLM_AVX2_TILES)
+  TORCH_CHECK(false, "grouped_int8_gemm needs a build with AVX512-BF16 or AVX2 (-march of a CPU that has it)");
+#else
+#ifdef KUBELLM_AVX2_TILES
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  x.stride(1) == 1,
+              "x must be [M, K] bfloat16 or float32, rows contiguous");
 #else
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "x must be [M, K] bfloat16, rows contiguous");
+#endif
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
                   packed.size(2) == 16 && packed.size(3) == 2,
               "packed must be a contiguous [ceil(N/16), K/2, 16, 2] int8 tensor");
@@ -162,6 +252,15 @@ at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+#ifdef KUBELLM_AVX2_TILES
+  if (x.scalar_type() == at::kFloat)
+    grouped_int8_gemm_avx2(x.const_data_ptr<float>(), x.stride(0), M, K, packed.const_data_ptr<int8_t>(), NBLK,
+                           group_size, sp, zpp, N, bias_p, y.mutable_data_ptr<float>());
+  else
+    grouped_int8_gemm_avx2(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M, K, packed.const_data_ptr<int8_t>(),
+                           NBLK, group_size, sp, zpp, N, bias_p, y.mutable_data_ptr<c10::BFloat16>());
+  return y;
+#else
   const c10::BFloat16* xv = x.const_data_ptr<c10::BFloat16>();
   const auto* xp = reinterpret_cast<const int32_t*>(xv);
   const int64_t x_pair_stride = x.stride(0) / 2;
@@ -217,6 +316,7 @@ at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
     }
   });
   return y;
+#endif  // KUBELLM_AVX2_TILES
 #endif
 }
 
@@ -228,6 +328,7 @@ TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
       "grouped_int8_gemm(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int group_size, Tensor? bias) "
       "-> Tensor");
   m.def("grouped_int8_gemm_available() -> bool", &kubellm_cpu::grouped_int8_gemm_available);  // not dispatched
+  m.def("grouped_int8_gemm_takes_float32() -> bool", &kubellm_cpu::grouped_int8_gemm_takes_float32);
 }
 
 TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) { m.impl("grouped_int8_gemm", &kubellm_cpu::grouped_int8_gemm); }

@@ -1,5 +1,6 @@
-// Weight-only int4 GEMM for CPUs with AVX512-BF16, with per-group scales and zero points (AWQ, GPTQ,
-// compressed-tensors W4A16, kubellm's own int4):
+// Weight-only int4 GEMM for CPUs with AVX512-BF16 (both activation kinds below) or AVX2 (int8 activations only,
+// float32 or bf16 x: avx2_tiles.h), with per-group scales and zero points (AWQ, GPTQ, compressed-tensors W4A16,
+// kubellm's own int4, GGUF 4-bit):
 //   y[m, n] = sum_g s[g, n] * (sum_{k in g} q[n, k] * x[m, k] - z[g, n] * sum_{k in g} x[m, k])  (+ bias[n])
 // with q in 0..15 (unsigned nibbles; a symmetric format passes z = 8), x and y bfloat16, s and z float32 or
 // float16 (each its own; tiles::GroupParams).
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "gemm_tiles.h"
+#include "avx2_tiles.h"
 #include "int4_tiles.h"
 #include "w4a8_tiles.h"
 
@@ -46,8 +48,16 @@ bool int4_gemm_available() {
 #endif
 }
 
-bool int4_gemm_int8_available() {  // int4_gemm's int8_activations (AVX512-VNNI)
-#if defined(KUBELLM_INT4_GEMM) && defined(KUBELLM_W4A8_TILES)
+bool int4_gemm_int8_available() {  // int4_gemm's int8_activations (AVX512-VNNI, or AVX2 in a build without AVX-512)
+#if (defined(KUBELLM_INT4_GEMM) && defined(KUBELLM_W4A8_TILES)) || defined(KUBELLM_AVX2_TILES)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool int4_gemm_takes_float32() {  // float32 x (and y): the AVX2 build's int8 activations
+#ifdef KUBELLM_AVX2_TILES
   return true;
 #else
   return false;
@@ -311,14 +321,94 @@ void w4a8_gemm(const at::Tensor& x, const uint8_t* wp, int64_t NBLK, int64_t K4,
 }
 #endif
 
+#ifdef KUBELLM_AVX2_TILES
+// int8 activations on AVX2 (avx2_tiles.h): every row quantized once per call, then work items of nb blocks over
+// all rows, in tiles of one row x up to 4 blocks (decode at batch 1), two rows x up to 2 blocks (batch 2), or
+// up to 4 rows x one block (more rows: each quad of weights widened once for 4 rows). A row's operations do not
+// depend on its tile, so its bits do not depend on the batch.
+template <int MR, int NB, typename T>
+void w4a8_avx2_tile(const int32_t* xq, int64_t K4, const float* scale, const float* qsum, int64_t groups,
+                    const uint8_t* w, int64_t w_block_stride, int64_t group_quads, tiles::GroupParams s,
+                    tiles::GroupParams z, int64_t N, const float* bias, T* y) {
+  alignas(32) float tile[MR * NB * 16];
+  avx2::w4a8_dot_groups<MR, NB>(xq, K4, scale, qsum, groups, w, w_block_stride, group_quads, s, z, N, tile);
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < NB * 2; ++i) {
+      __m256 v = _mm256_load_ps(tile + (r * NB * 2 + i) * 8);
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i * 8));
+      avx2::store_y8(y + r * N + i * 8, v);
+    }
+}
+
+template <typename T>
+void w4a8_gemm_avx2(const T* xv, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, int64_t NBLK, int64_t group_size,
+                    tiles::GroupParams sp, tiles::GroupParams zp, const float* bias_p, T* yp) {
+  const int64_t K4 = K / 4, N = NBLK * 16, groups = K / group_size;
+  thread_local std::vector<int32_t> xq_buffer;  // reused across calls, as w4a8_gemm's
+  thread_local std::vector<float> params;
+  xq_buffer.resize(M * K4);
+  params.resize(2 * M * groups);
+  int32_t* xq = xq_buffer.data();
+  float* scale = params.data();
+  float* qsum = scale + M * groups;
+  auto quantize = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      avx2::quantize_row(xv + m * ldx, K, group_size, xq + m * K4, scale + m * groups, qsum + m * groups);
+  };
+  if (M >= 8)
+    at::parallel_for(0, M, 4, quantize);
+  else
+    quantize(0, M);
+  const int64_t w_block_stride = K4 * 32, group_quads = group_size / 4;
+  const int nb = M == 1 ? tiles::blocks_per_item(NBLK, 4) : M == 2 ? tiles::blocks_per_item(NBLK, 2) : 1;
+  at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t blk = it * nb;
+      const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
+      const uint8_t* w = wp + blk * w_block_stride;
+      const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
+      const tiles::GroupParams s = sp.offset(blk * 16), z = zp.offset(blk * 16);
+      for (int64_t m0 = 0; m0 < M;) {
+        const int rows = M <= 2 ? static_cast<int>(M) : static_cast<int>(std::min<int64_t>(4, M - m0));
+        const int32_t* xr = xq + m0 * K4;
+        const float* sr = scale + m0 * groups;
+        const float* qr = qsum + m0 * groups;
+        T* yr = yp + m0 * N + blk * 16;
+#define KUBELLM_W4A8_AVX2(R, B) \
+  w4a8_avx2_tile<R, B>(xr, K4, sr, qr, groups, w, w_block_stride, group_quads, s, z, N, bp, yr)
+        switch (rows * 8 + n) {
+          case 8 + 4: KUBELLM_W4A8_AVX2(1, 4); break;
+          case 8 + 3: KUBELLM_W4A8_AVX2(1, 3); break;
+          case 8 + 2: KUBELLM_W4A8_AVX2(1, 2); break;
+          case 8 + 1: KUBELLM_W4A8_AVX2(1, 1); break;
+          case 16 + 2: KUBELLM_W4A8_AVX2(2, 2); break;
+          case 16 + 1: KUBELLM_W4A8_AVX2(2, 1); break;
+          case 24 + 1: KUBELLM_W4A8_AVX2(3, 1); break;
+          case 32 + 1: KUBELLM_W4A8_AVX2(4, 1); break;
+          default: TORCH_CHECK(false, "int4_gemm: bad AVX2 tile ", rows, " x ", n);
+        }
+#undef KUBELLM_W4A8_AVX2
+        m0 += rows;
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                      const at::Tensor& zeros, int64_t group_size, const c10::optional<at::Tensor>& bias,
                      bool int8_activations) {
-#ifndef KUBELLM_INT4_GEMM
-  TORCH_CHECK(false, "int4_gemm needs a build with AVX512-BF16 (-march of a CPU that has it)");
+#if !defined(KUBELLM_INT4_GEMM) && !defined(KUBELLM_AVX2_TILES)
+  TORCH_CHECK(false, "int4_gemm needs a build with AVX512-BF16 or AVX2 (-march of a CPU that has it)");
+#else
+#ifdef KUBELLM_AVX2_TILES
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  x.stride(1) == 1,
+              "x must be [M, K] bfloat16 or float32, rows contiguous");
 #else
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "x must be [M, K] bfloat16, rows contiguous");
+#endif
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(2) == 16 && packed.size(3) == 2,
               "packed must be a contiguous [N/16, K/4, 16, 2] uint8 tensor (cpu_int4_gemm.pack)");
@@ -338,10 +428,21 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+#ifdef KUBELLM_AVX2_TILES
+  TORCH_CHECK(int8_activations, "int4_gemm: bf16 activations need a build with AVX512-BF16; this AVX2 build "
+              "takes int8_activations=True");
+  if (x.scalar_type() == at::kFloat)
+    w4a8_gemm_avx2(x.const_data_ptr<float>(), x.stride(0), M, K, wp, NBLK, group_size, sp, zp, bias_p,
+                   y.mutable_data_ptr<float>());
+  else
+    w4a8_gemm_avx2(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M, K, wp, NBLK, group_size, sp, zp, bias_p,
+                   y.mutable_data_ptr<c10::BFloat16>());
+  return y;
+#else
   const c10::BFloat16* xv = x.const_data_ptr<c10::BFloat16>();
   const auto* xp = reinterpret_cast<const int32_t*>(xv);
   const int64_t x_pair_stride = x.stride(0) / 2;
-  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
   if (int8_activations) {
 #ifdef KUBELLM_W4A8_TILES
@@ -401,6 +502,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
     }
   });
   return y;
+#endif  // KUBELLM_AVX2_TILES
 #endif
 }
 
@@ -412,6 +514,7 @@ TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
         "bool int8_activations=False) -> Tensor");
   m.def("int4_gemm_available() -> bool", &kubellm_cpu::int4_gemm_available);  // no tensors: not dispatched
   m.def("int4_gemm_int8_available() -> bool", &kubellm_cpu::int4_gemm_int8_available);
+  m.def("int4_gemm_takes_float32() -> bool", &kubellm_cpu::int4_gemm_takes_float32);
 }
 
 TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) { m.impl("int4_gemm", &kubellm_cpu::int4_gemm); }

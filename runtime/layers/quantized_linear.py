@@ -6,14 +6,16 @@ and keeps it in what its GEMM reads, chosen per layer (``KernelChoice.grouped_pa
 
 * ``native`` 4-bit: ``kernels/cpu_int4_gemm.py`` (values 0..15 packed by its ``pack``; zeros always given:
   signed formats are shifted by 8, values and zeros alike, which leaves ``values - zeros`` unchanged), with
-  ``int8_activations`` (``--cpu-int4-activations int8``) quantizing ``x`` to int8 in the kernel.
+  ``int8_activations`` (``--cpu-int4-activations int8``) quantizing ``x`` to int8 in the kernel. bfloat16
+  activations; float32 too in AVX2 builds (int8 activations only there), as for the 5..8-bit kernel.
 * ``native`` 5..8-bit: ``kernels/cpu_grouped_int8_gemm.py`` (int8 values; unsigned 0..255 formats are
   shifted by -128, values and zeros alike).
 * ``native`` FP8: ``kernels/cpu_fp8_gemm.py`` (the e4m3 bytes packed by its ``pack``; per-channel scales, or
   per (output, group of inputs) for block scales, the last group possibly shorter).
 * ``dequantize``: values kept compact (two 4-bit values per byte, else one per byte; FP8 as e4m3), the
   ``[out, in]`` weight rebuilt in the activation dtype on every call. Correct on every device and dtype;
-  the memory saving holds, the speed-up does not (what CPUs without AVX512-BF16 and non-bf16 dtypes run).
+  the memory saving holds, the speed-up does not (what runs where the native kernels do not load or do not take
+  the activations' dtype).
 
 * ``triton`` (CUDA, once its start-up check passed): 4 and 8 bits through ``kernels/triton_grouped_gemm.py``, in
   its own packed layout (GPTQ-style int32 words, act-order sorted by its ``pack``); FP8 through
@@ -81,6 +83,9 @@ class QuantizedLinear(nn.Module):
         if path == "native" and not (cpu_fp8_gemm.packable(self.in_features, self.group_size) if self.float_values
                                      else self.in_features % self.group_size == 0):
             path = "dequantize"
+        if path == "native" and bits == 4 and not self.float_values and not int8_activations \
+                and not cpu_int4_gemm.available():
+            path = "dequantize"  # bf16 activations: AVX512-BF16 builds only (AVX2 builds take int8 ones)
         if path == "triton" and self.float_values and not fp8_triton_packable(self.in_features, weight.group_size):
             path = "dequantize"
         self.path = path
@@ -88,6 +93,10 @@ class QuantizedLinear(nn.Module):
         if path == "native" and bits == 4 and zeros is None:
             zeros = torch.zeros_like(scales)
         scales, zeros = _narrow(scales), None if zeros is None else _narrow(zeros)
+        # the activations the native kernel takes: bfloat16, and float32 in AVX2 builds (not FP8)
+        takes_float32 = path == "native" and not self.float_values and (
+            cpu_int4_gemm.takes_float32() if bits == 4 else cpu_grouped_int8_gemm.takes_float32())
+        self.native_dtypes = (torch.bfloat16, torch.float32) if takes_float32 else (torch.bfloat16,)
         if path == "native":
             pack = cpu_fp8_gemm.pack if self.float_values else cpu_int4_gemm.pack if bits == 4 else \
                 cpu_grouped_int8_gemm.pack
@@ -133,7 +142,7 @@ class QuantizedLinear(nn.Module):
             return out.view(*x.shape[:-1], self.out_features)
         if self.perm is not None:
             rows = rows.index_select(1, self.perm)
-        if self.path == "native" and rows.dtype == torch.bfloat16:
+        if self.path == "native" and rows.dtype in self.native_dtypes:
             rows = rows if rows.stride(-1) == 1 else rows.contiguous()
             if self.float_values:
                 out = cpu_fp8_gemm.fp8_gemm(rows, self.qweight, self.scales, self.group_size, self.bias)

@@ -1,4 +1,5 @@
-"""The native grouped 8-bit GEMM (per-group scales, optional zero points) against its float32 reference."""
+"""The native grouped 8-bit GEMM (per-group scales, optional zero points) against its float32 reference, in the
+build this host loaded (AVX512-BF16, or AVX2 with float32 activations too)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ def _case(m, n, k, group, seed=0, zeros=True, bias=False):
 
 
 def _reference(x, q, scales, z, group, b=None):
-    """The float32 reference, with the weights rounded to bf16 where the kernel dequantizes them (many rows;
-    not one scale per channel without zero points, which it keeps exact)."""
-    exact = x.shape[0] < g8.DEQUANTIZE_ROWS or (z is None and group == q.shape[1])
+    """The float32 reference, with the weights rounded to bf16 where the kernel dequantizes them (many rows in the
+    AVX-512 build; not one scale per channel without zero points, which it keeps exact)."""
+    exact = not g8.rounds_weights(x.shape[0]) or (z is None and group == q.shape[1])
     rounded = torch.float32 if exact else torch.bfloat16
     return g8.reference_grouped_int8_gemm(x, q, scales, z, group, b, weights_dtype=rounded)
 
@@ -79,9 +80,10 @@ def test_extreme_values_are_exact(m, group):
 
 
 def test_the_bf16_rounding_is_the_only_difference_between_the_paths():
-    """Rows alone (weights as stored) and in a batch (dequantized to bf16) against the float32 reference: both
-    within bf16 of it (rtol 2^-7 is 2 bf16 ulps of the output, the batch's weights add ~2^-9 relative each), and the
-    batch closer to the reference that rounds the weights as it does."""
+    """Rows alone (weights as stored) and in a batch (dequantized to bf16 by the AVX-512 build) against the float32
+    reference: both within bf16 of it (rtol 2^-7 is 2 bf16 ulps of the output, the batch's weights add ~2^-9
+    relative each), and the batch closer to the reference that rounds the weights as it does; the AVX2 build,
+    which never rounds them, gives a row the same bits alone and in the batch."""
     x, q, scales, z, _ = _case(24, 96, 576, 32, seed=3)
     packed = g8.pack(q)
     batch = g8.grouped_int8_gemm(x, packed, scales, z, 32).float()
@@ -90,7 +92,10 @@ def test_the_bf16_rounding_is_the_only_difference_between_the_paths():
     rounded = g8.reference_grouped_int8_gemm(x, q, scales, z, 32, weights_dtype=torch.bfloat16).float()
     for out in (batch, alone):
         torch.testing.assert_close(out, exact, rtol=2**-7, atol=2e-2)
-    assert (batch - rounded).abs().mean() < (batch - exact).abs().mean()
+    if g8.rounds_weights(24):
+        assert (batch - rounded).abs().mean() < (batch - exact).abs().mean()
+    else:
+        assert torch.equal(batch, alone)
 
 
 def test_one_scale_per_channel_gives_a_row_the_same_bits_alone_or_in_a_batch():
@@ -127,7 +132,7 @@ def test_float16_scales_and_zeros_give_the_float32_result_bit_for_bit(m, zeros):
 
 
 @pytest.mark.parametrize(("bad", "match"), [
-    (lambda x, p, s, z: (x.float(), p, s, z, 32), "bfloat16"),
+    (lambda x, p, s, z: (x.half(), p, s, z, 32), "bfloat16"),
     (lambda x, p, s, z: (x, p, s, z, 24), "group_size"),
     (lambda x, p, s, z: (x, p, s[:1], z, 32), "scales"),
     (lambda x, p, s, z: (x, p, s, z[:, :16], 32), "zeros"),
@@ -139,3 +144,20 @@ def test_bad_inputs_are_refused(bad, match):
     x, q, scales, zeros, _ = _case(2, 32, 256, 32)
     with pytest.raises(RuntimeError, match=match):
         g8.grouped_int8_gemm(*bad(x, g8.pack(q), scales, zeros))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 20])
+@pytest.mark.parametrize(("n", "k", "group", "zeros"), [(50, 576, 32, False), (48, 256, 16, True), (40, 96, 96, False)])
+def test_float32_activations_where_the_build_takes_them(m, n, k, group, zeros):
+    """The AVX2 build takes float32 x (what an AVX2 engine runs, --dtype auto) and returns float32, the reference's
+    float32 result up to the order of the sums; the AVX-512 build refuses it by name."""
+    x, q, scales, z, b = _case(m, n, k, group, seed=m + n, zeros=zeros, bias=True)
+    x = x.float() + torch.randn(x.shape, generator=torch.Generator().manual_seed(m)) * 1e-3  # not bf16 values
+    if not g8.takes_float32():
+        with pytest.raises(RuntimeError, match="bfloat16"):
+            g8.grouped_int8_gemm(x, g8.pack(q), scales, z, group, b)
+        return
+    out = g8.grouped_int8_gemm(x, g8.pack(q), scales.half(), None if z is None else z.half(), group, b)
+    assert out.dtype == torch.float32
+    ref = g8.reference_grouped_int8_gemm(x, q, scales.half().float(), z, group, b)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,6 @@
-"""The native int4 GEMM (per-group scales and zero points) against its float32 reference."""
+"""The native int4 GEMM (per-group scales and zero points) against its references, in the build this host loaded:
+bf16 activations in AVX512-BF16 builds only; int8 activations in those (AVX512-VNNI) and in AVX2 builds, which
+also take float32 activations."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import torch
 
 from kubellm.kernels import cpu_int4_gemm as k4
 
-pytestmark = pytest.mark.usefixtures("native_int4")  # skip without it; fail under CI where the CPU has it
+# the bf16-activation path: skip without it; fail under CI where the CPU has it
+bf16_activations = pytest.mark.usefixtures("native_int4")
 
 
 def _reference(x, q, scales, zeros, group, bias=None):
@@ -26,6 +29,7 @@ def _case(m, n, k, group, seed=0, bias=False):
     return x, q, scales, zeros, b
 
 
+@bf16_activations
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 15, 16, 17, 32, 41, 64, 130])
 @pytest.mark.parametrize(("n", "k", "group"), [(16, 128, 128), (48, 256, 64), (576, 576, 32), (80, 1536, 128)])
 def test_matches_the_reference(m, n, k, group):
@@ -36,6 +40,7 @@ def test_matches_the_reference(m, n, k, group):
     torch.testing.assert_close(out.float(), _reference(x, q, scales, zeros, group).float(), rtol=1e-2, atol=1e-2)
 
 
+@bf16_activations
 @pytest.mark.parametrize("m", [4, 20])  # both paths
 def test_bias_strided_rows_and_a_symmetric_zero(m):
     x, q, scales, _, b = _case(m, 32, 256, 128, bias=True)
@@ -46,6 +51,7 @@ def test_bias_strided_rows_and_a_symmetric_zero(m):
     torch.testing.assert_close(out.float(), _reference(x, q, scales, zeros, 128, b).float(), rtol=1e-2, atol=1e-2)
 
 
+@bf16_activations
 def test_the_bf16_rounding_is_the_only_difference_between_the_paths():
     """Rows alone (weights as stored) and in a batch (dequantized to bf16) against the float32 reference: both
     within bf16 of it (rtol 2^-7 is 2 bf16 ulps of the output, the batch's weights add ~2^-9 relative each), and the
@@ -70,6 +76,7 @@ def test_pack_puts_pairs_in_nibbles():
     assert int(p[1, 1, 3, 1]) == int(q[19, 5]) | int(q[19, 7]) << 4
 
 
+@bf16_activations
 @pytest.mark.parametrize("m", [1, 16])  # both paths
 def test_extreme_nibbles_and_zeros_are_exact(m):
     """0 and 15 with zero points 0..15 (the +128 offset of the widening, the 1 + v / 16 of the dequantization
@@ -83,6 +90,7 @@ def test_extreme_nibbles_and_zeros_are_exact(m):
     assert torch.equal(out.float(), ((45 - 3 * zeros) * 0.5).expand(m, 16))
 
 
+@bf16_activations
 @pytest.mark.parametrize("m", [1, 7, 20])  # 20: the dequantizing path
 def test_float16_scales_and_zeros_give_the_float32_result_bit_for_bit(m):
     """The loader keeps scales and zero points in float16 where exact (GGUF's d); widened in the kernel, they
@@ -96,6 +104,7 @@ def test_float16_scales_and_zeros_give_the_float32_result_bit_for_bit(m):
     torch.testing.assert_close(expected.float(), _reference(x, q, scales, zeros, 32, b).float(), rtol=1e-2, atol=1e-2)
 
 
+@bf16_activations
 @pytest.mark.parametrize(("bad", "match"), [
     (lambda x, p, s, z: (x.float(), p, s, z, 128), "bfloat16"),
     (lambda x, p, s, z: (x, p, s, z, 96), "group_size"),
@@ -183,3 +192,33 @@ def test_int8_activations_of_zero_and_extreme_rows(native_int4_int8):
     scales, zeros = torch.full((2, 16), 0.01), torch.full((2, 16), 8.0)
     torch.testing.assert_close(_w4a8(x, q, scales, zeros, 32).float(),
                                k4.reference_w4a8_gemm(x, q, scales, zeros, 32).float(), rtol=2**-7, atol=1e-4)
+
+
+def test_the_build_reports_the_paths_it_has(native_int4_int8):
+    """An AVX512-BF16 build has both activation kinds on bfloat16; an AVX2 build int8 activations only, on
+    bfloat16 and float32, and refuses bf16 activations by name."""
+    assert k4.takes_float32() == (not k4.available())
+    if not k4.available():
+        x, q, scales, zeros, _ = _case(1, 16, 64, 32)
+        with pytest.raises(RuntimeError, match="int8_activations=True"):
+            k4.int4_gemm(x, k4.pack(q), scales, zeros, 32)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize(("n", "k", "group"), [(80, 576, 32), (144, 1536, 128), (64, 192, 12)])
+def test_float32_int8_activations_where_the_build_takes_them(m, n, k, group, native_int4_int8):
+    """The AVX2 build takes float32 x (what an AVX2 engine runs, --dtype auto): the same integers as
+    reference_w4a8_gemm, float32 out; bf16 x gives the float32 result of its values rounded once (the same bits
+    as the AVX-512 kernel's epilogue). The AVX-512 build refuses float32 by name."""
+    x, q, scales, zeros, b = _case(m, n, k, group, seed=m * k, bias=True)
+    x = x.float() + torch.randn(x.shape, generator=torch.Generator().manual_seed(m)) * 1e-3  # not bf16 values
+    if not k4.takes_float32():
+        with pytest.raises(RuntimeError, match="bfloat16"):
+            _w4a8(x, q, scales, zeros, group, b)
+        return
+    out = _w4a8(x, q, scales, zeros, group, b)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, k4.reference_w4a8_gemm(x, q, scales, zeros, group, b), rtol=1e-5, atol=1e-5)
+    rows = x.bfloat16()
+    torch.testing.assert_close(_w4a8(rows, q, scales, zeros, group, b), _w4a8(rows.float(), q, scales, zeros, group,
+                                                                             b).bfloat16(), rtol=0, atol=0)

@@ -185,21 +185,45 @@ def test_fp8_gemm_is_native_for_bf16_on_cpu_where_it_loads_and_the_layer_packs()
         assert choose(AUTO, target, loaded).fp8_path(576, 128) == "dequantize"
 
 
-def test_probe_checks_the_grouped_kernels_for_bf16_on_cpu_only(monkeypatch):
+def test_probe_checks_the_grouped_kernels_for_bf16_and_float32_on_cpu_only(monkeypatch):
     from kubellm.kernels import cpu_fp8_gemm, cpu_grouped_int8_gemm, cpu_int4_gemm
     from kubellm.runtime import kernel_choice
 
     monkeypatch.setattr(cpu_int4_gemm, "available", lambda: True)
+    monkeypatch.setattr(cpu_int4_gemm, "int8_available", lambda: True)
+    monkeypatch.setattr(cpu_int4_gemm, "takes_float32", lambda: False)
     monkeypatch.setattr(cpu_grouped_int8_gemm, "available", lambda: False)
+    monkeypatch.setattr(cpu_grouped_int8_gemm, "takes_float32", lambda: False)
     monkeypatch.setattr(cpu_fp8_gemm, "available", lambda: True)
     off = KernelSettings("torch", "torch", "off")
-    loaded = kernel_choice.probe(off, Target("cpu", torch.bfloat16, quantization="gptq"))
-    assert loaded.grouped_int4_cpu_kernel is None and "cpu_grouped_int8_gemm" in loaded.grouped_int8_cpu_kernel
-    assert loaded.fp8_cpu_kernel is None
-    for target in (Target("cpu", torch.float32, quantization="gptq"), Target("cpu", torch.bfloat16)):
+    for dtype in (torch.bfloat16, torch.float32):
+        loaded = kernel_choice.probe(off, Target("cpu", dtype, quantization="gptq"))
+        assert loaded.grouped_int4_cpu_kernel is None and "cpu_grouped_int8_gemm" in loaded.grouped_int8_cpu_kernel
+        assert loaded.fp8_cpu_kernel is None and loaded.int4_int8_activations is None
+        assert "bfloat16 only" in loaded.float32_grouped_cpu
+    for target in (Target("cpu", torch.float16, quantization="gptq"), Target("cpu", torch.bfloat16)):
         skipped = kernel_choice.probe(off, target)
         assert skipped.grouped_int4_cpu_kernel == skipped.grouped_int8_cpu_kernel == skipped.fp8_cpu_kernel \
             == kernel_choice.NOT_PROBED
+
+
+def test_an_avx2_build_serves_float32_and_bf16_with_int8_activations_only():
+    """The AVX2 build: the 4-bit GEMM with int8 activations and the 8-bit one, on float32 (what --dtype auto
+    picks there) and bfloat16; bf16 activations and FP8 dequantize, never a kernel the build lacks."""
+    avx2 = Loaded(cpu_kernels=None, grouped_int4_cpu_kernel="no cpu_int4_gemm in this build (AVX512-BF16)",
+                  int4_int8_activations=None, grouped_int8_cpu_kernel=None, float32_grouped_cpu=None,
+                  fp8_cpu_kernel="no cpu_fp8_gemm in this build (AVX512-BF16)")
+    for dtype in (torch.float32, torch.bfloat16):
+        target = Target("cpu", dtype, 4, 2, 64, quantization="gguf")
+        choice = choose(AUTO, target, avx2)
+        assert (choice.grouped_int4_gemm, choice.int4_activations, choice.grouped_int8_gemm, choice.fp8_gemm) == \
+            ("native", "int8", "native", "dequantize")
+        assert choice.grouped_path(4, 576, 576, 32) == choice.grouped_path(8, 49152, 576, 32) == "native"
+        bf16_acts = choose(KernelSettings(int4_activations="bf16"), target, avx2)
+        assert (bf16_acts.grouped_int4_gemm, bf16_acts.grouped_int8_gemm) == ("dequantize", "native")
+    no_float32 = dataclasses.replace(avx2, float32_grouped_cpu="this build's grouped CPU GEMMs take bfloat16 only")
+    choice = choose(AUTO, Target("cpu", torch.float32, 4, 2, 64, quantization="gguf"), no_float32)
+    assert (choice.grouped_int4_gemm, choice.grouped_int8_gemm) == ("dequantize", "dequantize")
 
 
 TRITON_QUANT = Loaded(triton_attention=None, triton_grouped_int4=None, triton_grouped_int8=None, triton_fp8=None)
@@ -273,13 +297,16 @@ def test_the_engine_passes_its_choice_down(tiny_llama):
 
 def test_the_engine_gives_its_int4_layers_int8_activations_when_asked(tiny_llama, native_int4_int8):
     """--cpu-int4-activations int8 reaches every native 4-bit layer, and the engine decodes with them."""
+    from kubellm.kernels import cpu_int4_gemm
     from kubellm.runtime.engine import LLM
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
     from kubellm.runtime.sampling_params import SamplingParams
 
-    for activations in ("bf16", "int8"):
-        llm = LLM(str(tiny_llama), progress=False, dtype="bfloat16", num_kv_blocks=16, max_model_len=64,
-                  quantization="int4", cpu_int4_activations=activations)
+    # AVX2 builds: int8 activations only, on float32 (what --dtype auto runs there)
+    avx512 = cpu_int4_gemm.available()
+    for activations in ("bf16", "int8") if avx512 else ("int8",):
+        llm = LLM(str(tiny_llama), progress=False, dtype="bfloat16" if avx512 else "float32", num_kv_blocks=16,
+                  max_model_len=64, quantization="int4", cpu_int4_activations=activations)
         layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear) and m.path == "native"]
         assert llm.engine.kernels.int4_activations == activations and layers
         assert {m.int8_activations for m in layers} == {activations == "int8"}

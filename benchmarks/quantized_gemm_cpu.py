@@ -17,6 +17,10 @@ warm-up (same process and threads; each round calls every column in turn), of:
   per channel or per tensor); ``fp8 b128``: the same with a scale per 128 inputs (128 x 128 block scales, as
   DeepSeek and Qwen3-FP8 write them; 576 inputs end in a group of 64).
 
+On CPUs without AVX512-BF16 (AVX2, x86-64-v3) the activations are float32, what ``--dtype auto`` runs there, the
+baseline column is ``F.linear`` on the float32 weight, and ``int4 g32 deq`` / ``int8 g32 deq`` time what those
+layers ran before the AVX2 kernels: the weight dequantized to float32 on every call, then ``F.linear``.
+
 Scales and zero points are float16, as the loader keeps them where exact (``--scales float32``: the form the
 kernels took before they read float16, for before/after runs). Each cell is the median over the rounds of the
 round's fastest call, and each ratio the median over the rounds of ``bf16 / kernel`` within the round (above
@@ -94,12 +98,13 @@ def kernels_for(n: int, k: int, scale_dtype: torch.dtype = torch.float16, int4_g
     """(name, maker of a callable of x; see bound) for each quantized kernel available here, on random weights
     of ``[n, k]``."""
     out = []
-    if k4.available():
+    if k4.available() or k4.int8_available():
         q = k4.pack(torch.randint(0, 16, (n, k), dtype=torch.uint8))
         for group in int4_groups:
             s = (torch.rand(k // group, n) * 0.01).to(scale_dtype)
             z = torch.randint(0, 16, (k // group, n)).to(scale_dtype)
-            out.append((f"int4 g{group}", bound(k4.int4_gemm, q, s, z, group)))
+            if k4.available():
+                out.append((f"int4 g{group}", bound(k4.int4_gemm, q, s, z, group)))
             if k4.int8_available():
                 out.append((f"int4 g{group} a8", bound(k4.int4_gemm, q, s, z, group, None, True)))
     if k8.available() and k8.packable(torch.empty(n, k, dtype=torch.int8)):
@@ -120,6 +125,24 @@ def kernels_for(n: int, k: int, scale_dtype: torch.dtype = torch.float16, int4_g
     return out
 
 
+def dequantizing_for(n: int, k: int) -> list:
+    """What 4-bit (group 32, zero points) and 8-bit (group 32, symmetric: Q8_0) layers ran on CPUs without the
+    native kernels: QuantizedLinear's ``dequantize`` path (the float32 weight rebuilt on every call)."""
+    from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+    from kubellm.runtime.prequantized import QuantizedWeight
+
+    scales = torch.rand(n, k // 32) * 0.01
+    int4 = QuantizedWeight(torch.randint(0, 16, (n, k)), scales, torch.randint(0, 16, (n, k // 32)).float(), 32)
+    int8 = QuantizedWeight(torch.randint(-128, 128, (n, k)), scales, None, 32)
+    def maker(weight: QuantizedWeight, bits: int) -> Callable[[], Callable]:
+        def make():  # a layer of its own per copy, as bound's copies
+            return QuantizedLinear(weight, bits, "dequantize")
+        make.nbytes = sum(b.nbytes for b in make().buffers())
+        return make
+
+    return [("int4 g32 deq", maker(int4, 4)), ("int8 g32 deq", maker(int8, 8))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -138,40 +161,47 @@ def main(argv: list[str] | None = None) -> int:
                     help="rotate each column over copies of its weights spanning this many MiB (e.g. 96: twice "
                          "this host's 32 MiB L3), so every call reads from memory as a decode step does")
     args = ap.parse_args(argv)
-    if not bf16.available():
-        raise SystemExit("the native bf16 linear (the baseline) needs AVX512-BF16 and the built kernels")
+    native_bf16 = bf16.available()  # else float32 against F.linear (AVX2 hosts)
+    if not native_bf16 and not (k4.takes_float32() and g8.takes_float32()):
+        raise SystemExit("neither the native bf16 linear (AVX512-BF16) nor the AVX2 kernels' float32 path loaded")
     if args.threads:
         torch.set_num_threads(args.threads)
     host_malloc.tune()
     torch.manual_seed(0)
-    dtype = torch.bfloat16
+    dtype = torch.bfloat16 if native_bf16 else torch.float32
+    base = "bf16" if native_bf16 else "f32"
     rows = []
     with torch.inference_mode():
         shapes = MODELS[args.model] if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes]
         for n, k in shapes:
             linear = nn.Linear(k, n, bias=False).to(dtype)
-            kernels = [("bf16", bound(lambda x, p, n=n: bf16.bf16_linear(x, p, n), bf16.pack(linear.weight)))]
-            if args.onednn:
+            if native_bf16:
+                kernels = [(base, bound(lambda x, p, n=n: bf16.bf16_linear(x, p, n), bf16.pack(linear.weight)))]
+            else:
+                kernels = [(base, bound(F.linear, linear.weight))]
+            if args.onednn and native_bf16:
                 kernels.append(("F.linear", bound(F.linear, linear.weight)))
             kernels += kernels_for(n, k, getattr(torch, args.scales), tuple(args.int4_groups))
+            if not native_bf16:
+                kernels += dequantizing_for(n, k)
             if args.only:
-                kernels = [(name, make) for name, make in kernels if name == "bf16" or name.startswith(tuple(args.only))]
+                kernels = [(name, make) for name, make in kernels if name == base or name.startswith(tuple(args.only))]
             fns = {name: rotating(make, args.cold_mib << 20) for name, make in kernels}
             kernels = kernels[1:]
             for m in args.rows:
                 x = torch.randn(m, k).to(dtype)
                 times = timed_rounds({name: functools.partial(fn, x) for name, fn in fns.items()}, args.calls)
                 cells = [(name, statistics.median(times[name]),
-                          statistics.median(b / t for b, t in zip(times["bf16"], times[name], strict=True)))
+                          statistics.median(b / t for b, t in zip(times[base], times[name], strict=True)))
                          for name, _ in kernels]
-                rows.append((f"{n}x{k}", m, statistics.median(times["bf16"]), cells))
+                rows.append((f"{n}x{k}", m, statistics.median(times[base]), cells))
     names = [name for name, _, _ in rows[0][3]] if rows else []
-    print(f"\nbfloat16 activations, {args.scales} scales, {torch.get_num_threads()} threads, "
+    print(f"\n{'bfloat16' if native_bf16 else 'float32'} activations, {args.scales} scales, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, {args.calls} calls in 10 interleaved rounds; µs = median of the rounds' "
-          f"fastest calls; ratio = median over the rounds of native bf16 / kernel; "
+          f"fastest calls; ratio = median over the rounds of {'native bf16' if native_bf16 else 'F.linear float32'} / kernel; "
           f"{f'weights rotated over {args.cold_mib} MiB (cold); ' if args.cold_mib else ''}load average "
           f"{os.getloadavg()[0]:.1f} at the end\n")
-    print("| N x K | M | bf16 µs | " + " | ".join(f"{n} µs | ratio" for n in names) + " |")
+    print(f"| N x K | M | {base} µs | " + " | ".join(f"{n} µs | ratio" for n in names) + " |")
     print("|---|---:|---:|" + "---:|---:|" * len(names))
     for shape, m, base, cells in rows:
         print(f"| {shape} | {m} | {base * 1e6:.1f} | "

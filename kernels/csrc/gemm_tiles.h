@@ -90,6 +90,15 @@ inline int blocks_per_item(int64_t nblk, int max_nb) {
   return best;
 }
 
+// f(first block, blocks) for each work item of nb 16-channel blocks (the last may have fewer), split over the
+// threads.
+template <typename F>
+void parallel_items(int64_t nblk, int nb, F&& f) {
+  at::parallel_for(0, (nblk + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) f(it * nb, static_cast<int>(std::min<int64_t>(nb, nblk - it * nb)));
+  });
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KUBELLM_BF16_TILE 1
 // The vdpbf16ps operand layout: per block of 16 output channels and pair of inputs (k, k+1), one 64-byte line

@@ -185,31 +185,27 @@ void grouped_int8_gemm_avx2(const T* xv, int64_t ldx, int64_t M, int64_t K, cons
       if (zp.data) xsum[m * groups + g] = sum;
     }
   const int nb = M == 1 ? tiles::blocks_per_item(NBLK, 3) : 1;
-  at::parallel_for(0, (NBLK + nb - 1) / nb, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t blk = it * nb;
-      const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
-      const int8_t* w = wp + blk * w_block_stride;
-      const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
-      const int64_t valid = std::min<int64_t>(n * 16, N - blk * 16);
-      const tiles::GroupParams s = sp.offset(blk * 16), z = zp.offset(blk * 16);
-      for (int64_t m0 = 0; m0 < M;) {
-        const int rows = M == 1 ? 1 : static_cast<int>(std::min<int64_t>(2, M - m0));
-        const float* xr = xf + m0 * K;
-        const float* xs = xsum + m0 * groups;
-        T* yr = yp + m0 * N + blk * 16;
+  tiles::parallel_items(NBLK, nb, [&](int64_t blk, int n) {
+    const int8_t* w = wp + blk * w_block_stride;
+    const float* bp = bias_p ? bias_p + blk * 16 : nullptr;
+    const int64_t valid = std::min<int64_t>(n * 16, N - blk * 16);
+    const tiles::GroupParams s = sp.offset(blk * 16), z = zp.offset(blk * 16);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int rows = M == 1 ? 1 : static_cast<int>(std::min<int64_t>(2, M - m0));
+      const float* xr = xf + m0 * K;
+      const float* xs = xsum + m0 * groups;
+      T* yr = yp + m0 * N + blk * 16;
 #define KUBELLM_G8_AVX2(R, B) \
   g8_avx2_tile<R, B>(xr, K, xs, groups, w, w_block_stride, group_pairs, s, z, N, valid, bp, yr)
-        switch (rows * 4 + n) {
-          case 4 + 3: KUBELLM_G8_AVX2(1, 3); break;
-          case 4 + 2: KUBELLM_G8_AVX2(1, 2); break;
-          case 4 + 1: KUBELLM_G8_AVX2(1, 1); break;
-          case 8 + 1: KUBELLM_G8_AVX2(2, 1); break;
-          default: TORCH_CHECK(false, "grouped_int8_gemm: bad AVX2 tile ", rows, " x ", n);
-        }
-#undef KUBELLM_G8_AVX2
-        m0 += rows;
+      switch (rows * 4 + n) {
+        case 4 + 3: KUBELLM_G8_AVX2(1, 3); break;
+        case 4 + 2: KUBELLM_G8_AVX2(1, 2); break;
+        case 4 + 1: KUBELLM_G8_AVX2(1, 1); break;
+        case 8 + 1: KUBELLM_G8_AVX2(2, 1); break;
+        default: TORCH_CHECK(false, "grouped_int8_gemm: bad AVX2 tile ", rows, " x ", n);
       }
+#undef KUBELLM_G8_AVX2
+      m0 += rows;
     }
   });
 }

@@ -190,17 +190,22 @@ def cmd_kernels(args: argparse.Namespace) -> int:
                 print(f"kubellm kernels build: building for -march={march} failed", file=sys.stderr)
                 return 1
         return 0
+    import torch
+
+    from kubellm.runtime import kernel_choice
+
     ok = cpu_extension.available()
     info = cpu_extension.build_info()
     print(f"native CPU kernels: {'loaded' if ok else 'unavailable'}")
     print(f"library: {info['library'] or '-'}")
     print(f"error: {info['error'] or '-'}")
-    if ok:
-        from kubellm.kernels import cpu_int8_gemm
-
-        print(f"int8 GEMM (AVX512-BF16 build): {'yes' if cpu_int8_gemm.available() else 'no'}")
-    print(f"x86-64 levels of this CPU: {', '.join(cpu_extension.supported_levels()) or 'none'}")
+    cap = cpu_extension.isa_cap()
+    print(f"x86-64 levels of this CPU: {', '.join(cpu_extension.supported_levels()) or 'none'}"
+          + (f" (capped by {cpu_extension.ISA_ENV}={cap})" if cap else ""))
     print(f"build directory (for -march={cpu_extension._march()}): {info['build_directory']}")
+    print("what --device cpu runs, by dtype (auto settings):")
+    for dtype in (torch.bfloat16, torch.float32):
+        print("\n".join(kernel_choice.cpu_report(dtype)))
     return 0 if ok else 1
 
 

@@ -293,3 +293,14 @@ async def test_the_proxy_port_does_not_answer_for_the_admin_port(cluster):
         async with session.get(f"{admin}/activity/{NS}/chat") as r:
             assert await r.json() == {"requests": 0, "held": 0, "forwarding": 0}
     assert not scale_calls(server) and chat.seen == []
+
+
+@pytest.mark.asyncio
+async def test_a_catalog_of_every_namespace_lists_them_all_and_one_of_a_namespace_only_that_one(cluster):
+    _server, _activator, _url, _admin, _chat, _other, catalog = cluster
+    everywhere = Catalog(catalog.kube, None)
+    await everywhere.refresh()
+    assert set(everywhere.targets) == {(NS, "chat"), (NS, "code")}
+    elsewhere = Catalog(catalog.kube, ["finance"])
+    await elsewhere.refresh()
+    assert elsewhere.targets == {} and elsewhere.loaded

@@ -227,10 +227,15 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
 
 def cmd_activator(args: argparse.Namespace) -> int:
-    from kubellm.operator.activator import run
+    from kubellm.operator.activator import Limits, run
 
-    run(args.host, args.port, upstream_template=args.upstream, hold_timeout=args.hold_timeout,
-        max_held=args.max_held, admin_port=args.admin_port if args.admin_port > 0 else None)
+    if bool(args.namespaces) == bool(args.all_namespaces):
+        raise ValueError("pass --namespace NS (repeatable) or --all-namespaces")
+    limits = Limits(hold_timeout=args.hold_timeout, max_held=args.max_held, max_held_total=args.max_held_total,
+                    max_buffered=args.max_buffered_mib * 2**20)  # fmt: skip
+    run(args.host, args.port, namespaces=None if args.all_namespaces else args.namespaces, limits=limits,
+        upstream_template=args.upstream, admin_port=args.admin_port if args.admin_port > 0 else None,
+        refresh_interval=args.refresh_interval)  # fmt: skip
     return 0
 
 
@@ -332,25 +337,37 @@ def _add_operator(sub, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def _add_activator(sub, parents: list[argparse.ArgumentParser]) -> None:
-    from kubellm.operator.activator import DEFAULT_UPSTREAM
+    from kubellm.operator.activator import DEFAULT_UPSTREAM, Limits
 
     a = sub.add_parser("activator", parents=parents, help="hold requests for deployments scaled to zero and wake them",
                        description="A reverse proxy that the Service of an LLMDeployment scaled to zero points at: "
                                    "it holds each request, scales the Deployment from 0 to 1, and forwards the held "
                                    "requests (streams pass through) once a pod is ready; 503 + Retry-After when "
-                                   "that takes longer than --hold-timeout. See docs/autoscaling.md.")
+                                   "that takes longer than --hold-timeout. It serves only LLMDeployments with "
+                                   "autoscaling.minReplicas 0 in the namespaces given. See docs/autoscaling.md.")
+    a.add_argument("-n", "--namespace", action="append", dest="namespaces",
+                   help="namespace whose LLMDeployments it serves; repeatable")
+    a.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace's LLMDeployments")
     a.add_argument("--host", default="0.0.0.0")
     a.add_argument("--port", type=int, default=8000)
     a.add_argument("--admin-port", type=int, default=9090,
                    help="port of /healthz, /metrics and /activity/NAMESPACE/NAME (the counts KEDA reads); 0: none "
                         "(default 9090)")
     a.add_argument("--upstream", default=DEFAULT_UPSTREAM,
-                   help="URL of a deployment's pods, formatted with {name}, {namespace} and {port} taken from the "
-                        f"request's Host name.namespace[:port] (default {DEFAULT_UPSTREAM})")
-    a.add_argument("--hold-timeout", type=float, default=300.0,
+                   help="URL of a deployment's pods, formatted with {service} (its <name>-pods Service), "
+                        "{namespace} and {port} (its spec.service.port), all from the LLMDeployment, never from the "
+                        f"request (default {DEFAULT_UPSTREAM})")
+    a.add_argument("--hold-timeout", type=float, default=Limits.hold_timeout,
                    help="seconds a request may wait for its deployment to start before it gets 503 (default 300)")
-    a.add_argument("--max-held", type=int, default=1000,
+    a.add_argument("--max-held", type=int, default=Limits.max_held,
                    help="requests held per deployment at most; more get 503 at once (default 1000)")
+    a.add_argument("--max-held-total", type=int, default=Limits.max_held_total,
+                   help="requests held for all deployments together at most (default 2000)")
+    a.add_argument("--max-buffered-mib", type=int, default=Limits.max_buffered // 2**20,
+                   help="MiB of request bodies held in memory at once at most; more get 503 (default 64). One body "
+                        "is at most 8 MiB, as in `kubellm serve`")
+    a.add_argument("--refresh-interval", type=float, default=5.0,
+                   help="seconds between listings of the LLMDeployments served (default 5)")
     a.set_defaults(func=cmd_activator)
 
 

@@ -334,6 +334,8 @@ def _to_api_error(e: Exception) -> APIError:
 async def _run_one(state: ServerState, rid: str, ids: list[int], params: SamplingParams) -> AsyncIterator:
     try:
         async for out in state.engine.generate(ids, params, rid):
+            if out.error is not None:  # e.g. the grammar hit llguidance's limits: a bare "abort" says nothing
+                raise bad_request(out.error, params.guided.param if params.guided else None, "grammar_error")
             yield out
     except APIError:
         raise

@@ -159,7 +159,7 @@ def _chat_choices(state: ServerState, req: ChatCompletionRequest, parser, outs: 
             if calls:
                 calls = calls if req.parallel_tool_calls else calls[:1]
                 message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
-                finish = "tool_calls" if finish != "length" else finish
+                finish = finish if finish == "length" else "tool_calls"
         choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(state.tokenizer, o.token_ids, o.logprobs) if req.logprobs
                         else None, "finish_reason": finish, "stop_reason": o.stop_reason})
@@ -353,18 +353,21 @@ async def _collect(request: Request, state: ServerState, jobs: list[tuple], rid:
         return last
 
     state.active_requests += 1
-    work = asyncio.gather(*(one(*job) for job in jobs))
+    choices = [asyncio.ensure_future(one(*job)) for job in jobs]
+    work = asyncio.gather(*choices)
+    # A client leaving is a normal end, not an error: take the gather's CancelledError so asyncio does not
+    # log it as lost.
+    work.add_done_callback(lambda f: f.cancelled() or f.exception())
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        if work not in done:  # the client left: cancelling the generators aborts the requests
-            work.cancel()
-            # A normal end, not an error: take the gather's CancelledError so asyncio does not log it as lost.
-            work.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if work not in done:
             raise APIError(499, "client disconnected", "client_closed_request")
         return work.result()
     finally:
         disconnect.cancel()
+        for choice in choices:  # the client left or one choice failed: cancelling the rest aborts them
+            choice.cancel()
         state.active_requests -= 1
 
 

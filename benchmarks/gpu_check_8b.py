@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import inspect
 import json
 import sys
@@ -38,6 +37,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from gpu_check_engine import _plain_cpu
+from gpu_check_engine import free_memory as _free
+from gpu_check_profile import _prompts, _sync
 from gpu_check_report import Section, Table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -209,24 +211,8 @@ def _kv_tokens(contexts: list[int], steps: int) -> int:
     return sum(steps * c + steps * (steps - 1) // 2 for c in contexts)
 
 
-def _plain_cpu(device: str) -> dict[str, str]:
-    """On CPU (the self-test) plain PyTorch kernels: no native CPU build."""
-    return dict(attention_backend="torch", layer_ops="torch", prepack_weights="off") if device == "cpu" else {}
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _prompts(batch: int, length: int, vocab: int, salt: int) -> list[list[int]]:
-    return [[(7919 * (salt * 1009 + b + 1) + 13 * i + salt) % vocab for i in range(length)] for b in range(batch)]
 
 
 # ------------------------------------------------------------------------------------------------ kubellm

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test kernels-info e2e gpu-check lint format crds helm clean
+.PHONY: demo test test-avx2 kernels-info e2e gpu-check lint format crds helm clean
 
 # Python's safe-path mode (3.11+) for everything started here and everything that starts in turn: neither the
 # working directory (`python -m`, `python -c`) nor a script's folder goes on sys.path, so the repository's
@@ -47,6 +47,17 @@ demo: $(STAMP)  ## serve the SmolLM2 demo model on CPU, ask it a question over H
 test: $(STAMP) $(HELM)  ## lint, then the whole suite
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
+
+# The native-kernel, kernel-choice and bf16 tests as an AVX2-only (x86-64-v3) host runs them, on any x86-64 host:
+# kubellm's kernels build for that level and oneDNN and PyTorch are capped at AVX2 (.ci/run runs it after `test`
+# on AVX-512 hosts; on an AVX2-only host `test` already is this).
+AVX2_ENV := KUBELLM_CPU_ISA=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+AVX2_TESTS := tests/kernels tests/runtime/test_linear.py tests/runtime/test_kernel_choice.py \
+	tests/runtime/test_smollm2.py tests/runtime/test_engine_parity.py tests/runtime/test_fused_decode_int4.py \
+	tests/runtime/test_fused_decode_quantized.py tests/runtime/test_quantization.py tests/benchmarks/test_cpu_targets.py
+test-avx2: $(STAMP)  ## the kernel tests with the CPU capped at x86-64-v3 (AVX2), as AVX2-only hosts run them
+	-$(AVX2_ENV) $(VENV)/bin/kubellm kernels info
+	$(AVX2_ENV) $(VENV)/bin/pytest -q $(AVX2_TESTS)
 
 # What .ci/run prints first. It loads (building, the first time: about a minute) the native CPU kernels the
 # tests then use; it does not stop a run where they fail to load: the tests say so, and fail under CI.

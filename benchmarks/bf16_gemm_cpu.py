@@ -3,6 +3,9 @@ and plain F.linear, at SmolLM2-135M and Qwen3-0.6B layer shapes, LM heads includ
 
     .venv/bin/python benchmarks/bf16_gemm_cpu.py --threads 2 --rows 1,2,4,8,16,32,64,256,1024
 
+Where oneDNN cannot prepack bf16 (AVX2-only CPUs) its column is the float32 prepacked GEMM instead: what those
+CPUs ran before the AVX2 kernel (``--dtype auto`` takes float32 there).
+
 Per shape and row count: ms per call (best of --rounds rounds, the three interleaved A, B, C within each round
 so a shared host's load hits all alike), GB/s (weight bytes read per call over the time; the row-count-1
 stream's bandwidth), GFLOP/s, and the kernel's speed-up over oneDNN prepacked. The load average is printed with
@@ -46,9 +49,13 @@ def main() -> None:
     from kubellm.kernels import cpu_bf16_gemm as kb
 
     if not kb.available():
-        raise SystemExit("the native bf16 linear is not available in this build (needs AVX512-BF16)")
+        raise SystemExit("the native bf16 linear is not available in this build (needs AVX512-BF16 or AVX2)")
+    from kubellm.runtime.layers.linear import can_pack
+
+    onednn_dtype = torch.bfloat16 if can_pack("cpu", torch.bfloat16) else torch.float32
     only = set(filter(None, args.shapes.split(",")))
-    print(f"threads {args.threads}; {os.uname().nodename}; load average {os.getloadavg()[0]:.2f} at start")
+    print(f"threads {args.threads}; {os.uname().nodename}; kernel {kb.isa()}; oneDNN "
+          f"{str(onednn_dtype).removeprefix('torch.')}; load average {os.getloadavg()[0]:.2f} at start")
     print("| model | layer | N x K | rows | kernel ms | oneDNN ms | F.linear ms | kernel GB/s | kernel GFLOP/s "
           "| oneDNN GFLOP/s | kernel / oneDNN |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -59,12 +66,13 @@ def main() -> None:
             g = torch.Generator().manual_seed(0)
             w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
             packed = kb.pack(w)
-            onednn = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+            onednn = torch.ops.mkldnn._reorder_linear_weight(w.to(onednn_dtype), 32)
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)
                 fns = {
                     "kernel": lambda x=x, p=packed, n=n: kb.bf16_linear(x, p, n),
-                    "onednn": lambda x=x, p=onednn: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+                    "onednn": lambda x=x.to(onednn_dtype), p=onednn: torch.ops.mkldnn._linear_pointwise(
+                        x, p, None, "none", [], ""),
                     "flinear": lambda x=x, w=w: torch.nn.functional.linear(x, w),
                 }
                 once = max(1e-5, min(_time(f, 1) for f in fns.values()))

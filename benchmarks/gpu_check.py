@@ -15,7 +15,12 @@
    decode steps with CUDA graphs at batch 1 and 32, torch.profiler's top ops, and prefill steps at a new prompt
    length against the same length again. It runs right after 3a, before any throughput part, so that its first
    128-token prefill is the process's first; its section is written last.
-6. A Markdown report in benchmarks/results/gpu-check-<date>-<device>.md. Exit status 1 when any correctness
+6. Llama-3-8B shape (issue 31, benchmarks/gpu_check_8b.py): random weights made on the device; kubellm's decode tok/s
+   with CUDA graphs at batch 1, 8, 32 and 128 against the roofline (bytes a step must read over the measured
+   device-to-device copy bandwidth); the peer, transformers with a static KV cache under torch.compile (the
+   gpt-fast recipe), at batch 1 and 32 on the same weights; fused Triton layer ops against PyTorch's; the decode
+   step profile of part 5 on this model.
+7. A Markdown report in benchmarks/results/gpu-check-<date>-<device>.md. Exit status 1 when any correctness
    check failed (or a part of the kit crashed), else 0.
 
 ``--device cpu --tiny`` runs the same code through Triton's interpreter at tiny shapes: the kit's self-test
@@ -43,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_report import Check, Report, Section  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("kernels", "timing", "engine", "throughput", "serve", "graphs", "tp", "profile")
+PARTS = ("kernels", "timing", "engine", "throughput", "serve", "graphs", "tp", "profile", "llama8b", "peer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "index): a folder with the demo's config.json and tokenizer files (written by `kubellm models "
                         "export smollm2 DIR` where pip works); its checks then run on random weights of that shape")
     p.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per prompt (default 32; tiny 6)")
+    p.add_argument("--llama8b-budget", type=float, default=420.0,
+                   help="seconds for section 6 (parts llama8b and peer): its optional steps (the peer's second batch "
+                        "size, the PyTorch layer ops, the profile) are skipped when fewer remain (%(default)s)")
     p.add_argument("--fp32-tol", type=float, default=2e-3, help="float32 parity: nats per token (%(default)s)")
     p.add_argument("--bf16-tol", type=float, default=0.25, help="bfloat16 parity: nats per token (%(default)s)")
     args = p.parse_args(argv)
@@ -196,6 +204,15 @@ def _rest(report: Report, args: argparse.Namespace, engine, llama: Path | None, 
     else:
         _guarded(s, "TP=2", engine.tensor_parallel, s, llama, reference, args.new_tokens, args.bf16_tol, 32,
                  (128, 128))
+
+    s = report.section("6. Llama-3-8B shape: decode against the roofline, and a peer (issue 31)")
+    if {"llama8b", "peer"} <= args.skip:
+        s.skipped.append("--skip llama8b,peer")
+    else:
+        import gpu_check_8b
+
+        _guarded(s, "Llama-3-8B shape", gpu_check_8b.run_part, s, device, args.tiny, args.skip, work_dir,
+                 args.llama8b_budget)
 
 
 def _profile(args: argparse.Namespace, llama: Path | None, label: str) -> Section:

@@ -175,7 +175,8 @@ helm --kube-context "$CONTEXT" upgrade --install keda kedacore/keda --version "$
 # rbac.serviceMonitors: the autoscaled test's LLMDeployment asks for a ServiceMonitor (Prometheus must scrape
 # the queue depth the HPA scales on), which the operator may create only with that grant. rbac.leaderWorkerSets:
 # the multi-node test's LeaderWorkerSet. rbac.inferencePools: the gateway test's InferencePool. rbac.keda and
-# activator.enabled: the scale-from-zero test (its ScaledObject queries the Prometheus above).
+# activator.enabled: the scale-from-zero test (its ScaledObject queries the Prometheus above); allNamespaces
+# because each test runs in a namespace of its own.
 log "installing the kubellm chart with $OPERATOR_IMAGE"
 helm --kube-context "$CONTEXT" upgrade --install kubellm "$ROOT/charts/kubellm" \
     --namespace "$OPERATOR_NS" --create-namespace \
@@ -188,6 +189,7 @@ helm --kube-context "$CONTEXT" upgrade --install kubellm "$ROOT/charts/kubellm" 
     --set rbac.inferencePools=true \
     --set rbac.keda=true \
     --set activator.enabled=true \
+    --set activator.allNamespaces=true \
     --set autoscaling.prometheusUrl="http://prometheus-operated.${MONITORING_NS}.svc:9090" \
     --wait --timeout 5m
 kc wait --for=condition=Established crd/llmdeployments.kubellm.io --timeout=60s

@@ -1,13 +1,14 @@
-"""Dense bf16 linear on CPU: a native kernel (``csrc/bf16_gemm_cpu.cpp``, AVX512-BF16) beside its PyTorch
-reference.
+"""Dense bf16 linear on CPU: a native kernel (``csrc/bf16_gemm_cpu.cpp``, AVX512-BF16, or AVX2 + FMA) beside its
+PyTorch reference.
 
 ``y = x @ w.T + bias`` with ``x`` ``[M, K]`` bfloat16, ``w`` ``[N, K]`` bfloat16, ``bias`` ``[N]`` float32, ``y``
 ``[M, N]`` bfloat16; products exact, sums float32, one rounding at the end. The kernel wants the weight packed
 once by :func:`pack` into ``[ceil(N/16), ceil(K/2), 16, 2]`` (per block of 16 output channels and pair of
-inputs, the 16 channels' pairs side by side: the vdpbf16ps operand layout), zero-padded to whole blocks and
-pairs, so any ``N`` and ``K`` work. The packed weight is the only copy a layer keeps: :func:`unpack` and
-:func:`embedding` read rows back out of it (a tied LM head's embedding lookup). The kernel exists only in builds
-for CPUs with AVX512-BF16; :func:`available` says whether this process has it.
+inputs, the 16 channels' pairs side by side: the vdpbf16ps operand layout, which AVX2 widens to float32 in
+registers with a shift and a mask), zero-padded to whole blocks and pairs, so any ``N`` and ``K`` work. The
+packed weight is the only copy a layer keeps: :func:`unpack` and :func:`embedding` read rows back out of it (a
+tied LM head's embedding lookup). :func:`available` says whether this process's build has the kernel and
+:func:`isa` on which instructions it runs.
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ import torch
 
 from kubellm.kernels.cpu_extension import available as extension_available
 
-__all__ = ["available", "bf16_linear", "embedding", "pack", "reference_bf16_linear", "unpack"]
+__all__ = ["available", "bf16_linear", "embedding", "isa", "pack", "reference_bf16_linear", "unpack"]
 
 
 def available() -> bool:
     return extension_available() and bool(torch.ops.kubellm_cpu.bf16_gemm_available())
+
+
+def isa() -> str:
+    """``avx512-bf16``, ``avx2``, or ``""`` where this process has no native bf16 linear."""
+    return str(torch.ops.kubellm_cpu.bf16_gemm_isa()) if extension_available() else ""
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

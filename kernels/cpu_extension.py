@@ -12,6 +12,11 @@ Images without a compiler ship prebuilt libraries instead: ``kubellm kernels bui
 :func:`available` load ``DIR/<level>/kubellm_cpu_ops.so`` for the best x86-64 level this CPU supports before
 it considers compiling; a CPU the folder has no library for compiles as usual, or, with no compiler either,
 falls back with one warning. ``KUBELLM_CPU_MARCH`` overrides ``-march=native`` for local builds.
+
+``KUBELLM_CPU_ISA=<level>`` (e.g. ``x86-64-v3``) caps the x86-64 level everything here treats this CPU as having:
+the kernels build for that level and every ISA query answers as on such a CPU, so an AVX-512 host runs exactly
+what an AVX2-only host runs (CI runs the suite's kernel tests both ways). Set ``ONEDNN_MAX_CPU_ISA=AVX2`` and
+``ATEN_CPU_CAPABILITY=avx2`` beside it to cap oneDNN and PyTorch's own kernels too (they read them at start-up).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "KUBELLM_DISABLE_CPU_KERNELS"
 PREBUILT_ENV = "KUBELLM_CPU_KERNELS_DIR"
 MARCH_ENV = "KUBELLM_CPU_MARCH"
+ISA_ENV = "KUBELLM_CPU_ISA"
 LIBRARY_NAME = "kubellm_cpu_ops.so"
 # x86-64 micro-architecture levels, best first, with the /proc/cpuinfo flags each needs (a subset that tells
 # them apart; compilers target exactly these levels with -march=x86-64-vN). x86-64-v4-bf16 is v4 plus
@@ -80,8 +86,22 @@ def _cache_root() -> Path:
 _LEVEL_CFLAGS = {"x86-64-v4-bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]}
 
 
+def isa_cap() -> str | None:
+    """The level ``KUBELLM_CPU_ISA`` caps this CPU at, or None; raises ValueError for an unknown level."""
+    cap = os.environ.get(ISA_ENV, "").strip()
+    if not cap:
+        return None
+    if cap not in X86_LEVELS:
+        raise ValueError(f"{ISA_ENV}={cap!r} is not an x86-64 level: use one of {', '.join(X86_LEVELS)}")
+    return cap
+
+
 def _march() -> str:
-    return os.environ.get(MARCH_ENV, "").strip() or "native"
+    """``KUBELLM_CPU_MARCH``, else under a cap the best level left (x86 CPUs), else ``native``."""
+    if march := os.environ.get(MARCH_ENV, "").strip():
+        return march
+    capped = supported_levels() if isa_cap() else []
+    return capped[0] if capped else "native"
 
 
 def _march_cflags(march: str) -> list[str]:
@@ -100,9 +120,13 @@ def cpu_flags() -> set[str]:
 
 
 def supported_levels(flags: set[str] | None = None) -> list[str]:
-    """The x86-64 levels this CPU runs, best first (empty on other architectures)."""
+    """The x86-64 levels this CPU runs, best first (empty on other architectures), none above ``KUBELLM_CPU_ISA``."""
     flags = cpu_flags() if flags is None else flags
-    return [level for level, needs in X86_LEVELS.items() if needs <= flags]
+    levels = [level for level, needs in X86_LEVELS.items() if needs <= flags]
+    if (cap := isa_cap()) is not None:  # X86_LEVELS is ordered best first
+        order = list(X86_LEVELS)
+        levels = [level for level in levels if order.index(level) >= order.index(cap)]
+    return levels
 
 
 def _load_prebuilt() -> str | None:
@@ -249,6 +273,11 @@ def _build(load: bool = True) -> Path:
     if not load:
         cpp_extension._import_module_from_library = lambda name, path, is_python_module: os.path.join(
             path, name + ".so")
+    fresh = not (build_dir / LIBRARY_NAME).is_file()
+    if fresh:
+        logger.info("building native CPU kernels for this CPU (-march=%s; first run only, about %d s) in %s",
+                    _march(), _build_estimate_s(), build_dir)
+    start = time.perf_counter()
     try:
         with _build_guard(build_dir):
             built = cpp_extension.load(
@@ -262,9 +291,17 @@ def _build(load: bool = True) -> Path:
             )
     finally:
         cpp_extension._import_module_from_library = import_library
+    if fresh:
+        logger.info("built the native CPU kernels in %.0f s (cached for later starts)", time.perf_counter() - start)
     if load and not _op_registered():
         raise RuntimeError(f"the extension loaded but torch.ops.{OP_NAMESPACE} lacks one of {_OPS}")
     return Path(built) if isinstance(built, str) else build_dir / LIBRARY_NAME
+
+
+def _build_estimate_s() -> int:
+    """A full build's wall time: about 200 CPU-seconds (measured: 100 s on 2 cores), spread over at most one
+    core per source."""
+    return round(200 / max(1, min(os.cpu_count() or 1, len(_SOURCE_NAMES))))
 
 
 def build_portable(out_dir: str | Path, march: str) -> Path:

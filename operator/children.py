@@ -4,7 +4,10 @@
 owned children that are no longer rendered; :func:`read_children` reads what :func:`.status.observe` needs,
 :func:`read_replicasets` what :func:`.rollout_guard.decide` needs besides.
 Children are found by the ``kubellm.io/llmdeployment`` label and kept only when they carry the
-LLMDeployment's owner reference.
+LLMDeployment's owner reference. An object of a child's name that exists without that reference is never
+taken over (:func:`check_not_foreign`): the reconcile fails with :class:`ForeignObject` (ReconcileFailed naming
+it, and a Warning Event) until it is removed, or its owner hands it over with the annotation
+``kubellm.io/adopt: <LLMDeployment name>`` on it (docs/operations.md, "Objects the operator does not own").
 """
 
 from __future__ import annotations
@@ -18,6 +21,45 @@ from kubellm.operator import render as render_mod
 from kubellm.operator.kube import ApiError, Kube, owned_by
 
 logger = logging.getLogger(__name__)
+
+ADOPT_ANNOTATION = f"{api.GROUP}/adopt"  # on an existing object: the LLMDeployment that may take it over
+
+
+class ForeignObject(ApiError):
+    """A child's name is taken by an object the LLMDeployment does not own (answered as a 409 conflict)."""
+
+    def __init__(self, kind: str, namespace: str, name: str, owners: str, ld_name: str) -> None:
+        super().__init__(409, "AlreadyExists", (
+            f"{kind} {namespace}/{name} already exists and is not owned by this LLMDeployment ({owners}): "
+            f"refusing to take it over. Delete or rename it, rename the LLMDeployment, or let it be adopted by "
+            f"annotating it {ADOPT_ANNOTATION}={ld_name}"), "PATCH", f"{kind} {name}")  # fmt: skip
+
+
+def owners_of(obj: Mapping[str, Any]) -> str:
+    """Who owns ``obj``, in words: its owner references, or "no owner"."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return "owned by " + ", ".join(f"{r.get('kind')} {r.get('name')}" for r in refs) if refs else "no owner"
+
+
+async def check_not_foreign(kube: Kube, ld: api.LLMDeployment, child: Mapping[str, Any]) -> None:
+    """Raise :class:`ForeignObject` if an object of ``child``'s kind and name exists that the LLMDeployment
+    neither owns nor was handed with :data:`ADOPT_ANNOTATION`. Only for children not found owned: one list
+    call (by name) when a child is first created."""
+    meta = child["metadata"]
+    namespace = meta.get("namespace") or ld.namespace or "default"
+    try:
+        found = await kube.find(child["apiVersion"], child["kind"], namespace, meta["name"])
+    except ApiError as e:
+        if e.status == 403 and child["kind"] in OPTIONAL_KINDS:
+            return  # not granted: applying it fails with what to do (addon_hint)
+        raise
+    if found is None or owned_by(found, ld.metadata.get("uid")):
+        return
+    if ((found.get("metadata") or {}).get("annotations") or {}).get(ADOPT_ANNOTATION) == ld.name:
+        logger.info("adopting %s %s/%s (annotated %s=%s)", child["kind"], namespace, meta["name"], ADOPT_ANNOTATION,
+                    ld.name)  # fmt: skip
+        return
+    raise ForeignObject(child["kind"], namespace, meta["name"], owners_of(found), ld.name)
 
 LABEL = render_mod.LABEL_LLMDEPLOYMENT
 # Every kind the operator may own, so that a kind render stops producing is still found and deleted.
@@ -141,13 +183,16 @@ async def apply_children(
             if owned_by(obj, uid):
                 existing[(kind, obj["metadata"]["name"])] = (api_version, obj)
 
+    children = [{**c, "metadata": {**c["metadata"], "namespace": c["metadata"].get("namespace") or namespace}}
+                for c in children]  # fmt: skip
+    # Every name is checked before anything is applied: a conflict leaves the children as they were.
+    for child in children:
+        if (child["kind"], child["metadata"]["name"]) not in existing:
+            await check_not_foreign(kube, ld, child)
+
     template_changed: bool | None = None
     rendered: set[tuple[str, str]] = set()
     for child in children:
-        child = {
-            **child,
-            "metadata": {**child["metadata"], "namespace": child["metadata"].get("namespace") or namespace},
-        }
         kind, child_name = child["kind"], child["metadata"]["name"]
         rendered.add((kind, child_name))
         before = existing.get((kind, child_name))

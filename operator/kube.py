@@ -163,6 +163,15 @@ class Kube:
         items = (result or {}).get("items") or []
         return [i for i in items if matches(i, selector)]
 
+    async def find(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object of that name, found with ``list`` (a field selector) so that no ``get`` must be granted;
+        None when there is none or the kind is not served."""
+        result = await self._call("GET", api_version, kind, lambda r: self.client.get(
+            r, namespace=namespace, field_selector=f"metadata.name={name}", serializer=_plain,
+            _request_timeout=REQUEST_TIMEOUT))  # fmt: skip
+        items = (result or {}).get("items") or []
+        return next((i for i in items if (i.get("metadata") or {}).get("name") == name), None)
+
     async def apply(self, obj: Mapping[str, Any], field_manager: str | None = None) -> dict[str, Any]:
         """Server-side apply: the object is what this field manager wants; conflicts are forced."""
         meta = obj["metadata"]

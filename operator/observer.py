@@ -23,7 +23,13 @@ from pydantic import ValidationError
 from kubellm.operator import activation, api, gateway, metrics, multinode, rollout_guard
 from kubellm.operator import render as render_mod
 from kubellm.operator import status as status_mod
-from kubellm.operator.children import LABEL, read_children, read_inference_pool, read_replicasets
+from kubellm.operator.children import (
+    LABEL,
+    check_not_foreign,
+    read_children,
+    read_inference_pool,
+    read_replicasets,
+)
 from kubellm.operator.kube import Kube, merge_patch_diff, owned_by
 from kubellm.operator.tracking import Key, OperatorState, key_of
 
@@ -169,7 +175,10 @@ async def route(
     for s in slices:
         now = current.get(s["metadata"]["name"]) or {}
         if any(now.get(k) != s[k] for k in ("addressType", "ports", "endpoints")):  # else nothing to apply
-            await state.kube.apply({**s, "metadata": {**s["metadata"], "namespace": namespace}})
+            s = {**s, "metadata": {**s["metadata"], "namespace": namespace}}
+            if not now:
+                await check_not_foreign(state.kube, ld, s)
+            await state.kube.apply(s)
     wanted = {s["metadata"]["name"] for s in slices}
     for s in existing:
         # The Kubernetes controller's slices of the Service carry its labels too, but the Service as owner.

@@ -92,10 +92,13 @@ ACTIVATOR_ENDPOINTS: Grants = (
     Grant("discovery.k8s.io", "endpointslices", ("list",), "the activator's ready pods, from its Service's slices"),
 )
 
-# The activator's own ServiceAccount, in each namespace it serves (operator/activator.py, ScaleWaker).
+# The activator's own ServiceAccount, in each namespace it serves (operator/activator.py: Catalog,
+# SecretKeys, ScaleWaker). A Role in each by default; a ClusterRole only with activator.allNamespaces.
 ACTIVATOR: Grants = (
     Grant("apps", "deployments/scale", ("get", "patch"), "wakes a Deployment at zero: reads its scale, sets 1"),
-    Grant(api.GROUP, api.PLURAL, ("get",), "finds the LLMDeployment to post the Activated Event on"),
+    Grant(api.GROUP, api.PLURAL, ("get", "list"),
+          "lists the LLMDeployments that scale to zero (only those are served); gets one to post an Event on"),
+    Grant("", "secrets", ("get",), "reads a deployment's spec.auth.apiKeySecretRef to check the key before waking"),
     Grant("", "events", ("create",), "posts Activated with the number of waiting requests"),
 )  # fmt: skip
 

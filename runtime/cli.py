@@ -190,25 +190,22 @@ def cmd_kernels(args: argparse.Namespace) -> int:
                 print(f"kubellm kernels build: building for -march={march} failed", file=sys.stderr)
                 return 1
         return 0
+    import torch
+
+    from kubellm.runtime import kernel_choice
+
     ok = cpu_extension.available()
     info = cpu_extension.build_info()
     print(f"native CPU kernels: {'loaded' if ok else 'unavailable'}")
     print(f"library: {info['library'] or '-'}")
     print(f"error: {info['error'] or '-'}")
-    if ok:
-        from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm, cpu_int8_gemm
-
-        def has(yes: bool, float32: bool = False) -> str:
-            return ("yes" + (" (bfloat16 and float32 activations)" if float32 else "")) if yes else "no"
-
-        print(f"int8 GEMM (AVX512-BF16 build): {has(cpu_int8_gemm.available())}")
-        print(f"4-bit GEMM, bf16 activations (AVX512-BF16 build): {has(cpu_int4_gemm.available())}")
-        print(f"4-bit GEMM, int8 activations (AVX512-VNNI or AVX2 build): "
-              f"{has(cpu_int4_gemm.int8_available(), cpu_int4_gemm.takes_float32())}")
-        print(f"8-bit grouped GEMM (AVX512-BF16 or AVX2 build): "
-              f"{has(cpu_grouped_int8_gemm.available(), cpu_grouped_int8_gemm.takes_float32())}")
-    print(f"x86-64 levels of this CPU: {', '.join(cpu_extension.supported_levels()) or 'none'}")
+    cap = cpu_extension.isa_cap()
+    print(f"x86-64 levels of this CPU: {', '.join(cpu_extension.supported_levels()) or 'none'}"
+          + (f" (capped by {cpu_extension.ISA_ENV}={cap})" if cap else ""))
     print(f"build directory (for -march={cpu_extension._march()}): {info['build_directory']}")
+    print("what --device cpu runs, by dtype (auto settings):")
+    for dtype in (torch.bfloat16, torch.float32):
+        print("\n".join(kernel_choice.cpu_report(dtype)))
     return 0 if ok else 1
 
 
@@ -230,10 +227,15 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
 
 def cmd_activator(args: argparse.Namespace) -> int:
-    from kubellm.operator.activator import run
+    from kubellm.operator.activator import Limits, run
 
-    run(args.host, args.port, upstream_template=args.upstream, hold_timeout=args.hold_timeout,
-        max_held=args.max_held, admin_port=args.admin_port if args.admin_port > 0 else None)
+    if bool(args.namespaces) == bool(args.all_namespaces):
+        raise ValueError("pass --namespace NS (repeatable) or --all-namespaces")
+    limits = Limits(hold_timeout=args.hold_timeout, max_held=args.max_held, max_held_total=args.max_held_total,
+                    max_buffered=args.max_buffered_mib * 2**20)  # fmt: skip
+    run(args.host, args.port, namespaces=None if args.all_namespaces else args.namespaces, limits=limits,
+        upstream_template=args.upstream, admin_port=args.admin_port if args.admin_port > 0 else None,
+        refresh_interval=args.refresh_interval)  # fmt: skip
     return 0
 
 
@@ -335,25 +337,37 @@ def _add_operator(sub, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def _add_activator(sub, parents: list[argparse.ArgumentParser]) -> None:
-    from kubellm.operator.activator import DEFAULT_UPSTREAM
+    from kubellm.operator.activator import DEFAULT_UPSTREAM, Limits
 
     a = sub.add_parser("activator", parents=parents, help="hold requests for deployments scaled to zero and wake them",
                        description="A reverse proxy that the Service of an LLMDeployment scaled to zero points at: "
                                    "it holds each request, scales the Deployment from 0 to 1, and forwards the held "
                                    "requests (streams pass through) once a pod is ready; 503 + Retry-After when "
-                                   "that takes longer than --hold-timeout. See docs/autoscaling.md.")
+                                   "that takes longer than --hold-timeout. It serves only LLMDeployments with "
+                                   "autoscaling.minReplicas 0 in the namespaces given. See docs/autoscaling.md.")
+    a.add_argument("-n", "--namespace", action="append", dest="namespaces",
+                   help="namespace whose LLMDeployments it serves; repeatable")
+    a.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace's LLMDeployments")
     a.add_argument("--host", default="0.0.0.0")
     a.add_argument("--port", type=int, default=8000)
     a.add_argument("--admin-port", type=int, default=9090,
                    help="port of /healthz, /metrics and /activity/NAMESPACE/NAME (the counts KEDA reads); 0: none "
                         "(default 9090)")
     a.add_argument("--upstream", default=DEFAULT_UPSTREAM,
-                   help="URL of a deployment's pods, formatted with {name}, {namespace} and {port} taken from the "
-                        f"request's Host name.namespace[:port] (default {DEFAULT_UPSTREAM})")
-    a.add_argument("--hold-timeout", type=float, default=300.0,
+                   help="URL of a deployment's pods, formatted with {service} (its <name>-pods Service), "
+                        "{namespace} and {port} (its spec.service.port), all from the LLMDeployment, never from the "
+                        f"request (default {DEFAULT_UPSTREAM})")
+    a.add_argument("--hold-timeout", type=float, default=Limits.hold_timeout,
                    help="seconds a request may wait for its deployment to start before it gets 503 (default 300)")
-    a.add_argument("--max-held", type=int, default=1000,
+    a.add_argument("--max-held", type=int, default=Limits.max_held,
                    help="requests held per deployment at most; more get 503 at once (default 1000)")
+    a.add_argument("--max-held-total", type=int, default=Limits.max_held_total,
+                   help="requests held for all deployments together at most (default 2000)")
+    a.add_argument("--max-buffered-mib", type=int, default=Limits.max_buffered // 2**20,
+                   help="MiB of request bodies held in memory at once at most; more get 503 (default 64). One body "
+                        "is at most 8 MiB, as in `kubellm serve`")
+    a.add_argument("--refresh-interval", type=float, default=5.0,
+                   help="seconds between listings of the LLMDeployments served (default 5)")
     a.set_defaults(func=cmd_activator)
 
 

@@ -146,12 +146,10 @@ class EngineConfig:
 
 
 def _cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    """AVX512-BF16 (AMX CPUs have it too), as capped by KUBELLM_CPU_ISA."""
+    from kubellm.kernels.cpu_extension import supported_levels
+
+    return "x86-64-v4-bf16" in supported_levels()
 
 
 def available_memory_bytes(device: str, cgroup_root: str = "/sys/fs/cgroup") -> int:

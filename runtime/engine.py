@@ -66,6 +66,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per output token, when the request asked for them
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (the first: None)
+    error: str | None = None  # why the engine ended the request (finish_reason "abort"), for the client
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class _Request:
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])  # nothing predicts token 0
+    error: str | None = None
 
 
 def _max_model_len(ckpt, config: EngineConfig) -> int:
@@ -393,9 +395,14 @@ class LLMEngine:
         n_out = length - seq.num_prompt_tokens
         req.text += req.detokenizer.push([token])
         reason, stop_reason = None, None
-        if seq.grammar is not None and not seq.grammar.consume_token(token):  # the mask allowed it: a bug
-            log.error("request %s: token %d broke its grammar: %s", seq.request_id, token, seq.grammar.get_error())
-            reason = FinishReason.ABORT
+        if seq.grammar is not None and (not seq.grammar.consume_token(token) or seq.grammar.is_error()):
+            # The grammar hit one of llguidance's limits (its mask then allows only EOS: the output would end
+            # as "stop", cut mid-document), or the mask let a token through that it should not have (a bug):
+            # either way the client is told why.
+            error = (seq.grammar.get_error() or "the token was not allowed").splitlines()[0]
+            log.warning("request %s: token %d broke its grammar: %s", seq.request_id, token, error)
+            req.error = f"the grammar engine (llguidance) stopped this request: {error}"
+            return FinishReason.ABORT, None
         if n_out >= params.min_tokens:
             if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
                 reason = FinishReason.STOP
@@ -437,7 +444,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None, stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_tokens, metrics=req.metrics,
             logprobs=req.logprobs if seq.sampling_params.logprobs is not None else None, new_logprobs=new_logprobs,
-            prompt_logprobs=req.prompt_logprobs if seq.sampling_params.prompt_logprobs is not None else None)
+            prompt_logprobs=req.prompt_logprobs if seq.sampling_params.prompt_logprobs is not None else None,
+            error=req.error)
 
 
 class LLM:

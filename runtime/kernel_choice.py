@@ -15,8 +15,9 @@ What ``auto`` picks:
 * layer ops (RMSNorm, rotary embedding, SiLU-and-mul): ``native`` under that same CPU condition; ``triton``
   (kernels/triton_layer_ops.py) on CUDA once its start-up check passed here; else ``torch``.
 * prepacking linear weights: under that same CPU condition ``native`` (kubellm's bf16 linear,
-  ``cpu_bf16_gemm``, AVX512-BF16) for bfloat16 where it loaded, else ``onednn`` when oneDNN packs the dtype
-  (float32, bfloat16), else ``off``. ``auto`` runs the native CPU path as one unit, as it is measured and
+  ``cpu_bf16_gemm``: AVX512-BF16, or AVX2 + FMA widening the weights in registers) for bfloat16 where it loaded, else ``onednn`` when oneDNN packs the dtype
+  here (float32; bfloat16 only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT: a start-up check packs and runs a small
+  layer), else ``off`` (``F.linear``, which runs bfloat16 on any CPU). ``auto`` runs the native CPU path as one unit, as it is measured and
   tested. (``on`` is ``onednn``, its name from before the native kernel.)
 * int8 GEMM: ``native`` (kubellm's AVX512-BF16 kernel) for bfloat16 on CPUs that have it, for layers it can
   pack; ``torch`` (torch's int8 GEMM for small steps) for the other CPU cases; ``triton`` on CUDA once its
@@ -63,7 +64,7 @@ from kubellm.kernels import (
     cpu_int8_gemm,
     cpu_moe,
 )
-from kubellm.runtime.layers.linear import can_pack
+from kubellm.runtime.layers.linear import prepack_unavailable
 
 log = logging.getLogger("kubellm.kernels")
 
@@ -114,7 +115,7 @@ class Loaded:
     triton_attention: str | None = NOT_PROBED
     triton_layer_ops: str | None = NOT_PROBED  # triton_layer_ops
     onednn_prepack: str | None = NOT_PROBED
-    bf16_cpu_kernel: str | None = NOT_PROBED  # cpu_bf16_gemm (AVX512-BF16)
+    bf16_cpu_kernel: str | None = NOT_PROBED  # cpu_bf16_gemm (AVX512-BF16 or AVX2)
     int8_cpu_kernel: str | None = NOT_PROBED  # the AVX512-BF16 int8 GEMM of the CPU extension
     int8_torch_gemm: bool = False  # torch._weight_int8pack_mm exists
     triton_int8: str | None = NOT_PROBED
@@ -329,10 +330,10 @@ def probe(settings: KernelSettings, target: Target) -> Loaded:
         found["triton_layer_ops"] = triton_layer_ops_reason(target)
     if target.cpu and target.dtype == torch.bfloat16 and (settings.prepack == "native" or (
             settings.prepack == "auto" and "cpu_kernels" in found)):
-        found["bf16_cpu_kernel"] = None if cpu_bf16_gemm.available() else "no AVX512-BF16 cpu_bf16_gemm in this build"
+        found["bf16_cpu_kernel"] = None if cpu_bf16_gemm.available() else \
+            "no cpu_bf16_gemm in this build (it needs AVX512-BF16, or AVX2 + FMA)"
     if settings.prepack != "off":
-        found["onednn_prepack"] = None if can_pack(target.device, target.dtype) else (
-            f"oneDNN cannot prepack {str(target.dtype).removeprefix('torch.')} weights on {target.device!r}")
+        found["onednn_prepack"] = prepack_unavailable(target.device, target.dtype)
     if target.quantization == "int8":
         found["int8_torch_gemm"] = hasattr(torch, "_weight_int8pack_mm")
         if target.cpu and target.dtype == torch.bfloat16:
@@ -441,6 +442,37 @@ def load(choice: KernelChoice) -> None:
         or choice.attention == "cpu"
     if native and (reason := _cpu_kernels_reason()):
         raise RuntimeError(f"the chosen kernels need kubellm's CPU kernels, which cannot load here: {reason}")
+
+
+_CPU_PATHS = {  # Loaded field -> what it is, for `kubellm kernels info`
+    "cpu_kernels": "native CPU kernels (attention, layer ops)",
+    "bf16_cpu_kernel": "native bf16 linear",
+    "onednn_prepack": "oneDNN prepacked linear",
+    "int8_cpu_kernel": "native int8 GEMM",
+    "grouped_int4_cpu_kernel": "native 4-bit grouped GEMM, bf16 activations",
+    "int4_int8_activations": "int8 activations of the 4-bit GEMM",
+    "grouped_int8_cpu_kernel": "native 8-bit grouped GEMM",
+    "float32_grouped_cpu": "float32 activations of the 4-bit (int8) and 8-bit GEMMs",
+    "fp8_cpu_kernel": "native FP8 GEMM",
+    "moe_cpu_kernel": "native mixture-of-experts kernel",
+}
+
+
+def cpu_report(dtype: torch.dtype, head_dim: int = 64) -> list[str]:
+    """What ``auto`` picks on this CPU for a model of ``dtype`` (int8-quantized, to probe every GEMM), then each
+    native path: available, or why not."""
+    settings, target = KernelSettings(), Target("cpu", dtype, 4, 4, head_dim, quantization="int8")
+    loaded = probe(settings, target)
+    choice = choose(settings, target, loaded)
+    lines = [f"{str(dtype).removeprefix('torch.')}: dense linears {choice.dense_linears}, attention "
+             f"{choice.attention}, layer ops {choice.layer_ops}, int8 GEMM {choice.int8_gemm}, 4-bit GEMM "
+             f"{choice.grouped_int4_gemm}, 8-bit GEMM {choice.grouped_int8_gemm}, FP8 GEMM {choice.fp8_gemm}, "
+             f"MoE {choice.moe}"]
+    for field, title in _CPU_PATHS.items():
+        reason = getattr(loaded, field)
+        if reason != NOT_PROBED:
+            lines.append(f"  {title}: {'available' if reason is None else 'no: ' + reason}")
+    return lines
 
 
 def for_engine(config, model_config, tp_size: int = 1) -> KernelChoice:

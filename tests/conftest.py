@@ -139,10 +139,10 @@ def _expect_native_int8() -> str | None:
 
 
 def _expect_native_avx2() -> str | None:
-    """The int4 GEMM's int8 activations and the grouped 8-bit GEMM are in every build for x86-64-v3 or better:
-    the AVX-512 kernels where the build has AVX512-BF16, the AVX2 ones (kernels/csrc/avx2_tiles.h) otherwise."""
+    """The bf16 linear, the int4 GEMM's int8 activations and the grouped 8-bit GEMM exist in builds for AVX512-BF16
+    and for AVX2 + FMA (x86-64-v3) CPUs (the AVX2 ones: kernels/csrc/avx2_tiles.h, bf16_linear.h)."""
     if "x86-64-v3" not in cpu_extension.supported_levels():
-        return "this CPU lacks AVX2 (x86-64-v3)"
+        return "this CPU lacks AVX2/FMA"
     march = os.environ.get(cpu_extension.MARCH_ENV, "").strip() or "native"
     if march not in ("native", "x86-64-v3", "x86-64-v4", "x86-64-v4-bf16"):
         return f"{cpu_extension.MARCH_ENV}={march} builds without AVX2"
@@ -160,7 +160,7 @@ NATIVE_SETS: dict[str, tuple[str, Callable[[], str | None], Callable[[], bool]]]
     "native_grouped_int8": ("native grouped 8-bit GEMM (AVX512-BF16 or AVX2)", _expect_native_avx2,
                             cpu_grouped_int8_gemm.available),
     "native_moe": ("native mixture-of-experts kernel (AVX512-BF16)", _expect_native_int8, cpu_moe.available),
-    "native_bf16_gemm": ("native bf16 linear (AVX512-BF16)", _expect_native_int8, cpu_bf16_gemm.available),
+    "native_bf16_gemm": ("native bf16 linear (AVX512-BF16 or AVX2)", _expect_native_avx2, cpu_bf16_gemm.available),
     "native_fp8": ("native FP8 GEMM (AVX512-BF16)", _expect_native_int8, cpu_fp8_gemm.available),
 }
 
@@ -220,7 +220,7 @@ def native_moe(native_kernels) -> None:
 
 @pytest.fixture(scope="session")
 def native_bf16_gemm(native_kernels) -> None:
-    """The native bf16 linear (CPUs with AVX512-BF16 only); skip without it (fail under CI where the CPU has it)."""
+    """The native bf16 linear (AVX512-BF16 or AVX2 + FMA); skip without it (fail under CI where the CPU has it)."""
     _require_native("native_bf16_gemm")
 
 
@@ -292,7 +292,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     problems = _native_problems(config)
     tr.section("native CPU kernels" + (" (CI)" if IN_CI else ""), red=bool(problems), bold=True)
     info = cpu_extension.build_info()
-    tr.write_line(f"x86-64 levels of this CPU: {', '.join(cpu_extension.supported_levels()) or 'none'}")
+    cap = f" (capped by {cpu_extension.ISA_ENV}={cpu_extension.isa_cap()})" if cpu_extension.isa_cap() else ""
+    tr.write_line(f"x86-64 levels of this CPU: {', '.join(cpu_extension.supported_levels()) or 'none'}{cap}")
     tr.write_line(f"library: {info['library'] or info['error'] or 'not loaded in this session'}")
     for name, (title, excuse, _) in NATIVE_SETS.items():
         why_not = excuse()

@@ -1,4 +1,4 @@
-// Dense bf16 linear for CPUs with AVX512-BF16: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), x, w and y
+// Dense bf16 linear for CPUs with AVX512-BF16, or AVX2 + FMA: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), x, w and y
 // bfloat16, sums and bias float32, y rounded to nearest even once.
 //
 // Why: every dense linear ran oneDNN's prepacked GEMM, which at 1-8 rows streams the weights well below the
@@ -11,6 +11,11 @@
 //     over alternating input pairs so the additions do not wait on each other;
 //   * more rows, register tiles of up to 6 rows x 4 blocks (tiles::bf16_tile) over each work item's blocks,
 //     which stay in L2 while all row tiles pass over them.
+//
+// On AVX2 (x86-64-v3: AMD Zen 1-3, Intel before AVX-512) the same packed weight is widened in registers: each
+// 32-bit lane of a line holds one channel's (w[n, k], w[n, k+1]) pair, so a shift and a mask give the two
+// float32 halves, and two FMAs with the row's x[k], x[k+1] (widened once per call) add the pair's products.
+// Products of two bf16 values are exact in float32, as vdpbf16ps's are; only the summation order differs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "bf16_linear.h"
 #include "gemm_tiles.h"
@@ -27,11 +33,27 @@
 namespace kubellm_cpu {
 namespace {
 
+#if !defined(KUBELLM_BF16_TILE) && defined(__AVX2__) && defined(__FMA__)
+#define KUBELLM_BF16_AVX2 1
+#include <immintrin.h>
+#endif
+
 bool bf16_gemm_available() {
-#ifdef KUBELLM_BF16_TILE
+#if defined(KUBELLM_BF16_TILE) || defined(KUBELLM_BF16_AVX2)
   return true;
 #else
   return false;
+#endif
+}
+
+// Which instructions this build's bf16 linear runs on: "avx512-bf16", "avx2" or "" (none).
+std::string bf16_gemm_isa() {
+#if defined(KUBELLM_BF16_TILE)
+  return "avx512-bf16";
+#elif defined(KUBELLM_BF16_AVX2)
+  return "avx2";
+#else
+  return "";
 #endif
 }
 
@@ -109,12 +131,77 @@ void item_rows(int64_t M, const int32_t* x_pairs, int64_t x_pair_stride, const _
 }
 #endif
 
+#ifdef KUBELLM_BF16_AVX2
+constexpr int kAvx2TileRows = 4;  // 4 rows x 16 channels: 8 accumulators, 4 widened weight vectors, 2 broadcasts
+
+// acc (MR rows x 16 channels as two 8-lane halves) over K2 pairs of one block's lines; x rows are float32,
+// ldx apart, zero-padded to 2 * K2 columns.
+template <int MR>
+__attribute__((always_inline)) inline void avx2_block(const float* x, int64_t ldx, const __m256i* w, int64_t K2,
+                                                      __m256 (&acc)[MR][2]) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 2 * (kp + 16)), _MM_HINT_T0);
+    const __m256i lo = _mm256_loadu_si256(w + 2 * kp), hi = _mm256_loadu_si256(w + 2 * kp + 1);
+    const __m256 lo_even = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+    const __m256 lo_odd = _mm256_castsi256_ps(_mm256_and_si256(lo, high));
+    const __m256 hi_even = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+    const __m256 hi_odd = _mm256_castsi256_ps(_mm256_and_si256(hi, high));
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xe = _mm256_broadcast_ss(x + r * ldx + 2 * kp);
+      const __m256 xo = _mm256_broadcast_ss(x + r * ldx + 2 * kp + 1);
+      acc[r][0] = _mm256_fmadd_ps(lo_odd, xo, _mm256_fmadd_ps(lo_even, xe, acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(hi_odd, xo, _mm256_fmadd_ps(hi_even, xe, acc[r][1]));
+    }
+  }
+}
+
+// y[r, i] = bf16(acc + bias) for the `valid` first of the block's 16 channels (rounded to nearest even).
+template <int MR>
+inline void avx2_store(__m256 (&acc)[MR][2], const float* bias, c10::BFloat16* y, int64_t ldy, int64_t valid) {
+  alignas(32) float out[16];
+  for (int r = 0; r < MR; ++r) {
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    for (int64_t i = 0; i < std::min<int64_t>(valid, 16); ++i)
+      y[r * ldy + i] = c10::BFloat16(bias ? out[i] + bias[i] : out[i]);
+  }
+}
+
+// All M rows over `n` blocks starting at w, in row tiles of up to kAvx2TileRows (a block's lines stay in L1/L2
+// while the row tiles pass over them).
+inline void avx2_item(int64_t M, const float* x, int64_t ldx, const __m256i* w, int n, int64_t K2,
+                      const float* bias, c10::BFloat16* y, int64_t ldy, int64_t valid) {
+  for (int b = 0; b < n; ++b) {
+    const __m256i* wb = w + 2 * b * K2;
+    const float* bb = bias ? bias + 16 * b : nullptr;
+    const int64_t vb = valid - 16 * b;
+    for (int64_t m = 0; m < M;) {
+      const int mr = static_cast<int>(std::min<int64_t>(kAvx2TileRows, M - m));
+      switch (mr) {
+#define KUBELLM_AVX2_TILE(R)                                     \
+  case R: {                                                      \
+    __m256 acc[R][2];                                            \
+    avx2_block<R>(x + m * ldx, ldx, wb, K2, acc);                \
+    avx2_store<R>(acc, bb, y + m * ldy + 16 * b, ldy, vb);       \
+    break;                                                       \
+  }
+        KUBELLM_AVX2_TILE(1) KUBELLM_AVX2_TILE(2) KUBELLM_AVX2_TILE(3) KUBELLM_AVX2_TILE(4)
+#undef KUBELLM_AVX2_TILE
+      }
+      m += mr;
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 Bf16LinearItems bf16_linear_items(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
                                   const c10::optional<at::Tensor>& bias) {
-#ifndef KUBELLM_BF16_TILE
-  TORCH_CHECK(false, "bf16_linear needs a build with AVX512-BF16 (-march of a CPU that has it)");
+#if !defined(KUBELLM_BF16_TILE) && !defined(KUBELLM_BF16_AVX2)
+  TORCH_CHECK(false, "bf16_linear needs a build with AVX512-BF16 or AVX2 + FMA (-march of a CPU that has them)");
 #else
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
@@ -139,13 +226,29 @@ Bf16LinearItems bf16_linear_items(const at::Tensor& x_in, const at::Tensor& pack
   }
   it.y = at::empty({it.M, N}, it.x.options());
   it.weight = packed.const_data_ptr<c10::BFloat16>();
+#ifdef KUBELLM_BF16_TILE
   it.nb = tiles::blocks_per_item(it.NBLK, it.M <= kStreamMaxRows && it.M > 4 ? 3 : 4);
+#else
+  it.x = it.x.to(at::kFloat);  // widened once: every block's FMAs broadcast from it
+  it.nb = tiles::blocks_per_item(it.NBLK, 4);
+#endif
   it.items = it.M == 0 || N == 0 ? 0 : (it.NBLK + it.nb - 1) / it.nb;
   return it;
 #endif
 }
 
 void Bf16LinearItems::run(int64_t begin, int64_t end) const {
+#ifdef KUBELLM_BF16_AVX2
+  const float* xp = x.const_data_ptr<float>();
+  const auto* wp = static_cast<const __m256i*>(weight);
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  for (int64_t it = begin; it < end; ++it) {
+    const int64_t blk = it * nb;
+    const int n = static_cast<int>(std::min<int64_t>(nb, NBLK - blk));
+    avx2_item(M, xp, x.stride(0), wp + 2 * blk * K2, n, K2, bias ? bias + blk * 16 : nullptr, yp + blk * 16, N,
+              std::min<int64_t>(16 * n, N - 16 * blk));
+  }
+#endif
 #ifdef KUBELLM_BF16_TILE
   const auto* xp = reinterpret_cast<const int32_t*>(x.const_data_ptr<c10::BFloat16>());
   const int64_t x_pair_stride = x.stride(0) / 2;
@@ -193,6 +296,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 TORCH_LIBRARY_FRAGMENT(kubellm_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
   m.def("bf16_gemm_available() -> bool", &kubellm_cpu::bf16_gemm_available);  // no tensors: not dispatched
+  m.def("bf16_gemm_isa() -> str", &kubellm_cpu::bf16_gemm_isa);
 }
 
 TORCH_LIBRARY_IMPL(kubellm_cpu, CPU, m) { m.impl("bf16_linear", &kubellm_cpu::bf16_linear); }

@@ -1,12 +1,13 @@
 """Linear layers whose weights are packed once for a CPU GEMM: kubellm's own bf16 kernel or oneDNN's.
 
-:class:`NativeLinear` (bfloat16, CPUs with AVX512-BF16) holds the weight in the vdpbf16ps operand layout of
-kernels/cpu_bf16_gemm.py: it streams the weight at 1-8 rows (a decode step) closer to the read bandwidth than
-oneDNN and tiles more rows in registers, faster than oneDNN's prepacked GEMM at the SmolLM2-135M and Qwen3-0.6B
-shapes from 1 to 1024 rows (benchmarks/README.md, "bf16 linear"). A tied LM head's embedding then reads its
-rows from the same packed weight, so the table is held once.
+:class:`NativeLinear` (bfloat16; CPUs with AVX512-BF16, or AVX2 + FMA, which widen the same layout in registers)
+holds the weight in the vdpbf16ps operand layout of kernels/cpu_bf16_gemm.py: on AVX512-BF16 it streams the
+weight at 1-8 rows (a decode step) closer to the read bandwidth than oneDNN and tiles more rows in registers,
+faster than oneDNN's prepacked GEMM at the SmolLM2-135M and Qwen3-0.6B shapes from 1 to 1024 rows
+(benchmarks/README.md, "bf16 linear"). A tied LM head's embedding then reads its rows from the same packed
+weight, so the table is held once.
 
-:class:`PackedLinear` (float32 / bfloat16, what CPUs without AVX512-BF16 run):
+:class:`PackedLinear` (float32, and bfloat16 where oneDNN can: AVX-512 BW/VL/DQ or AVX-NE-CONVERT at run time):
 ``F.linear`` hands oneDNN (bfloat16) or MKL (float32) a plain weight on every call; oneDNN then reorders it
 inside each GEMM. Prepacking once (``torch.ops.mkldnn._reorder_linear_weight``, what PyTorch's own inductor
 freezing pass uses) measured on 2 cores with SmolLM2's shapes: bfloat16 decode GEMMs (32 rows) ~20% faster
@@ -22,7 +23,7 @@ import logging
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_bf16_gemm
+from kubellm.kernels import cpu_bf16_gemm, cpu_extension
 
 log = logging.getLogger("kubellm.linear")
 
@@ -63,14 +64,39 @@ class NativeLinear(nn.Module):
 
 
 def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:
-    if torch.device(device).type != "cpu" or dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
-        return False
+    return prepack_unavailable(device, dtype) is None
+
+
+def prepack_unavailable(device: str | torch.device, dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot prepack ``dtype`` weights on ``device`` here, or None when it can."""
+    name = str(dtype).removeprefix("torch.")
+    if torch.device(device).type != "cpu" or dtype not in PACKABLE_DTYPES:
+        return f"oneDNN prepacks float32 and bfloat16 weights on CPU (got {name} on {str(device)!r})"
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch build has no oneDNN"
+    if dtype == torch.bfloat16 and (cap := cpu_extension.isa_cap()) and cap not in ("x86-64-v4", "x86-64-v4-bf16"):
+        return (f"{cpu_extension.ISA_ENV}={cap} caps this CPU below AVX-512, which oneDNN's bf16 prepacked "
+                "linear needs (or AVX-NE-CONVERT)")
+    return _onednn_prepack_check(dtype)
+
+
+@functools.cache
+def _onednn_prepack_check(dtype: torch.dtype) -> str | None:
+    """Pack and run a small layer once: oneDNN's bf16 reorder exists in every build but needs AVX-512 BW/VL/DQ
+    or AVX-NE-CONVERT at run time (a RuntimeError on AVX2-only CPUs), which no flag torch exposes tells."""
+    g = torch.Generator().manual_seed(0)  # not the global one: a probe must not shift seeded runs
+    linear = nn.Linear(32, 16, device="meta")
+    linear.weight = nn.Parameter(torch.randn(16, 32, generator=g).to(dtype), requires_grad=False)
+    linear.bias = nn.Parameter(torch.randn(16, generator=g).to(dtype), requires_grad=False)
+    x = torch.randn(3, 32, generator=g).to(dtype)
     try:
-        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 - resolving the op is the check
-        torch.ops.mkldnn._linear_pointwise  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+        with torch.no_grad():
+            got, expected = PackedLinear(linear)(x).float(), linear(x).float()
+    except (AttributeError, RuntimeError) as e:
+        return f"oneDNN cannot prepack {str(dtype).removeprefix('torch.')} weights on this CPU: {e}"
+    if not torch.allclose(got, expected, rtol=2e-2, atol=5e-2):
+        return f"oneDNN's prepacked {str(dtype).removeprefix('torch.')} linear disagrees with F.linear here"
+    return None
 
 
 def pack_linears(model: nn.Module, kind: str = "onednn") -> int:

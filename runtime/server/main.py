@@ -99,6 +99,7 @@ async def run_server(engine_config: EngineConfig, options: ServerOptions, host: 
     finally:
         admin.should_exit = True
         await administering
+        state.workers.shutdown()
 
 
 async def _load_and_serve(state: ServerState, server: uvicorn.Server, serving: asyncio.Future,

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from kubellm.runtime.engine import RequestOutput
@@ -34,11 +34,13 @@ from kubellm.runtime.server.protocol import (
     new_id,
     now,
 )
+from kubellm.runtime.server.request_body import parse_json_object, read_body
 from kubellm.runtime.server.state import ServerState
 from kubellm.runtime.server.tools import (
     ToolCallingUnavailable,
     ToolCallStream,
     choose_parser,
+    cut_calls,
     parse_calls,
     required_grammar,
     template_messages,
@@ -73,12 +75,12 @@ def _completion_routes(router: APIRouter, state: ServerState) -> None:
         req = await _parse(request, state, CompletionRequest)
         _check_model(state, req.model)
         _admit(state)
-        prompts = _completion_prompts(state, req.prompt)
-        _check_fan_out(state, len(prompts), req.n)
+        prompts = await state.workers.run(_completion_prompts, state, req.prompt)
         jobs = []
         for p_index, ids in enumerate(prompts):
             max_tokens = req.max_tokens if req.max_tokens is not None else state.options.default_completion_max_tokens
             jobs += _jobs(state, req, ids, max_tokens, first_index=p_index * req.n)
+        _check_fan_out(state, [len(p) for p in prompts], req.n)
         rid = new_id("cmpl")
         if req.stream:
             return _sse(request, state, _stream_completion(state, req, rid, jobs, prompts))
@@ -108,13 +110,13 @@ def _chat_routes(router: APIRouter, state: ServerState) -> None:
         req = await _parse(request, state, ChatCompletionRequest)
         _check_model(state, req.model)
         _admit(state)
-        _check_fan_out(state, 1, req.n)
         parser, overrides, kwargs = _tool_setup(state, req)
-        ids = _encode_chat(state, req, kwargs)
+        ids = await state.workers.run(_encode_chat, state, req, kwargs)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - len(ids))
         jobs = _jobs(state, req, ids, max_tokens, first_index=0, **overrides)
+        _check_fan_out(state, [len(ids)], req.n)
         rid = new_id("chatcmpl")
         if req.stream:
             return _sse(request, state, _stream_chat(state, req, rid, jobs, len(ids), parser))
@@ -125,12 +127,25 @@ def _chat_routes(router: APIRouter, state: ServerState) -> None:
 
 
 def _encode_chat(state: ServerState, req: ChatCompletionRequest | TokenizeRequest, extra: dict) -> list[int]:
-    """The prompt's token ids through the chat template (a template error is the client's 400)."""
+    """The prompt's token ids through the chat template (a template error is the client's 400); on a worker."""
+    _check_prompt_chars(state, sum(len(m.text()) for m in req.messages), "messages")
     try:
-        return state.tokenizer.encode_chat(template_messages(req.messages), req.add_generation_prompt,
-                                           **(req.chat_template_kwargs or {}), **extra)
+        text = state.tokenizer.apply_chat_template(template_messages(req.messages), req.add_generation_prompt,
+                                                   **{**(req.chat_template_kwargs or {}), **extra})
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
+    _check_prompt_chars(state, len(text), "messages")
+    # The template writes any BOS it wants itself (as transformers assumes); don't add a second.
+    return state.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check_prompt_chars(state: ServerState, num_chars: int, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt too long to fit the context however it tokenizes."""
+    limit = state.options.max_prompt_chars or 2 * state.max_model_len * state.tokenizer.max_chars_per_token
+    if num_chars > limit:
+        raise bad_request(f"the prompt's {num_chars} characters cannot fit the context of {state.max_model_len} "
+                          f"tokens (this server tokenizes at most {limit} characters); shorten it", param,
+                          "context_length_exceeded")
 
 
 def _chat_choices(state: ServerState, req: ChatCompletionRequest, parser, outs: list[RequestOutput]) -> list[dict]:
@@ -139,10 +154,12 @@ def _chat_choices(state: ServerState, req: ChatCompletionRequest, parser, outs: 
         message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
         if parser is not None:
             content, calls, _ = parse_calls(parser, o.text)
+            if finish == "length":  # a call cut short is still a call; finish_reason says it is cut
+                content, calls = cut_calls(parser, o.text)
             if calls:
                 calls = calls if req.parallel_tool_calls else calls[:1]
                 message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
-                finish = "tool_calls"
+                finish = finish if finish == "length" else "tool_calls"
         choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(state.tokenizer, o.token_ids, o.logprobs) if req.logprobs
                         else None, "finish_reason": finish, "stop_reason": o.stop_reason})
@@ -150,29 +167,39 @@ def _chat_choices(state: ServerState, req: ChatCompletionRequest, parser, outs: 
 
 
 def _token_routes(router: APIRouter, state: ServerState) -> None:
+    # Both answer JSONResponses built on a worker: FastAPI's encoder would walk a long token list on the loop.
     @router.post("/tokenize")
     async def tokenize(request: Request):
         req = await _parse(request, state, TokenizeRequest)
         _check_model(state, req.model)
         _check_loaded(state)
-        tk = state.tokenizer
-        if req.messages is not None:
-            tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
-            ids = _encode_chat(state, req, tools)
-        else:
-            ids = tk.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-                "token_strs": [tk.token_text(t) for t in ids] if req.return_token_strs else None}
+        return JSONResponse(await state.workers.run(_tokenize, state, req))
 
     @router.post("/detokenize")
     async def detokenize(request: Request):
         req = await _parse(request, state, DetokenizeRequest)
         _check_model(state, req.model)
         _check_loaded(state)
-        vocab = state.engine.vocab_size
-        if bad := [t for t in req.tokens if t >= vocab]:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return JSONResponse(await state.workers.run(_detokenize, state, req))
+
+
+def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
+    tk = state.tokenizer
+    if req.messages is not None:
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
+        ids = _encode_chat(state, req, tools)
+    else:
+        _check_prompt_chars(state, len(req.prompt), "prompt")
+        ids = tk.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+            "token_strs": [tk.token_text(t) for t in ids] if req.return_token_strs else None}
+
+
+def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
+    vocab = state.engine.vocab_size
+    if bad := [t for t in req.tokens if t >= vocab]:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
 
 def _check_loaded(state: ServerState) -> None:
@@ -182,22 +209,13 @@ def _check_loaded(state: ServerState) -> None:
 
 # ---- request handling helpers --------------------------------------------------------------------
 async def _parse(request: Request, state: ServerState, model):
-    limit = state.options.max_request_bytes
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes is over the limit of {limit} bytes",
-                       code="request_too_large")
-    body = await request.body()
-    if len(body) > limit:
-        raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
-    try:
-        data = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise bad_request(f"request body is not valid UTF-8: {e}") from e
-    except json.JSONDecodeError as e:
-        raise bad_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object")
+    """The body validated as ``model``: read within the size limit, parsed and validated on a worker."""
+    body = await read_body(request, state.options.max_request_bytes)
+    return await state.workers.run(_validate, body, model)
+
+
+def _validate(body: bytes, model):
+    data = parse_json_object(body)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -211,12 +229,18 @@ async def _parse(request: Request, state: ServerState, model):
         raise bad_request(f"{param}: {msg}" if param else msg, param) from e
 
 
-def _check_fan_out(state: ServerState, num_prompts: int, n: int) -> None:
-    """Bound what one request may start: prompts x n sequences (each max_tokens is bounded by the context)."""
-    cap = state.options.max_sequences_per_request
-    if num_prompts * n > cap:
-        raise bad_request(f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
+def _check_fan_out(state: ServerState, prompt_lengths: list[int], n: int) -> None:
+    """Bound what one request may queue: prompts x n sequences, and their prompt tokens to what the server
+    queues before it sheds load (each max_tokens is bounded by the context)."""
+    cap, sequences = state.options.max_sequences_per_request, len(prompt_lengths) * n
+    if sequences > cap:
+        raise bad_request(f"this request asks for {len(prompt_lengths)} prompt(s) x n={n} = {sequences} sequences; "
                           f"at most {cap} per request", "n")
+    tokens, budget = sum(prompt_lengths) * n, int(state.options.kv_admit_factor * state.engine.capacity_tokens)
+    if tokens > budget:
+        raise bad_request(f"this request's sequences hold {tokens} prompt tokens; this server queues at most "
+                          f"{budget} at once: split it into smaller requests", "prompt" if len(prompt_lengths) > 1
+                          else "n")
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -246,12 +270,15 @@ def _admit(state: ServerState) -> None:
 
 
 def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
+    """Each prompt's token ids (strings tokenized); on a worker."""
     if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
         prompts = [prompt]
     else:
         prompts = prompt
     out = []
     for p in prompts:
+        if isinstance(p, str):
+            _check_prompt_chars(state, len(p), "prompt")
         ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
@@ -265,7 +292,8 @@ def _tool_setup(state: ServerState, req: ChatCompletionRequest) -> tuple[str | N
     if mode == "none":
         return None, {}, {}
     try:
-        parser = choose_parser(state.options.tool_call_parser, state.tokenizer.chat_template)
+        parser = choose_parser(state.options.tool_call_parser, state.tokenizer.chat_template,
+                               constrained=mode in ("required", "named"))
     except ToolCallingUnavailable as e:
         raise bad_request(str(e), "tools", "tools_unsupported") from e
     overrides: dict = {"skip_special_tokens": False} if parser == "mistral" else {}  # [TOOL_CALLS] is special
@@ -306,6 +334,8 @@ def _to_api_error(e: Exception) -> APIError:
 async def _run_one(state: ServerState, rid: str, ids: list[int], params: SamplingParams) -> AsyncIterator:
     try:
         async for out in state.engine.generate(ids, params, rid):
+            if out.error is not None:  # e.g. the grammar hit llguidance's limits: a bare "abort" says nothing
+                raise bad_request(out.error, params.guided.param if params.guided else None, "grammar_error")
             yield out
     except APIError:
         raise
@@ -323,16 +353,21 @@ async def _collect(request: Request, state: ServerState, jobs: list[tuple], rid:
         return last
 
     state.active_requests += 1
-    work = asyncio.gather(*(one(*job) for job in jobs))
+    choices = [asyncio.ensure_future(one(*job)) for job in jobs]
+    work = asyncio.gather(*choices)
+    # A client leaving is a normal end, not an error: take the gather's CancelledError so asyncio does not
+    # log it as lost.
+    work.add_done_callback(lambda f: f.cancelled() or f.exception())
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        if work not in done:  # the client left: cancelling the generators aborts the requests
-            work.cancel()
+        if work not in done:
             raise APIError(499, "client disconnected", "client_closed_request")
         return work.result()
     finally:
         disconnect.cancel()
+        for choice in choices:  # the client left or one choice failed: cancelling the rest aborts them
+            choice.cancel()
         state.active_requests -= 1
 
 
@@ -350,6 +385,12 @@ def _usage(prompts: list[list[int]], outs: list[RequestOutput]) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
                      total_tokens=prompt_tokens + completion,
                      prompt_tokens_details={"cached_tokens": cached} if cached else None)
+
+
+def _choice_usage(num_prompt: int, out: RequestOutput | None) -> dict:
+    """One choice's usage so far (``stream_options.continuous_usage_stats``: in every chunk, as vLLM sends it)."""
+    completion = len(out.token_ids) if out is not None else 0
+    return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion}
 
 
 # ---- streaming -----------------------------------------------------------------------------------
@@ -409,10 +450,13 @@ async def _stream_completion(state, req: CompletionRequest, rid: str, jobs, prom
     usage_prompts, outs, offsets = {}, {}, {}
 
     def chunk(index, text, logprobs=None, out=None):
-        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+        body = {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": index, "text": text, "logprobs": logprobs,
                              "finish_reason": out.finish_reason if out and out.finished else None,
                              "stop_reason": out.stop_reason if out and out.finished else None}]}
+        if req.continuous_usage:
+            body["usage"] = _choice_usage(len(prompts[index // req.n]), outs.get(index))
+        return body
 
     try:
         async for index, out in _with_errors(merged):
@@ -468,13 +512,17 @@ async def _stream_chat(state, req: ChatCompletionRequest, rid: str, jobs, num_pr
                        parser: str | None) -> AsyncIterator[dict]:
     created, model = now(), state.options.served_model_name
 
+    started, outs, calls = set(), {}, {}
+
     def chunk(index, delta, finish=None, stop_reason=None, logprobs=None):
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                              **({"stop_reason": stop_reason} if finish else {})}]}
+        if req.continuous_usage:
+            body["usage"] = _choice_usage(num_prompt, outs.get(index))
+        return body
 
     merged = _merge(state, rid, jobs)
-    started, outs, calls = set(), {}, {}
     try:
         async for index, out in _with_errors(merged):
             if isinstance(out, dict):
@@ -492,13 +540,17 @@ async def _stream_chat(state, req: ChatCompletionRequest, rid: str, jobs, num_pr
             if parser is None:
                 deltas = [{"content": out.new_text}] if out.new_text else []
             else:
-                deltas = calls[index].feed(out.new_text, final=out.finished)
+                if out.finish_reason == "length":
+                    deltas = calls[index].cut(out.new_text)
+                else:
+                    deltas = calls[index].feed(out.new_text, final=out.finished)
                 if not req.parallel_tool_calls:
                     deltas = [d for d in deltas if d.get("tool_calls", [{}])[0].get("index", 0) == 0]
             for j, delta in enumerate(deltas or ([{}] if lp else [])):
                 yield chunk(index, delta, logprobs=lp if j == 0 else None)
             if out.finished:
-                finish = "tool_calls" if parser is not None and calls[index].called else out.finish_reason
+                called = parser is not None and calls[index].called and out.finish_reason != "length"
+                finish = "tool_calls" if called else out.finish_reason
                 yield chunk(index, {}, finish, out.stop_reason)
         if req.include_usage:
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],

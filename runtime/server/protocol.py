@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from kubellm.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 from kubellm.runtime.structured_output import GuidedDecoding
+from kubellm.runtime.tokenizer import TEMPLATE_VARIABLES
 
 MAX_N = 16
 MAX_MESSAGES = 4096  # per chat request; more is a bug or an attack, not a conversation
@@ -44,7 +45,8 @@ def _refuse_unknown(model: type[BaseModel], data: Any) -> Any:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class JsonSchemaFormat(BaseModel):
@@ -70,6 +72,14 @@ class StructuredOutputsParams(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs may add template variables, not replace the ones the server sets."""
+    if clash := sorted((TEMPLATE_VARIABLES | {"tools"}) & (kwargs or {}).keys()):
+        raise ValueError(f"may not set {', '.join(clash)}: the server sets them from the request "
+                         "(use the request's own fields: messages, add_generation_prompt, tools)")
+    return kwargs
 
 
 def _schema(value, param: str):
@@ -101,7 +111,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # torch takes 64 bits (seed + n - 1)
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     user: str | None = None
@@ -205,6 +215,10 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -220,11 +234,8 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if not isinstance(v[0], int) and len(v) > 64:  # a batch of prompts, not one prompt of ids
-                raise ValueError("at most 64 prompts per request")
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
         return v
 
 
@@ -314,6 +325,8 @@ class ChatCompletionRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
 
+    _check_template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
+
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
@@ -359,6 +372,8 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None
     return_token_strs: bool = False
+
+    _check_template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
 
     @model_validator(mode="after")
     def _one_input(self):

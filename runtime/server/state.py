@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kubellm.runtime.server.async_engine import AsyncEngine
 from kubellm.runtime.server.metrics import ServerMetrics
+from kubellm.runtime.server.prompt_workers import PromptWorkers
 
 
 @dataclass
@@ -22,8 +23,10 @@ class ServerOptions:
     liveness_timeout: float = 60.0  # engine heartbeat older than this fails liveness
     default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
     api_keys: tuple[str, ...] = ()  # when set, /v1/* needs `Authorization: Bearer <one of them>`
-    max_request_bytes: int = 8 * 2**20  # larger bodies get 413 before they are read
-    max_sequences_per_request: int = 64  # prompts x n of one request
+    max_request_bytes: int = 8 * 2**20  # larger bodies get 413, refused while they are read
+    max_prompt_chars: int | None = None  # longer prompts get 400 untokenized; None: what the context could hold
+    prompt_workers: int = 2  # threads that parse, render and tokenize requests (off the event loop)
+    max_sequences_per_request: int = 1024  # prompts x n of one request (lm_eval batches 128 prompts and more)
     tool_call_parser: str = "auto"  # the model's tool-call syntax: auto (from the chat template) or a name
 
 
@@ -40,6 +43,10 @@ class ServerState:
     last_probe: tuple[bool, dict | str] | None = None
     on_drain: Callable[[str], None] | None = None  # set by the process runner: starts the drain sequence
     admin_url: str | None = None  # the loopback admin listener (drain), once bound
+    workers: PromptWorkers = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.workers = PromptWorkers(self.options.prompt_workers)
 
     @property
     def tokenizer(self):

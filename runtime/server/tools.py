@@ -41,8 +41,15 @@ def detect_parser(chat_template: str | None) -> str | None:
     return None
 
 
-def choose_parser(configured: str, chat_template: str | None) -> str:
-    """``configured`` ('auto' or a parser name) resolved against the template; raises ToolCallingUnavailable."""
+def choose_parser(configured: str, chat_template: str | None, constrained: bool = False) -> str:
+    """``configured`` ('auto' or a parser name) resolved against the template; raises ToolCallingUnavailable.
+
+    ``constrained`` (tool_choice required or named): the grammar writes the calls, so any syntax serves, even
+    where the template cannot show the model the tools (it then calls them without having seen their
+    definitions, as vLLM does): the template's syntax if it teaches one, else hermes.
+    """
+    if constrained:
+        return configured if configured != "auto" else detect_parser(chat_template) or "hermes"
     if not chat_template or "tools" not in chat_template:
         raise ToolCallingUnavailable("this model's chat template does not render tools, so it cannot call them")
     if configured != "auto":
@@ -165,6 +172,51 @@ def parse_calls(parser: str, text: str, final: bool = True) -> tuple[str | None,
     return content, calls if final or calls else [], True
 
 
+_CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)(?:"\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*))?',
+                       re.DOTALL)
+
+
+def cut_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of ``text``, output stopped by max_tokens: the complete calls, then the one it cut short
+    if a call was under way (its name and its arguments' JSON as far as they were written, maybe nothing yet,
+    not even the whole call marker)."""
+    marker = _MARKERS.get(parser)
+    if marker is not None and marker not in text:  # cut inside the marker itself?
+        stripped = text.rstrip()
+        k = next((k for k in range(len(marker) - 1, 0, -1) if stripped.endswith(marker[:k])), 0)
+        if not k:
+            return text, []
+        return stripped[:-k].strip() or None, [ToolCall("", "")]
+    content = None
+    if parser == "hermes":
+        content, calls, _ = parse_calls(parser, text)
+        start = text.rfind("<tool_call>")
+        under_way = "</tool_call>" not in text[start:]
+        unfinished = text[start + len("<tool_call>"):].strip() if under_way else ""
+        under_way = under_way and _loads(unfinished) is None  # else parse_calls took it as complete
+    elif parser == "llama3_json":
+        values, unfinished = _json_values(text.lstrip().removeprefix("<|python_tag|>"))
+        calls = [c for v in values if (c := _call_from(v)) is not None]
+        under_way = unfinished.startswith("{")
+        if not calls and not under_way:
+            return text, []
+    else:
+        start = text.find("[TOOL_CALLS]")
+        content, body = text[:start].strip() or None, text[start + len("[TOOL_CALLS]"):].lstrip()
+        if not body.startswith("[") and (named := list(re.finditer(r"\[TOOL_CALLS\]\s*([\w.-]+)\[ARGS\]", text))):
+            calls = parse_calls(parser, text)[1]  # the name[ARGS]{...} form
+            if len(calls) < len(named):
+                calls.append(ToolCall(named[-1].group(1), text[named[-1].end():]))
+            return content, calls
+        values, unfinished = _json_values(body[1:], sep=",") if body else ([], "")
+        calls = [c for v in values if (c := _call_from(v)) is not None]
+        under_way = not unfinished.startswith("]")
+    if under_way:
+        m = _CUT_CALL.match(unfinished)
+        calls.append(ToolCall(m.group(1), m.group(2) or "") if m else ToolCall("", ""))
+    return content, calls
+
+
 def _loads(text: str):
     try:
         return json.loads(text)
@@ -201,9 +253,20 @@ class ToolCallStream:
             self.in_calls = True
         _, calls, _ = parse_calls(self.parser, self.text[self.sent_content:], final)
         for i, call in enumerate(calls[self.sent_calls:], start=self.sent_calls):
-            deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                           "function": {"name": call.name, "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+            deltas += _call_deltas(i, call)
+        self.sent_calls = max(self.sent_calls, len(calls))
+        return deltas
+
+    def cut(self, new_text: str) -> list[dict]:
+        """The last feed when max_tokens stopped the output: a call it cut short still comes out as a call, even
+        when only the start of its marker (held back so far) was written."""
+        deltas = self.feed(new_text)
+        _, calls = cut_calls(self.parser, self.text[self.sent_content:])
+        if not calls:
+            return deltas + self.feed("", final=True)
+        self.in_calls = True
+        for i, call in enumerate(calls[self.sent_calls:], start=self.sent_calls):
+            deltas += _call_deltas(i, call)
         self.sent_calls = max(self.sent_calls, len(calls))
         return deltas
 
@@ -228,6 +291,13 @@ class ToolCallStream:
             if marker.startswith(self.text[-k:]):
                 return len(self.text) - k
         return len(self.text)
+
+
+def _call_deltas(index: int, call: ToolCall) -> list[dict]:
+    """A call as OpenAI streams it: its id and name, then its arguments."""
+    return [{"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                             "function": {"name": call.name, "arguments": ""}}]},
+            {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
 
 
 def template_messages(messages: list) -> list[dict]:

@@ -61,7 +61,7 @@ def test_a_wrong_decode_kernel_fails_the_kernel_check_and_the_engine_and_exits_1
     start because the start-up check catches it too."""
     sound = tpa.paged_decode_attention
     monkeypatch.setattr(tpa, "paged_decode_attention", lambda *a, **k: sound(*a, **k) * 1.01)
-    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,throughput,graphs,profile"]) == 1
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,throughput,graphs,profile,llama8b,peer"]) == 1
     text = _report(tmp_path)
     assert "**FAIL**" in text and "## Failures" in text
     failures = text.split("## Failures")[1].split("## Environment")[0]
@@ -76,7 +76,7 @@ def test_a_kernel_that_raises_fails_its_check_with_the_exception(tmp_path, monke
         raise RuntimeError("PTX assembly aborted")
 
     monkeypatch.setattr(triton_int8_gemm, "int8_gemm", broken)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs,profile"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs,profile,llama8b,peer"]
     assert gpu_check.main(argv) == 1
     failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
     assert failures.count("int8 GEMM") == 2  # float32 and bfloat16
@@ -95,7 +95,7 @@ def test_a_wrong_layer_op_fails_its_check_and_nothing_else(tmp_path, monkeypatch
         q.mul_(1.01)
 
     monkeypatch.setattr(triton_layer_ops, "rotary_embedding_", off)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs,profile"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs,profile,llama8b,peer"]
     assert gpu_check.main(argv) == 1
     failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
     assert failures.count("/ rotary embedding (") == 1 and "in place, float32)" in failures
@@ -114,7 +114,7 @@ def test_a_wrong_pre_quantized_gemm_fails_each_of_its_forms_and_nothing_else(mod
     its error, and nothing else does (1% is inside bfloat16's tolerance)."""
     sound = getattr(module, function)
     monkeypatch.setattr(module, function, lambda *a, **k: sound(*a, **k) * 1.01)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs,profile"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "timing,engine,throughput,graphs,profile,llama8b,peer"]
     assert gpu_check.main(argv) == 1
     failures = _report(tmp_path).split("## Failures")[1].split("## Environment")[0]
     for name, count in failing.items():
@@ -128,7 +128,7 @@ def test_a_crash_in_a_part_of_the_kit_fails_the_run_and_is_named(tmp_path, monke
         raise KeyError("no such table")
 
     monkeypatch.setattr(kernels, "time_prefill", crash)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput,graphs,profile"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput,graphs,profile,llama8b,peer"]
     assert gpu_check.main(argv) == 1
     text = _report(tmp_path)
     assert "2. Kernel timing / prefill timing (crashed)" in text and "KeyError" in text
@@ -143,7 +143,7 @@ def test_a_time_limit_keeps_what_ran_and_fails_naming_the_interruption(tmp_path,
         signal.raise_signal(signal.SIGTERM)
 
     monkeypatch.setattr(kernels, "time_prefill", killed)
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput,graphs,profile"]
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--skip", "kernels,engine,throughput,graphs,profile,llama8b,peer"]
     try:
         assert gpu_check.main(argv) == 1
     finally:
@@ -181,7 +181,7 @@ def test_without_the_demo_download_the_demo_checks_use_a_random_checkpoint_of_it
     assert engine.demo_model(tmp_path, files) == ("smollm2 (SmolLM2-135M Q4_1 GGUF)", "smollm2")
 
 
-GRAPHS_ONLY = ["--device", "cpu", "--tiny", "--skip", "kernels,timing,engine,throughput,tp,profile"]
+GRAPHS_ONLY = ["--device", "cpu", "--tiny", "--skip", "kernels,timing,engine,throughput,tp,profile,llama8b,peer"]
 
 
 def test_on_cpu_the_graphs_section_compares_eager_with_eager_and_says_so(tmp_path):
@@ -297,7 +297,7 @@ def test_causal_flops_count_visible_pairs():
 
 # ------------------------------------------------------------------------------------------------ part 5: profile
 
-PROFILE_ONLY = ["--device", "cpu", "--tiny", "--skip", "kernels,timing,engine,throughput,graphs,tp"]
+PROFILE_ONLY = ["--device", "cpu", "--tiny", "--skip", "kernels,timing,engine,throughput,graphs,tp,llama8b,peer"]
 
 
 def _phase_table(section: str, batch: int) -> tuple[dict[str, tuple[float, float, str]], list[str]]:

@@ -38,6 +38,9 @@ CASES: dict[str, dict[str, Any]] = {
         "watchNamespaces": ["ml", "team-a"],
         "rbac": {"keda": True},
         "activator": {"enabled": True, "replicas": 3, "holdTimeoutSeconds": 120, "maxHeld": 50, "adminPort": 9100,
+                      "namespaces": ["ml", "team-a"], "maxHeldTotal": 80, "maxBufferedMiB": 32,
+                      "networkPolicy": {"proxyFrom": [{"namespaceSelector": {"matchLabels": {"team": "a"}}}],
+                                        "adminFrom": []},
                       "resources": {"requests": {"cpu": "200m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}}},
         "operator": {"image": {"repository": "registry.example:5000/kubellm/operator", "tag": "dev"},
                      "imagePullSecrets": [{"name": "registry"}], "logLevel": "debug"},
@@ -45,6 +48,8 @@ CASES: dict[str, dict[str, Any]] = {
     "activator-scraped": {**ON, "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "activator-own-rbac": {**ON, "rbac": {"create": False},
                            "serviceAccount": {"create": False, "name": "ops-kubellm"}},
+    "activator-cluster-wide": {"activator": {"enabled": True, "allNamespaces": True,
+                                             "networkPolicy": {"enabled": False}}},
 }  # fmt: skip
 ACTIVATOR = "kubellm-activator"
 
@@ -108,6 +113,13 @@ def test_activator_runs_the_operator_image_with_the_values(rendered, case):
     args = build_parser().parse_args(c["args"])  # exits (fails the test) on a flag the CLI does not have
     assert args.cmd == "activator"
     assert (args.hold_timeout, args.max_held) == (values["activator"]["holdTimeoutSeconds"], values["activator"]["maxHeld"])
+    assert (args.max_held_total, args.max_buffered_mib) == (values["activator"]["maxHeldTotal"],
+                                                            values["activator"]["maxBufferedMiB"])  # fmt: skip
+    # The namespaces it serves: the release's by default, the listed ones, or all (never from a request).
+    if values["activator"]["allNamespaces"]:
+        assert args.all_namespaces and not args.namespaces
+    else:
+        assert not args.all_namespaces and args.namespaces == (values["activator"]["namespaces"] or [NAMESPACE])
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": args.port, "admin": args.admin_port} and args.admin_port == values["activator"]["adminPort"]
     for probe in (c["readinessProbe"], c["livenessProbe"]):
@@ -126,6 +138,8 @@ def test_defaults_agree_with_the_activator_cli():
     defaults = build_parser().parse_args(["activator"])
     assert VALUES["activator"]["holdTimeoutSeconds"] == defaults.hold_timeout
     assert VALUES["activator"]["maxHeld"] == defaults.max_held
+    assert VALUES["activator"]["maxHeldTotal"] == defaults.max_held_total
+    assert VALUES["activator"]["maxBufferedMiB"] == defaults.max_buffered_mib
     assert VALUES["activator"]["adminPort"] == defaults.admin_port
 
 
@@ -157,28 +171,39 @@ def test_rbac_grants_exactly_what_the_activator_and_the_operator_use(rendered):
                                       "name": role["metadata"]["name"]}  # fmt: skip
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": service_account, "namespace": NAMESPACE}]
 
-    # Every namespace: ClusterRoles.
+    def activator_roles(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+        return [r for r in of_kind(docs, kind) if r["metadata"]["name"] == ACTIVATOR]
+
+    # By default: a Role in the release's namespace only, even with an operator that watches every namespace.
     docs = rendered["activator"]
     assert named(docs, "ServiceAccount", ACTIVATOR)
-    role = named(docs, "ClusterRole", ACTIVATOR)
-    assert granted(role) == rbac.triples(rbac.ACTIVATOR)
-    bound(named(docs, "ClusterRoleBinding", ACTIVATOR), role, ACTIVATOR)
+    assert not activator_roles(docs, "ClusterRole") and not activator_roles(docs, "ClusterRoleBinding")
+    (role,) = activator_roles(docs, "Role")
+    assert role["metadata"]["namespace"] == NAMESPACE and granted(role) == rbac.triples(rbac.ACTIVATOR)
+    (binding,) = activator_roles(docs, "RoleBinding")
+    assert binding["metadata"]["namespace"] == NAMESPACE
+    bound(binding, role, ACTIVATOR)
     operator_role = named(docs, "ClusterRole", "kubellm-operator")
     assert granted(operator_role) == rbac.triples(
         rbac.cluster_grants(all_namespaces=True) + rbac.namespaced_grants(keda=False, service_monitors=False,
                                                                            activator=True))  # fmt: skip
     assert rbac.triples(rbac.ACTIVATOR_ENDPOINTS) <= granted(operator_role)
-    assert not of_kind(docs, "Role")
+
+    # Cluster-wide only when asked for.
+    docs = rendered["activator-cluster-wide"]
+    role = named(docs, "ClusterRole", ACTIVATOR)
+    assert granted(role) == rbac.triples(rbac.ACTIVATOR)
+    bound(named(docs, "ClusterRoleBinding", ACTIVATOR), role, ACTIVATOR)
+    assert not activator_roles(docs, "Role")
 
     # Listed namespaces: Roles there, and one for the operator to read the activator's slices in its own.
     docs = rendered["activator-namespaces"]
-    assert not [r for r in of_kind(docs, "ClusterRole") if r["metadata"]["name"] == ACTIVATOR]
+    assert not activator_roles(docs, "ClusterRole")
+    assert {r["metadata"]["namespace"] for r in activator_roles(docs, "Role")} == {"ml", "team-a"}
     for namespace in ("ml", "team-a"):
-        (role,) = [r for r in of_kind(docs, "Role") if r["metadata"]["namespace"] == namespace
-                   and r["metadata"]["name"] == ACTIVATOR]  # fmt: skip
+        (role,) = [r for r in activator_roles(docs, "Role") if r["metadata"]["namespace"] == namespace]
         assert granted(role) == rbac.triples(rbac.ACTIVATOR)
-        (binding,) = [b for b in of_kind(docs, "RoleBinding") if b["metadata"]["namespace"] == namespace
-                      and b["metadata"]["name"] == ACTIVATOR]  # fmt: skip
+        (binding,) = [b for b in activator_roles(docs, "RoleBinding") if b["metadata"]["namespace"] == namespace]
         bound(binding, role, ACTIVATOR)
         (operator_role,) = [r for r in of_kind(docs, "Role") if r["metadata"]["namespace"] == namespace
                             and r["metadata"]["name"] == "kubellm-operator"]  # fmt: skip
@@ -193,6 +218,29 @@ def test_rbac_grants_exactly_what_the_activator_and_the_operator_use(rendered):
     docs = rendered["activator-own-rbac"]
     assert not [d for d in docs if d["apiVersion"].startswith("rbac.authorization.k8s.io/")]
     assert named(docs, "ServiceAccount", ACTIVATOR)
+
+
+def test_network_policy_admits_clients_on_the_proxy_port_and_only_keda_and_prometheus_on_the_admin_port(rendered):
+    docs = rendered["activator"]
+    policy = named(docs, "NetworkPolicy", ACTIVATOR)
+    pod_labels = named(docs, "Deployment", ACTIVATOR)["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    rules = {rule["ports"][0]["port"]: rule for rule in policy["spec"]["ingress"]}
+    assert set(rules) == {p["name"] for p in activator_container(docs)["ports"]} == {"http", "admin"}
+    assert all(len(rule["ports"]) == 1 for rule in rules.values())
+    assert "from" not in rules["http"]  # as open as the LLMDeployments' own Services
+    assert rules["admin"]["from"] == VALUES["activator"]["networkPolicy"]["adminFrom"]
+    admitted = {p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in rules["admin"]["from"]}
+    assert admitted == {"keda", "monitoring"}
+
+    # Narrowed clients; no admin sources means no admin rule (an empty "from" would admit everyone).
+    policy = named(rendered["activator-namespaces"], "NetworkPolicy", ACTIVATOR)
+    (rule,) = policy["spec"]["ingress"]
+    assert rule == {"ports": [{"port": "http", "protocol": "TCP"}],
+                    "from": [{"namespaceSelector": {"matchLabels": {"team": "a"}}}]}  # fmt: skip
+    assert not of_kind(rendered["activator-cluster-wide"], "NetworkPolicy")
+    assert not of_kind(rendered["defaults"], "NetworkPolicy")
 
 
 def test_names_fit_with_the_longest_release_name(helm):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -80,3 +82,15 @@ def test_unpack_and_embedding_read_the_weight_back(n, k):
     assert torch.equal(kb.unpack(p, n, k), w)
     ids = torch.tensor([[0, n - 1, 3], [n // 2, 1, n - 1]])
     assert torch.equal(kb.embedding(p, ids, k), torch.nn.functional.embedding(ids, w))
+
+
+@pytest.mark.usefixtures("native_bf16_gemm")
+def test_the_build_runs_the_best_instructions_this_cpu_has():
+    """AVX512-BF16 where the CPU (as capped by KUBELLM_CPU_ISA) has it, else the AVX2 path: so CI on an AVX-512
+    host tests one and its x86-64-v3 pass (make test-avx2) the other."""
+    from kubellm.kernels import cpu_extension
+
+    if os.environ.get(cpu_extension.MARCH_ENV, "").strip():
+        pytest.skip(f"{cpu_extension.MARCH_ENV} chooses the build")
+    expected = "avx512-bf16" if "x86-64-v4-bf16" in cpu_extension.supported_levels() else "avx2"
+    assert kb.isa() == expected

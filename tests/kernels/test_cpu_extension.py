@@ -34,6 +34,12 @@ ZEN4 = SKYLAKE_X + " avx512_bf16 avx512_vnni avx512_vbmi2"
 ALL_LEVELS = ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64-v2"]
 
 
+@pytest.fixture(autouse=True)
+def _no_isa_cap(monkeypatch):
+    """These tests fake the CPU; a cap set for the whole run (CI's x86-64-v3 pass) would cap the fake too."""
+    monkeypatch.delenv(cx.ISA_ENV, raising=False)
+
+
 @pytest.mark.parametrize("flags,levels", [
     (ZEN4, ALL_LEVELS),
     (SKYLAKE_X, ALL_LEVELS[1:]),  # AVX-512 without AVX512-BF16
@@ -49,6 +55,52 @@ def test_supported_levels_from_cpu_flags(flags, levels):
 def test_supported_levels_reads_this_cpu_by_default(monkeypatch):
     monkeypatch.setattr(cx, "cpu_flags", lambda: set(ZEN3.split()))
     assert cx.supported_levels() == ["x86-64-v3", "x86-64-v2"]
+
+
+@pytest.mark.parametrize("cap,levels", [
+    ("x86-64-v3", ["x86-64-v3", "x86-64-v2"]),
+    ("x86-64-v4", ALL_LEVELS[1:]),
+    ("x86-64-v4-bf16", ALL_LEVELS),
+    ("x86-64-v2", ["x86-64-v2"]),
+])
+def test_isa_cap_hides_the_levels_above_it(monkeypatch, cap, levels):
+    """KUBELLM_CPU_ISA makes an AVX-512 host answer as a lesser CPU and build its kernels for that level."""
+    monkeypatch.setattr(cx, "cpu_flags", lambda: set(ZEN4.split()))
+    monkeypatch.delenv(cx.MARCH_ENV, raising=False)
+    monkeypatch.setenv(cx.ISA_ENV, cap)
+    assert cx.supported_levels() == levels
+    assert cx._march() == levels[0]
+    assert cx._march_cflags(cx._march())[0] == f"-march={levels[0].removesuffix('-bf16')}"
+
+
+def test_isa_cap_above_the_cpu_changes_nothing_and_an_unknown_one_is_refused(monkeypatch):
+    monkeypatch.setattr(cx, "cpu_flags", lambda: set(ZEN3.split()))
+    monkeypatch.delenv(cx.MARCH_ENV, raising=False)
+    monkeypatch.setenv(cx.ISA_ENV, "x86-64-v4-bf16")
+    assert cx.supported_levels() == ["x86-64-v3", "x86-64-v2"] and cx._march() == "x86-64-v3"
+    monkeypatch.setenv(cx.ISA_ENV, "avx2")
+    with pytest.raises(ValueError, match="KUBELLM_CPU_ISA='avx2' is not an x86-64 level: use one of x86-64-v4-bf16"):
+        cx.supported_levels()
+
+
+def test_a_first_build_says_so_and_how_long_it_takes(monkeypatch, tmp_path, caplog):
+    """A new install's first start compiles for about two minutes on 2 cores: a log line says so up front."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("KUBELLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(cx, "_ninja_on_path", lambda: True)
+    monkeypatch.setattr(cx, "_op_registered", lambda: True)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: str(Path(kw["build_directory"]) / cx.LIBRARY_NAME))
+    with caplog.at_level(logging.INFO, logger=cx.logger.name):
+        cx._build()
+    first = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("building native CPU kernels for this CPU") and "first run only, about" in m
+               for m in first), first
+    caplog.clear()
+    (cx._build_directory() / cx.LIBRARY_NAME).write_bytes(b"built")
+    with caplog.at_level(logging.INFO, logger=cx.logger.name):
+        cx._build()
+    assert not [r for r in caplog.records if "building" in r.getMessage()]
 
 
 def test_levels_are_listed_best_first():
@@ -314,7 +366,8 @@ def test_kernels_build_then_a_fresh_process_loads_the_prebuilt_library(tmp_path)
                           text=True, timeout=120)
     assert info.returncode == 0, info.stdout + info.stderr
     assert "native CPU kernels: loaded" in info.stdout
-    assert f"int8 GEMM (AVX512-BF16 build): {'yes' if PORTABLE == 'x86-64-v4-bf16' else 'no'}" in info.stdout
+    int8 = "available" if PORTABLE == "x86-64-v4-bf16" else "no: no AVX512-BF16 int8 kernel in this build"
+    assert f"\n  native int8 GEMM: {int8}\n" in info.stdout, info.stdout
     assert f"library: {library}\n" in info.stdout, info.stdout
 
     check = subprocess.run([sys.executable, "-c", RMS_NORM_CHECK], cwd=tmp_path, env=env, capture_output=True,

@@ -80,12 +80,17 @@ def test_no_pods_service_without_scale_to_zero():
         assert [c["metadata"]["name"] for c in render.render(ld) if c["kind"] == "Service"] == [render.child_name(ld)]
 
 
-def test_activator_upstream_is_the_pods_service():
-    from kubellm.operator.activator import target_from_host
+def test_activator_upstream_is_the_pods_service_on_the_rendered_port():
+    from kubellm.operator.activator import Catalog
 
     ld = make(name="qwen")
-    target = target_from_host("qwen.team-a.svc.cluster.local:80")
-    assert target.upstream == f"http://{activation.pods_service_name(ld)}.team-a.svc:80"
+    obj = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "qwen", "namespace": "team-a"},
+           "spec": {**ld.spec.model_dump(by_alias=True, exclude_none=True), "service": {"port": 8080}}}  # fmt: skip
+    target = Catalog(None, ["team-a"]).target_of(obj)
+    (pods_service,) = [c for c in render.render(render.load(obj)) if c["metadata"]["name"].endswith("-pods")]
+    assert target.upstream == f"http://{pods_service['metadata']['name']}.team-a.svc:8080"
+    assert pods_service["spec"]["ports"][0]["port"] == 8080
+    assert Catalog(None, ["team-a"]).target_of({**obj, "spec": {**obj["spec"], "autoscaling": {"enabled": False}}}) is None
 
 
 def test_a_name_too_long_for_the_pods_service_is_refused_with_the_limit():

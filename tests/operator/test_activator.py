@@ -16,29 +16,32 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from kubellm.operator.activator import Activator, Target, UnknownTarget, target_from_host
+from kubellm.operator.activator import Activator, Target, UnknownTarget, api_keys_from, service_from_host
 from server_harness import MODEL_NAME, ServerThread, free_port
 
-# --- naming the target from the Host header ---------------------------------------------------------
+# --- naming the Service from the Host header ---------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("host", "upstream"),
-    [
-        ("chat.team-a:8000", "http://chat-pods.team-a.svc:8000"),
-        ("chat.team-a.svc.cluster.local:8000", "http://chat-pods.team-a.svc:8000"),
-        ("Chat.Team-A.svc", "http://chat-pods.team-a.svc:80"),
-    ],
+    "host",
+    ["chat.team-a:8000", "chat.team-a.svc.cluster.local:8000", "Chat.Team-A.svc", "chat.team-a.", "chat.team-a:81"],
 )
-def test_target_from_host_names_the_service_and_its_pods(host, upstream):
-    target = target_from_host(host)
-    assert (target.namespace, target.name, target.upstream) == ("team-a", "chat", upstream)
+def test_service_from_host_names_the_service_and_ignores_the_port(host):
+    assert service_from_host(host) == ("team-a", "chat")
 
 
-@pytest.mark.parametrize("host", ["chat", "chat:8000", "", "10.0.0.1:8000", "under_score.ns"])
-def test_target_from_host_refuses_a_host_without_namespace(host):
+@pytest.mark.parametrize("host", ["chat", "chat:8000", "", "10.0.0.1:8000", "under_score.ns", "[::1]:80",
+                                  "chat.team-a.example.com", "chat.team-a.svc.evil", "a.b.c.d.e.f"])
+def test_service_from_host_refuses_a_host_without_namespace_or_outside_the_cluster(host):
     with pytest.raises(UnknownTarget, match="NAME.NAMESPACE"):
-        target_from_host(host)
+        service_from_host(host)
+
+
+def test_api_keys_are_read_as_the_runtime_reads_them():
+    from kubellm.runtime.server.auth import api_keys_from as runtime_keys
+
+    for value in ("k1", " k1 , k2,,", ""):
+        assert api_keys_from(value) == runtime_keys(None, {"KUBELLM_API_KEY": value})
 
 
 def test_the_activator_does_not_import_torch():
@@ -46,6 +49,15 @@ def test_the_activator_does_not_import_torch():
     code = ("import sys; from kubellm.runtime.cli import build_parser; import kubellm.operator.activator; "
             "build_parser().parse_args(['activator']); assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("argv", [["activator"], ["activator", "-n", "ml", "--all-namespaces"]])
+def test_the_activator_needs_exactly_one_namespace_scope(argv):
+    from kubellm.runtime.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    with pytest.raises(ValueError, match="--namespace NS .* or --all-namespaces"):
+        args.func(args)
 
 
 # --- a running activator ------------------------------------------------------------------------------
@@ -219,7 +231,8 @@ async def test_requests_beyond_max_held_get_503_at_once():
 @pytest.mark.asyncio
 async def test_an_unknown_host_gets_404_in_the_openai_shape():
     def resolve(request: web.Request) -> Target:
-        return target_from_host(request.host)
+        namespace, name = service_from_host(request.host)
+        raise UnknownTarget(f"{namespace}/{name} is not served")
 
     activator = Activator(resolve, Wakes())
     runner = web.AppRunner(activator.app())

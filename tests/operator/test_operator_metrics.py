@@ -43,6 +43,9 @@ class FakeKube:
     async def list(self, api_version, kind, namespace, selector) -> list[dict]:
         return []
 
+    async def find(self, api_version, kind, namespace, name) -> dict[str, Any] | None:
+        return None
+
     async def apply(self, obj, field_manager=None) -> dict[str, Any]:
         if self.fail_apply is not None:
             raise self.fail_apply

@@ -353,6 +353,10 @@ class RefusingKube:
         self._check(kind)
         return []
 
+    async def find(self, api_version, kind, namespace, name):
+        self._check(kind)
+        return None
+
     async def apply(self, obj, field_manager=None):
         self._check(obj["kind"])
         self.applied.append(obj["kind"])

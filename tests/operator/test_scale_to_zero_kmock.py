@@ -41,7 +41,7 @@ from test_operator_kmock import (
 from test_operator_rbac import checks as rbac_checks
 
 from kubellm.operator import activation, rbac
-from kubellm.operator.activator import ScaleWaker, Target
+from kubellm.operator.activator import Catalog, ScaleWaker, SecretKeys, Target
 from kubellm.operator.kube import Kube
 from kubellm.operator.testing import operator_running
 
@@ -59,7 +59,7 @@ async def cluster(kmock, tmp_path, monkeypatch):
     server = kmock
     declare_resources(server)
     for res, kind in (("discovery.k8s.io/v1/endpointslices", "EndpointSlice"),
-                      ("keda.sh/v1alpha1/scaledobjects", "ScaledObject")):
+                      ("keda.sh/v1alpha1/scaledobjects", "ScaledObject"), ("v1/secrets", "Secret")):
         server.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=VERBS)
     server.resources["apps/v1/deployments"] = kmock.ResourceInfo(
         kind="Deployment", namespaced=True, verbs=VERBS, subresources={"status", "scale"})
@@ -133,7 +133,12 @@ async def test_zero_routes_to_the_activator_and_a_ready_pod_routes_back(cluster)
     kubernetes.config.load_kube_config(config_file=activator_kubeconfig, client_configuration=configuration)
     kube = await Kube.connect("kubellm-activator", configuration)
     try:
-        await ScaleWaker(kube)(Target(NS, NAME, f"http://{NAME}-pods.{NS}.svc:80"), 3)
+        catalog = Catalog(kube, [NS])
+        await catalog.refresh()  # the activator serves this deployment, on its own pods' Service
+        target = catalog.targets[NS, NAME]
+        assert target.upstream == f"http://{NAME}-pods.{NS}.svc:80"
+        await ScaleWaker(kube)(target, 3)
+        assert await SecretKeys(kube)(Target(NS, NAME, "", api_key=("absent", "api-key"))) is None
     finally:
         kube.close()
     assert the_deployment(server)["spec"]["replicas"] == 1

@@ -59,6 +59,35 @@ def test_dense_linears_run_the_native_bf16_kernel_for_bfloat16_where_it_loaded()
     assert choose(AUTO, bf16, dataclasses.replace(loaded, cpu_kernels="no compiler")).prepack == "off"
 
 
+def test_bf16_dense_linears_fall_back_to_f_linear_where_neither_packed_gemm_runs():
+    bf16 = Target("cpu", torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=64)
+    avx2 = dataclasses.replace(ALL_LOADED, bf16_cpu_kernel="no AVX512-BF16 cpu_bf16_gemm in this build",
+                               onednn_prepack="oneDNN cannot prepack bfloat16 weights on this CPU")
+    assert choose(AUTO, bf16, avx2).prepack == "off"
+    assert "dense linears F.linear" in choose(AUTO, bf16, avx2).describe()
+    with pytest.raises(ValueError, match="oneDNN cannot prepack bfloat16 weights on this CPU"):
+        choose(KernelSettings(prepack="onednn"), bf16, avx2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_what_auto_picks_on_this_host_runs_here(dtype):
+    """The real probe on this CPU (AVX-512 or AVX2-only, or capped by KUBELLM_CPU_ISA): the dense linears it
+    picks pack and compute what nn.Linear computes, never a path the CPU cannot run."""
+    from torch import nn
+
+    from kubellm.runtime.kernel_choice import decide
+    from kubellm.runtime.layers.linear import pack_linears
+
+    choice = decide(AUTO, Target("cpu", dtype, num_heads=4, num_kv_heads=2, head_dim=64))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48)).to(dtype)
+    x = torch.randn(5, 64).to(dtype)
+    expected = model(x)
+    if choice.prepack != "off":
+        assert pack_linears(model, choice.prepack) == 1
+    torch.testing.assert_close(model(x).float(), expected.float(), rtol=2**-7, atol=2e-2)
+
+
 def test_layer_ops_auto_on_cuda_are_triton_when_their_check_passed_else_torch():
     passed = dataclasses.replace(ALL_LOADED, triton_layer_ops=None)
     assert choose(AUTO, CUDA, passed).layer_ops == "triton"

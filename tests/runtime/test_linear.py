@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from kubellm.runtime.layers.linear import NativeLinear, PackedLinear, can_pack, pack_linears
+from kubellm.kernels import cpu_extension
+from kubellm.runtime.layers.linear import (
+    NativeLinear,
+    PackedLinear,
+    can_pack,
+    pack_linears,
+    prepack_unavailable,
+)
 
 pytestmark = pytest.mark.skipif(not can_pack("cpu", torch.float32), reason="oneDNN linear ops unavailable")
 
@@ -15,6 +22,8 @@ pytestmark = pytest.mark.skipif(not can_pack("cpu", torch.float32), reason="oneD
 @pytest.mark.parametrize("rows", [1, 37, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_same_as_nn_linear(dtype, atol, rows, bias):
+    if not can_pack("cpu", dtype):
+        pytest.skip(prepack_unavailable("cpu", dtype))  # test_bf16_prepack_follows_the_cpu pins down when
     torch.manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias).to(dtype)
     x = torch.randn(rows, 96).to(dtype)
@@ -40,6 +49,27 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_embeddings():
     assert isinstance(model[1], PackedLinear) and isinstance(model[3], PackedLinear)
     torch.testing.assert_close(model(ids), expected, rtol=1e-4, atol=1e-5)
     assert model[0].weight.shape == (10, 8)  # the embedding keeps its own weight
+
+
+def test_bf16_prepack_follows_the_cpu():
+    """oneDNN's bf16 prepacked linear needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT) at run time: where the CPU (or
+    the KUBELLM_CPU_ISA cap) lacks them it is reported unavailable and nothing is packed, so bfloat16 models keep
+    F.linear; where it has them, it packs."""
+    flags = cpu_extension.cpu_flags()
+    capped = cpu_extension.isa_cap() not in (None, "x86-64-v4", "x86-64-v4-bf16")
+    runs = not capped and ({"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags)
+    assert can_pack("cpu", torch.bfloat16) == runs, prepack_unavailable("cpu", torch.bfloat16)
+    model = nn.Sequential(nn.Linear(16, 8)).to(torch.bfloat16)
+    x = torch.randn(2, 16).to(torch.bfloat16)
+    expected = model(x)
+    assert pack_linears(model) == (1 if runs else 0)
+    torch.testing.assert_close(model(x).float(), expected.float(), rtol=0, atol=1.6e-2)
+
+
+def test_isa_cap_below_avx512_refuses_bf16_prepack(monkeypatch):
+    monkeypatch.setenv(cpu_extension.ISA_ENV, "x86-64-v3")
+    assert "KUBELLM_CPU_ISA=x86-64-v3" in prepack_unavailable("cpu", torch.bfloat16)
+    assert prepack_unavailable("cpu", torch.float32) is None
 
 
 def test_nothing_to_pack_for_other_dtypes():

@@ -57,3 +57,27 @@ def test_template_raise_exception_becomes_chat_template_error(tiny_llama):
     ckpt.tokenizer_config["chat_template"] = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
         Tokenizer.from_checkpoint(ckpt).apply_chat_template(CONVERSATIONS[0])
+
+
+@pytest.mark.parametrize("name", ["messages", "add_generation_prompt", "bos_token", "eos_token"])
+def test_template_kwargs_may_not_replace_what_the_tokenizer_sets(tiny_llama, name):
+    tk = Tokenizer.from_checkpoint(read_hf_folder(tiny_llama))
+    with pytest.raises(ChatTemplateError, match=name):
+        tk.apply_chat_template(CONVERSATIONS[0], **{name: "x"})
+
+
+def test_a_template_failing_on_client_values_is_a_chat_template_error(tiny_llama):
+    ckpt = read_hf_folder(tiny_llama)
+    ckpt.tokenizer_config["chat_template"] = "{{ strftime_now('%Y') }}{{ messages[0]['content'] }}"
+    tk = Tokenizer.from_checkpoint(ckpt)
+    assert tk.apply_chat_template(CONVERSATIONS[0]).endswith("France?")
+    with pytest.raises(ChatTemplateError, match="TypeError"):  # the client's string is called
+        tk.apply_chat_template(CONVERSATIONS[0], strftime_now="not a function")
+
+
+def test_no_token_stands_for_more_characters_than_the_longest_piece(tiny_llama, tokenizer_corpus):
+    tk = Tokenizer.from_checkpoint(read_hf_folder(tiny_llama))
+    text = " ".join(tokenizer_corpus)
+    assert len(text) <= len(tk.encode(text, add_special_tokens=False)) * tk.max_chars_per_token
+    assert all(len(tk.decode([i], skip_special_tokens=False)) <= tk.max_chars_per_token
+               for i in range(tk.vocab_size))

@@ -130,10 +130,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   verbs: [get, patch]
 - apiGroups: [kubellm.io]
   resources: [llmdeployments]
+  verbs: [get, list]
+- apiGroups: [""]
+  resources: [secrets]
   verbs: [get]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- end -}}
+
+{{/* The namespaces whose LLMDeployments the activator serves, as a JSON list: activator.namespaces, else the
+release's own (activator.allNamespaces aside). */}}
+{{- define "kubellm.activatorNamespaces" -}}
+{{- .Values.activator.namespaces | default (list .Release.Namespace) | uniq | toJson -}}
 {{- end -}}
 
 {{/* What kopf reads cluster-wide: CRDs always; namespaces when it serves a list of them. */}}

@@ -81,7 +81,24 @@ CASES = [
     ("logit_bias value out of range", "POST", COMP, {"prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias"),
     ("logit_bias token outside the vocabulary", "POST", COMP, {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400,
      "logit_bias"),
-    ("prompts x n over the per-request cap", "POST", COMP, {"prompt": ["a"] * 8, "n": 16}, 400, "n"),
+    ("prompts x n over the per-request cap", "POST", COMP, {"prompt": ["a"] * 65, "n": 16}, 400, "n"),
+    ("prompt tokens over what the server queues", "POST", COMP, {"prompt": [[5] * 400] * 24, "max_tokens": 1}, 400,
+     "prompt"),
+    ("seed over 64 bits", "POST", CHAT, {"messages": MSG, "seed": 2**80}, 400, "seed"),
+    ("seed below 64 bits", "POST", COMP, {"prompt": "hi", "seed": -(2**70)}, 400, "seed"),
+    ("a lone surrogate in content", "POST", CHAT,
+     b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "messages.0.content"),
+    ("a lone low surrogate in a prompt", "POST", COMP, b'{"prompt": "\\udc00"}', 400, "prompt"),
+    ("a lone surrogate in /tokenize", "POST", "/tokenize", b'{"prompt": "x\\udbff"}', 400, "prompt"),
+    ("a lone surrogate in a key", "POST", CHAT, b'{"messages": [], "\\ud800": 1}', 400, "surrogate"),
+    ("a body nested 100k deep", "POST", CHAT, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "nests too deeply"),
+    ("chat_template_kwargs sets messages", "POST", CHAT,
+     {"messages": MSG, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
+    ("chat_template_kwargs sets add_generation_prompt", "POST", CHAT,
+     {"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}}, 400, "chat_template_kwargs"),
+    ("chat_template_kwargs sets bos_token", "POST", "/tokenize",
+     {"messages": MSG, "chat_template_kwargs": {"bos_token": "x"}}, 400, "chat_template_kwargs"),
 ]
 
 
@@ -114,6 +131,13 @@ def test_a_body_over_the_size_cap_is_refused_with_413(server):
     resp = httpx.post(server.url + COMP, json=big, timeout=60)
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
     assert str(server.options.max_request_bytes) in resp.json()["error"]["message"]
+
+
+def test_a_batch_of_128_prompts_is_served_as_lm_eval_sends_it(server):
+    resp = httpx.post(server.url + COMP, json={"prompt": [f"item {i}" for i in range(128)], "max_tokens": 1,
+                                               "echo": True, "logprobs": 1, "temperature": 0}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert [c["index"] for c in resp.json()["choices"]] == list(range(128))
 
 
 def test_streaming_request_with_bad_input_is_refused_before_streaming(server):

@@ -55,6 +55,27 @@ def test_chat_streaming_deltas_concatenate_to_the_full_answer(client):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens and not chunks[-1].choices
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, kind):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if kind == "chat":
+        stream = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=10, temperature=0,
+                                                stream=True, stream_options=options, extra_body={"ignore_eos": True})
+    else:
+        stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=10, n=2,
+                                           temperature=0, stream=True, stream_options=options,
+                                           extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    final = chunks[-1].usage
+    assert not chunks[-1].choices and final.completion_tokens == (10 if kind == "chat" else 20)
+    for index in (0, 1) if kind == "completion" else (0,):
+        counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].index == index]
+        assert counts == sorted(counts) and counts[-1] == 10
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+        assert {c.usage.prompt_tokens for c in chunks} == {final.prompt_tokens}  # one prompt, counted once
+
+
 def test_completion_with_token_ids_and_text_prompts(client, offline):
     ids = offline.tokenizer.encode("Once upon a time")
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0,

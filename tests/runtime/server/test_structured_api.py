@@ -91,3 +91,30 @@ def test_text_response_format_is_unconstrained(client):
     resp = client.chat.completions.create(model=MODEL_NAME, messages=MSG, response_format={"type": "text"},
                                           max_tokens=3)
     assert resp.choices[0].message.content is not None
+
+
+@pytest.fixture
+def tight_grammar_limits(server, monkeypatch):
+    """Matchers built with a lexer-state limit that any JSON grammar passes at its first token, as a grammar
+    hitting llguidance's real limits does later."""
+    import llguidance
+
+    grammars = server.engine.structured_outputs
+    monkeypatch.setattr(grammars, "matcher", lambda spec: llguidance.LLMatcher(
+        grammars.tokenizer, spec.grammar, limits=llguidance.LLParserLimits(max_lexer_states=5)))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_hits_the_engines_limits_says_so(server, tight_grammar_limits, stream):
+    body = {"messages": MSG, "response_format": _format(), "max_tokens": 50, "stream": stream}
+    resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    if stream:  # the error comes as the stream's last event, after the status line went out
+        events = [json.loads(line[6:]) for line in resp.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        error = events[-1]["error"]
+    else:
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+    assert error["code"] == "grammar_error" and error["param"] == "response_format.json_schema.schema", error
+    assert "too many states" in error["message"], error
+    server.wait_idle()

@@ -182,9 +182,54 @@ def test_bad_tool_requests_are_400s(tool_server, body, needle):
     assert needle in err["message"] or needle == err["param"], err
 
 
-def test_a_model_whose_template_has_no_tools_refuses_them(server):
+def test_a_model_whose_template_has_no_tools_refuses_auto(server):
     resp = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSG, "tools": TOOLS}, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "tools_unsupported"
     ok = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSG, "tools": TOOLS,
                                                                 "tool_choice": "none", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_model_whose_template_has_no_tools_serves_constrained_calls(server, choice):
+    # The grammar writes the call, so the model needs no sight of the definitions to make a valid one.
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=MSG, tools=TOOLS, tool_choice=choice,
+                                          parallel_tool_calls=False, seed=3, temperature=1.0, max_tokens=300)
+    choice_ = resp.choices[0]
+    assert choice_.finish_reason == "tool_calls" and choice_.message.content is None, choice_
+    [call] = choice_.message.tool_calls
+    assert choice == "required" or call.function.name == "get_weather"
+    _valid(call.function.name, call.function.arguments)
+
+
+def _streamed_calls(stream) -> tuple[dict[int, dict], str | None, str]:
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    for chunk in stream:
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                call["name"] += (tc.function.name or "") if tc.function else ""
+                call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    return calls, finish, content
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.4, 0.8])
+def test_a_call_cut_by_max_tokens_is_the_same_cut_call_streamed_or_not(client, fraction):
+    kwargs = dict(model=MODEL_NAME, messages=MSG, tools=TOOLS, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**kwargs, max_tokens=300)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    kwargs["max_tokens"] = max(1, int(whole.usage.completion_tokens * fraction))
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.content  # never the raw <tool_call> markup
+    [call] = choice.message.tool_calls
+    assert "get_weather".startswith(call.function.name)
+    assert "<tool_call>" not in call.function.arguments
+    calls, finish, content = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert finish == "length" and not content
+    assert calls == {0: {"name": call.function.name, "arguments": call.function.arguments}}

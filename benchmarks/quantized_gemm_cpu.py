@@ -17,9 +17,10 @@ warm-up (same process and threads; each round calls every column in turn), of:
   per channel or per tensor); ``fp8 b128``: the same with a scale per 128 inputs (128 x 128 block scales, as
   DeepSeek and Qwen3-FP8 write them; 576 inputs end in a group of 64).
 
-On CPUs without AVX512-BF16 (AVX2, x86-64-v3) the activations are float32, what ``--dtype auto`` runs there, the
-baseline column is ``F.linear`` on the float32 weight, and ``int4 g32 deq`` / ``int8 g32 deq`` time what those
-layers ran before the AVX2 kernels: the weight dequantized to float32 on every call, then ``F.linear``.
+``--dtype float32`` (the default where the native bf16 linear does not load; what ``--dtype auto`` serves on AVX2
+hosts) runs float32 activations, against ``F.linear`` on the float32 weight, and adds ``int4 g32 deq`` /
+``int8 g32 deq``: what those layers ran on AVX2 hosts before the AVX2 kernels, the weight dequantized to float32
+on every call, then ``F.linear``.
 
 Scales and zero points are float16, as the loader keeps them where exact (``--scales float32``: the form the
 kernels took before they read float16, for before/after runs). Each cell is the median over the rounds of the
@@ -157,13 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+", default=None, metavar="NxK", help="only these weight shapes")
     ap.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="whose layer shapes (default SmolLM2)")
     ap.add_argument("--onednn", action="store_true", help="add F.linear on the bf16 weight (oneDNN) as a column")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                    help="activations (default: bfloat16 where the native bf16 linear loads, else float32)")
     ap.add_argument("--cold-mib", type=int, default=0, metavar="MIB",
                     help="rotate each column over copies of its weights spanning this many MiB (e.g. 96: twice "
                          "this host's 32 MiB L3), so every call reads from memory as a decode step does")
     args = ap.parse_args(argv)
-    native_bf16 = bf16.available()  # else float32 against F.linear (AVX2 hosts)
+    native_bf16 = (args.dtype or ("bfloat16" if bf16.available() else "float32")) == "bfloat16"
+    if native_bf16 and not bf16.available():
+        raise SystemExit("the native bf16 linear (the bfloat16 baseline) did not load; try --dtype float32")
     if not native_bf16 and not (k4.takes_float32() and g8.takes_float32()):
-        raise SystemExit("neither the native bf16 linear (AVX512-BF16) nor the AVX2 kernels' float32 path loaded")
+        raise SystemExit("the quantized kernels of this build take bfloat16 only (AVX512-BF16); use --dtype bfloat16")
     if args.threads:
         torch.set_num_threads(args.threads)
     host_malloc.tune()

@@ -12,25 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gitops_health import (
-    ARGO_FOR_KSTATUS,
-    ARGO_STATUSES,
-    CURRENT,
-    FAILED,
-    IN_PROGRESS,
-    NOW,
-    ROOT,
-    TERMINATING,
-    argo_health,
-    deployment,
-    kstatus,
-    ld,
-    observed,
-    pod,
-    resource,
-    settled,
-)
+import gitops_health as gitops
 from gitops_health import ARGOCD_LUA as LUA
+from gitops_health import NOW, ROOT, argo_health, deployment, kstatus, ld, observed, pod, resource, settled
 from kubellm.operator import status as status_mod
 
 
@@ -142,32 +126,32 @@ _DELETE = object()
 
 # name: (the object, kstatus's reading, Argo CD's status, a part of Argo CD's message)
 NAMED: dict[str, tuple[Callable[[], dict], str, str, str]] = {
-    "stalled_without_reason": (_bent(_crash_loop, _edit("Stalled", reason=_DELETE)), FAILED, "Degraded",
+    "stalled_without_reason": (_bent(_crash_loop, _edit("Stalled", reason=_DELETE)), gitops.FAILED, "Degraded",
                                "pod llm-a: container runtime CrashLoopBackOff"),
     "stalled_with_null_reason_and_message": (_bent(_crash_loop, _edit("Stalled", reason=None, message=None)),
-                                             FAILED, "Degraded", "stalled"),
+                                             gitops.FAILED, "Degraded", "stalled"),
     "stalled_reason_of_another_type": (_bent(_crash_loop, _edit("Stalled", reason={"x": 1}, message=[1])),
-                                       FAILED, "Degraded", "stalled"),
+                                       gitops.FAILED, "Degraded", "stalled"),
     "ready_without_observed_generation": (_bent(_ready, lambda o: o["status"].pop("observedGeneration")),
-                                          CURRENT, "Healthy", "2/2 replicas ready"),
+                                          gitops.CURRENT, "Healthy", "2/2 replicas ready"),
     "ready_without_metadata_generation": (_bent(_ready, lambda o: o["metadata"].pop("generation")),
-                                          CURRENT, "Healthy", "2/2 replicas ready"),
+                                          gitops.CURRENT, "Healthy", "2/2 replicas ready"),
     "observed_generation_newer_than_the_spec": (_bent(_ready, lambda o: o["status"].update(observedGeneration=5)),
-                                                IN_PROGRESS, "Progressing", "generation 1"),
+                                                gitops.IN_PROGRESS, "Progressing", "generation 1"),
     "older_operator_degraded_without_stalled": (_bent(_crash_loop, lambda o: _drop(o, "Stalled", "Reconciling")),
-                                                IN_PROGRESS, "Progressing", "CrashLoopBackOff: pod llm-a"),
+                                                gitops.IN_PROGRESS, "Progressing", "CrashLoopBackOff: pod llm-a"),
     "older_operator_progressing_while_ready": (
         _bent(_ready, lambda o: (_drop(o, "Stalled", "Reconciling"), _edit("Progressing", status="True")(o))),
-        CURRENT, "Healthy", "2/2 replicas ready"),
+        gitops.CURRENT, "Healthy", "2/2 replicas ready"),
     "reconciling_listed_before_stalled": (
         _bent(_crash_loop, lambda o: (_edit("Reconciling", status="True")(o), o["status"]["conditions"].sort(
-            key=lambda c: c["type"] != "Reconciling"))), IN_PROGRESS, "Progressing", ""),
+            key=lambda c: c["type"] != "Reconciling"))), gitops.IN_PROGRESS, "Progressing", ""),
     "ready_unknown": (_bent(_ready, lambda o: (_drop(o, "Stalled", "Reconciling"), _edit("Ready", status="Unknown")(o))),
-                      IN_PROGRESS, "Progressing", "2/2 replicas ready"),
-    "conditions_not_a_list": (_bent(_ready, lambda o: o["status"].update(conditions="Ready")), CURRENT,
+                      gitops.IN_PROGRESS, "Progressing", "2/2 replicas ready"),
+    "conditions_not_a_list": (_bent(_ready, lambda o: o["status"].update(conditions="Ready")), gitops.CURRENT,
                               "Progressing", "waiting for the Ready condition"),
     "being_deleted": (_bent(_crash_loop, lambda o: o["metadata"].update(deletionTimestamp="2026-01-01T12:00:00Z")),
-                      TERMINATING, "Progressing", "deleted"),
+                      gitops.TERMINATING, "Progressing", "deleted"),
 }  # fmt: skip
 
 
@@ -178,7 +162,7 @@ def test_named_status_shapes_read_as_kstatus_reads_them(case):
     status, message = argo_health(obj)
     assert (status, kstatus(obj)[0]) == (expected_argo, expected_kstatus) and says in message, (status, message)
     if kstatus(obj)[1] != "Resource is current":  # kstatus's gap: nothing known reads as current
-        assert status in ARGO_FOR_KSTATUS[expected_kstatus]
+        assert status in gitops.ARGO_FOR_KSTATUS[expected_kstatus]
 
 
 _TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)  # Kubernetes JSON has no lone surrogates
@@ -208,7 +192,7 @@ def test_any_status_shape_gets_a_health_and_a_message(obj):
     """Missing, null or wrongly typed fields, arbitrary conditions: never an error, always a status Argo CD
     accepts with a message (a script error or a nil message would show the application as Unknown)."""
     status, message = argo_health(obj)
-    assert status in ARGO_STATUSES and isinstance(message, str)
+    assert status in gitops.ARGO_STATUSES and isinstance(message, str)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -216,7 +200,7 @@ def test_any_status_shape_gets_a_health_and_a_message(obj):
 def test_argo_cd_agrees_with_kstatus_on_any_well_typed_status(obj):
     status, _ = argo_health(obj)
     verdict, message = kstatus(obj)
-    if verdict == CURRENT and message == "Resource is current":
+    if verdict == gitops.CURRENT and message == "Resource is current":
         assert status == "Progressing"  # no Ready condition yet: Argo CD waits where kstatus assumes current
     else:
-        assert status in ARGO_FOR_KSTATUS[verdict], (verdict, message, obj)
+        assert status in gitops.ARGO_FOR_KSTATUS[verdict], (verdict, message, obj)

@@ -100,7 +100,5 @@ def test_ten_times_the_queue_is_shed_with_429_and_admitted_streams_finish(tiny_l
         assert m["kubellm:request_rejected_total{reason=queue_full}"] == len(shed)
     finally:
         proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        exited = proc.wait(timeout=60)
+    assert exited == 0, log_path.read_text()[-3000:]  # SIGTERM after the overload still drains cleanly

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import lupa
+import lupa.lua51 as lupa  # Argo CD runs health scripts with gopher-lua, a Lua 5.1
 
 from kubellm.operator import status as status_mod
 from kubellm.operator.api import LLMDeployment, LLMDeploymentStatus
@@ -28,7 +28,10 @@ ARGOCD_LUA = ROOT / "charts" / "kubellm" / "files" / "argocd-health.lua"
 
 # kstatus's statuses, and the Argo CD health each one corresponds to for an LLMDeployment.
 CURRENT, IN_PROGRESS, FAILED, TERMINATING = "Current", "InProgress", "Failed", "Terminating"
-ARGO_FOR_KSTATUS = {CURRENT: {"Healthy", "Suspended"}, IN_PROGRESS: {"Progressing"}, FAILED: {"Degraded"}}
+ARGO_FOR_KSTATUS = {CURRENT: {"Healthy", "Suspended"}, IN_PROGRESS: {"Progressing"}, FAILED: {"Degraded"},
+                    TERMINATING: {"Progressing"}}  # fmt: skip
+# What Argo CD accepts from a health script; anything else it shows as Unknown ("invalid health status").
+ARGO_STATUSES = {"Healthy", "Progressing", "Degraded", "Suspended", "Missing"}
 
 
 def kstatus(obj: dict[str, Any]) -> tuple[str, str]:

@@ -42,6 +42,11 @@ class AsyncEngine:
         self.num_waiting = 0
         self.num_running = 0
         self.waiting_prompt_tokens = 0
+        # Requests handed to the engine thread that its last snapshot may not count yet (see num_queued):
+        # submitted on the event loop, taken off the command queue on the engine thread.
+        self._adds_submitted = 0
+        self._adds_taken = 0
+        self._queue_snapshot = (0, 0)  # (num_waiting, adds taken when it was read), replaced as one object
         self.stats: EngineStats | None = None  # the latest snapshot, taken on the engine thread
         self.error: BaseException | None = None
 
@@ -114,6 +119,13 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
+    @property
+    def num_queued(self) -> int:
+        """Waiting requests, counting those submitted since the engine thread last counted: a burst admitted
+        between two snapshots must not all read the same stale, short queue."""
+        waiting, taken = self._queue_snapshot
+        return waiting + self._adds_submitted - taken
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run (reads configuration only)."""
         self.engine.validate(prompt_ids, params)
@@ -128,6 +140,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         finished = False
         try:
+            self._adds_submitted += 1
             await asyncio.wrap_future(self._submit("add", prompt_ids, params, request_id))
             while True:
                 out = await stream.get()
@@ -186,6 +199,7 @@ class AsyncEngine:
     def _apply_commands(self) -> None:
         while self._commands:
             future, kind, *args = self._commands.popleft()
+            self._adds_taken += kind == "add"  # cancelled or refused too: either way it is no longer pending
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -232,4 +246,5 @@ class AsyncEngine:
     def _update_gauges(self) -> None:
         self.stats = stats = self.engine.stats()
         self.num_waiting, self.num_running = stats.num_waiting, stats.num_running
+        self._queue_snapshot = (stats.num_waiting, self._adds_taken)
         self.waiting_prompt_tokens = stats.waiting_prompt_tokens

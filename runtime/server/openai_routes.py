@@ -75,7 +75,7 @@ def _completion_routes(router: APIRouter, state: ServerState) -> None:
         req = await _parse(request, state, CompletionRequest)
         _check_model(state, req.model)
         _admit(state)
-        prompts = await state.workers.run(_completion_prompts, state, req.prompt)
+        prompts = await _counted_as_queued(state, _completion_prompts, state, req.prompt)
         jobs = []
         for p_index, ids in enumerate(prompts):
             max_tokens = req.max_tokens if req.max_tokens is not None else state.options.default_completion_max_tokens
@@ -111,7 +111,7 @@ def _chat_routes(router: APIRouter, state: ServerState) -> None:
         _check_model(state, req.model)
         _admit(state)
         parser, overrides, kwargs = _tool_setup(state, req)
-        ids = await state.workers.run(_encode_chat, state, req, kwargs)
+        ids = await _counted_as_queued(state, _encode_chat, state, req, kwargs)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - len(ids))
@@ -259,14 +259,25 @@ def _admit(state: ServerState) -> None:
     if state.phase != "ready":
         raise overloaded(f"the server is not ready ({state.phase})", opts.retry_after, 503, "not_ready")
     engine = state.engine
-    if engine.num_waiting >= opts.max_queue:
+    queued = engine.num_queued + state.admitting
+    if queued >= opts.max_queue:
         state.metrics.rejected("queue_full")
-        raise overloaded(f"{engine.num_waiting} requests are already queued (max {opts.max_queue}); retry later",
+        raise overloaded(f"{queued} requests are already queued (max {opts.max_queue}); retry later",
                          opts.retry_after, 429, "queue_full")
     if engine.waiting_prompt_tokens > opts.kv_admit_factor * engine.capacity_tokens:
         state.metrics.rejected("kv_cache_full")
         raise overloaded("the KV cache cannot take more queued work now; retry later", opts.retry_after, 429,
                          "kv_cache_full")
+
+
+async def _counted_as_queued(state: ServerState, fn, *args):
+    """``fn(*args)`` on a worker (an admitted request's tokenization), counted as queued meanwhile: a burst must
+    not all pass :func:`_admit` before any of it reaches the engine's queue."""
+    state.admitting += 1
+    try:
+        return await state.workers.run(fn, *args)
+    finally:
+        state.admitting -= 1
 
 
 def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:

@@ -39,6 +39,7 @@ class ServerState:
     startup_ok: bool = False
     load_error: str | None = None
     active_requests: int = 0
+    admitting: int = 0  # admitted requests still being tokenized (queued, not yet in the engine's count)
     probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_probe: tuple[bool, dict | str] | None = None
     on_drain: Callable[[str], None] | None = None  # set by the process runner: starts the drain sequence

@@ -157,7 +157,11 @@ def test_the_kstatus_rules_in_their_order():
     assert kstatus(obj)[0] == CURRENT  # kstatus's known gap: no status yet reads as current
 
 
-def test_argo_cd_still_reads_a_status_from_an_operator_without_stalled():
+def test_argo_cd_reads_a_status_from_an_operator_without_stalled_as_kstatus_does():
+    """An older operator wrote Degraded, not Stalled: kstatus reads Ready=False (in progress), so Argo CD does
+    too, and says what is wrong in its message."""
     obj = crash_loop()
     obj["status"]["conditions"] = [c for c in obj["status"]["conditions"] if c["type"] not in ("Stalled", "Reconciling")]
-    assert argo_health(obj)[0] == "Degraded"
+    assert kstatus(obj)[0] == IN_PROGRESS
+    status, message = argo_health(obj)
+    assert status == "Progressing" and message.startswith("CrashLoopBackOff: pod llm-a")

@@ -1,61 +1,101 @@
 -- Argo CD health of a kubellm.io LLMDeployment, from the status the operator writes.
 -- Install: argocd-cm key resource.customizations.health.kubellm.io_LLMDeployment (docs/gitops.md).
+-- It reads the status as kstatus (Flux, kpt) does, and never fails on a status of another shape: any field
+-- may be missing or of another type (an older operator, a hand-edited object).
 local hs = {}
 
-local function condition(kind)
-  if obj.status == nil or obj.status.conditions == nil then
-    return nil
-  end
-  for _, c in ipairs(obj.status.conditions) do
-    if c.type == kind then
-      return c
-    end
+local function field(t, key)
+  if type(t) == "table" then
+    return t[key]
   end
   return nil
 end
 
--- A status written for an older spec says nothing about this one.
-local generation = obj.metadata.generation
-if obj.status == nil or obj.status.observedGeneration == nil
-    or (generation ~= nil and obj.status.observedGeneration < generation) then
-  hs.status = "Progressing"
-  hs.message = "waiting for the operator to observe generation " .. tostring(generation)
+local function text(v)
+  if type(v) == "string" or type(v) == "number" then
+    return tostring(v)
+  end
+  return nil
+end
+
+-- "reason: message", or whichever of the two is there.
+local function explain(c, fallback)
+  local reason, message = text(field(c, "reason")), text(field(c, "message"))
+  if reason ~= nil and reason ~= "" and message ~= nil and message ~= "" then
+    return reason .. ": " .. message
+  end
+  if message ~= nil and message ~= "" then
+    return message
+  end
+  if reason ~= nil and reason ~= "" then
+    return reason
+  end
+  return fallback
+end
+
+local function result(status, message)
+  hs.status = status
+  hs.message = message
   return hs
 end
 
-local ready = condition("Ready")
-local progressing = condition("Progressing")
-local reconciling = condition("Reconciling")
--- Stalled (kstatus) says a human must act; a status from an operator older than it has Degraded only.
-local stalled = condition("Stalled")
-if stalled == nil then
-  stalled = condition("Degraded")
+local metadata, status = field(obj, "metadata"), field(obj, "status")
+local deleting = field(metadata, "deletionTimestamp")
+if deleting ~= nil and deleting ~= false and deleting ~= "" then
+  return result("Progressing", "being deleted")
+end
+if type(status) ~= "table" then
+  return result("Progressing", "waiting for the operator to write a status")
 end
 
-if stalled ~= nil and stalled.status == "True" then
-  hs.status = "Degraded"
-  hs.message = stalled.reason .. ": " .. (stalled.message or "")
-  return hs
+-- A status written for another generation says nothing about this spec (no observedGeneration: no check).
+local generation, observed = field(metadata, "generation"), field(status, "observedGeneration")
+if type(generation) == "number" and type(observed) == "number" and observed ~= generation then
+  return result("Progressing", "waiting for the operator to observe generation " .. tostring(generation))
 end
-if ready ~= nil and ready.reason == "ScaledToZero" then
-  hs.status = "Suspended"
-  hs.message = ready.message or "scaled to zero replicas"
-  return hs
+
+local conditions = {}
+if type(status.conditions) == "table" then
+  for _, c in ipairs(status.conditions) do
+    if type(c) == "table" then
+      conditions[#conditions + 1] = c
+    end
+  end
 end
-local busy = (reconciling ~= nil and reconciling.status == "True") or (progressing ~= nil and progressing.status == "True")
-if ready ~= nil and ready.status == "True" and not busy then
-  hs.status = "Healthy"
-  hs.message = ready.message or ""
-  return hs
+
+-- kstatus's abnormal-true pair, in list order: the first True Reconciling or Stalled decides.
+for _, c in ipairs(conditions) do
+  if c.status == "True" and c.type == "Reconciling" then
+    return result("Progressing", explain(c, "reconciling"))
+  end
+  if c.status == "True" and c.type == "Stalled" then
+    return result("Degraded", explain(c, "stalled"))
+  end
 end
-hs.status = "Progressing"
-if reconciling ~= nil and reconciling.status == "True" then
-  hs.message = reconciling.reason .. ": " .. (reconciling.message or "")
-elseif progressing ~= nil and progressing.status == "True" then
-  hs.message = progressing.message or progressing.reason
-elseif ready ~= nil then
-  hs.message = ready.message or ready.reason
-else
-  hs.message = "waiting for status"
+
+-- An operator older than Stalled says Degraded; kstatus ignores it, so it only explains a Ready that is not True.
+local degraded = nil
+for _, c in ipairs(conditions) do
+  if c.type == "Degraded" and c.status == "True" then
+    degraded = c
+    break
+  end
 end
-return hs
+
+for _, c in ipairs(conditions) do
+  if c.type == "Ready" and c.status == "True" then
+    if c.reason == "ScaledToZero" then
+      return result("Suspended", explain({message = c.message}, "scaled to zero replicas"))
+    end
+    return result("Healthy", explain({message = c.message}, "ready"))
+  end
+  if c.type == "Ready" and (c.status == "False" or c.status == "Unknown") then
+    if degraded ~= nil then
+      return result("Progressing", explain(degraded, "degraded"))
+    end
+    return result("Progressing", explain(c, "not ready"))
+  end
+end
+
+-- kstatus reads a status without these conditions as current; Argo CD waits for the operator to say Ready.
+return result("Progressing", "waiting for the Ready condition")

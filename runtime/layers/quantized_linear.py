@@ -46,6 +46,11 @@ from kubellm.kernels import cpu_fp8_gemm, cpu_grouped_int8_gemm, cpu_int4_gemm, 
 from kubellm.runtime.prequantized import QuantizedWeight
 
 PATHS = ("native", "triton", "dequantize")
+# AVX2 builds quantize a 4-bit layer's activations to int8 only for steps of at most this many rows (decode):
+# a prompt's logits, where the first token is chosen, stay exact. There int8 buys ~25x at one row but only
+# 1.0-1.2x over the float GEMM at 256 rows, and on SmolLM2's demo prompt int8 prefill flipped a 0.08-nat tie
+# and the answer with it. AVX-512 builds (VNNI, twice the rate) keep int8 at every row count.
+AVX2_INT8_MAX_ROWS = 32
 
 
 class QuantizedLinear(nn.Module):
@@ -97,6 +102,8 @@ class QuantizedLinear(nn.Module):
         takes_float32 = path == "native" and not self.float_values and (
             cpu_int4_gemm.takes_float32() if bits == 4 else cpu_grouped_int8_gemm.takes_float32())
         self.native_dtypes = (torch.bfloat16, torch.float32) if takes_float32 else (torch.bfloat16,)
+        # steps above this many rows dequantize instead (AVX2 builds' int8 activations: AVX2_INT8_MAX_ROWS)
+        self.native_max_rows = AVX2_INT8_MAX_ROWS if takes_float32 and bits == 4 and int8_activations else None
         if path == "native":
             pack = cpu_fp8_gemm.pack if self.float_values else cpu_int4_gemm.pack if bits == 4 else \
                 cpu_grouped_int8_gemm.pack
@@ -142,7 +149,8 @@ class QuantizedLinear(nn.Module):
             return out.view(*x.shape[:-1], self.out_features)
         if self.perm is not None:
             rows = rows.index_select(1, self.perm)
-        if self.path == "native" and rows.dtype in self.native_dtypes:
+        if self.path == "native" and rows.dtype in self.native_dtypes and (
+                self.native_max_rows is None or rows.shape[0] <= self.native_max_rows):
             rows = rows if rows.stride(-1) == 1 else rows.contiguous()
             if self.float_values:
                 out = cpu_fp8_gemm.fp8_gemm(rows, self.qweight, self.scales, self.group_size, self.bias)

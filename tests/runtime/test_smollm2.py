@@ -36,8 +36,10 @@ def reference(smollm2_gguf):
 def test_greedy_equals_transformers_on_the_gguf_with_chunking_preemption_and_prefix_hits(smollm2_gguf, reference):
     # Tiny pool + small step budget: the chat prompts share their template prefix (prefix hits),
     # are longer than the budget (chunked prefill) and cannot all fit (preemption).
+    # bf16 int4 activations: the exact (dequantized) GEMM on every CPU; int8 ones, the default where a native
+    # kernel has them, are checked against their reference in tests/kernels/test_cpu_int4_gemm.py
     llm = LLM(str(smollm2_gguf), progress=False, dtype="float32", block_size=4, num_kv_blocks=24,
-              max_num_batched_tokens=16, max_num_seqs=4, max_model_len=512)
+              max_num_batched_tokens=16, max_num_seqs=4, max_model_len=512, cpu_int4_activations="bf16")
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     rows: dict[str, list[torch.Tensor]] = {}
     sampler = llm.engine.runner.sampler

@@ -63,6 +63,10 @@ def _engine(model_dir, **kw) -> LLM:
     args = dict(dtype="float32", block_size=4, max_num_batched_tokens=16, max_num_seqs=4, num_kv_blocks=24,
                 max_model_len=256)
     args.update(kw)
+    if args["dtype"] == "float32":
+        # 4-bit layers on the exact path on every CPU (AVX2 builds would quantize float32 decode rows to int8;
+        # those kernels are checked against their references in tests/kernels/test_cpu_int4_gemm.py)
+        args.setdefault("cpu_int4_activations", "bf16")
     return LLM(str(model_dir), progress=False, **args)
 
 

@@ -51,13 +51,10 @@ COPY operator /src/operator
 COPY runtime /src/runtime
 COPY kernels /src/kernels
 
-# A virtual environment at /opt/venv on the slim Python base. Every stage runs Python in safe-path mode
-# (PYTHONSAFEPATH, as the Makefile): the working directory never goes on sys.path, so a source folder's
-# operator/ package cannot shadow the standard library's `operator`.
+# A virtual environment at /opt/venv on the slim Python base.
 FROM ${PYTHON_IMAGE} AS python-builder
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONSAFEPATH=1
+    PYTHONDONTWRITEBYTECODE=1
 WORKDIR /
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir --upgrade "pip>=24"
@@ -126,8 +123,7 @@ ARG DEBIAN_FRONTEND=noninteractive
 ARG TORCH_VERSION
 ARG TORCH_CUDA_INDEX
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONSAFEPATH=1
+    PYTHONDONTWRITEBYTECODE=1
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3.11-venv \
     && rm -rf /var/lib/apt/lists/*
@@ -153,8 +149,7 @@ RUN groupadd --gid 10001 kubellm \
 COPY --from=operator-builder /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONSAFEPATH=1
+    PYTHONDONTWRITEBYTECODE=1
 WORKDIR /home/kubellm
 USER 10001:10001
 # 8080: kopf's liveness endpoint (/healthz); the chart's args choose the metrics port.
@@ -176,8 +171,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     KUBELLM_CACHE=/opt/kubellm/cache \
     KUBELLM_CPU_KERNELS_DIR=/opt/kubellm/kernels \
     PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONSAFEPATH=1
+    PYTHONDONTWRITEBYTECODE=1
 WORKDIR /home/kubellm
 USER 10001:10001
 EXPOSE 8000
@@ -190,8 +184,7 @@ RUN groupadd --gid 10001 kubellm \
 COPY --from=runtime-cuda-builder /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONSAFEPATH=1
+    PYTHONDONTWRITEBYTECODE=1
 WORKDIR /home/kubellm
 USER 10001:10001
 EXPOSE 8000

@@ -6,16 +6,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-avx2 kernels-info e2e gpu-check lint format crds helm clean
 
-# Python's safe-path mode (3.11+) for everything started here and everything that starts in turn: neither the
-# working directory (`python -m`, `python -c`) nor a script's folder goes on sys.path, so the repository's
-# operator/ folder never shadows the standard library's `operator` module. The images, the `kubellm` command
-# and the test session set the same (tests/delivery/test_stdlib_operator.py checks each kind of process).
-export PYTHONSAFEPATH := 1
-
 PIP := $(VENV)/bin/pip
 
-# The version check first: safe-path mode needs 3.11 (as the package does), and an older $(PYTHON) would put
-# the repository root on sys.path for `-m venv` (-I keeps it off for the check itself, on any version).
+# The version check first: the package needs Python 3.11.
 $(STAMP): pyproject.toml
 	@$(PYTHON) -I -c 'import sys; sys.exit(sys.version_info < (3, 11) and "kubellm needs Python 3.11 or newer; $(PYTHON) is " + sys.version.split()[0] + " (make PYTHON=python3.11 ...)")'
 	$(PYTHON) -m venv $(VENV)

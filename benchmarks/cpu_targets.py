@@ -33,9 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # safe-path mode leaves this folder off sys.path
-from offline import prepare_model  # noqa: E402
+from offline import prepare_model
 
 TARGETS = {"decode_bandwidth_pct": 75.0, "batch_gemm_pct": 30.0, "startup_s": 5.0}
 
@@ -106,7 +104,7 @@ class ModelCost:
 
 def batch1_decode(llm, cost: ModelCost, prompt_len: int, tokens: int, repeats: int, vocab: int) -> dict:
     """Best of ``repeats`` requests run alone: decode steps only (the prefill step is not timed)."""
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     engine, rng = llm.engine, random.Random(1)
     best = None
@@ -130,7 +128,7 @@ def batch1_decode(llm, cost: ModelCost, prompt_len: int, tokens: int, repeats: i
 
 
 def large_batch(llm, cost: ModelCost, args, vocab: int) -> dict:
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     rng = random.Random(args.seed)
     prompts, outputs = [], []
@@ -204,7 +202,7 @@ def main() -> int:
     if skip - {"decode", "batch", "startup"}:
         p.error("--skip takes decode, batch, startup")
 
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.llm_engine import LLM
 
     torch.set_num_threads(args.threads)
     model_dir = prepare_model(args.model, args.dtype)

@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # safe-path mode leaves this folder off sys.path
-from offline import prepare_model  # noqa: E402
+from offline import prepare_model
 
 
 class Splits:
@@ -56,7 +53,7 @@ def decode_steps(engine, prompt_len: int, tokens: int, seed: int, after_prefill=
     ``cpu_seconds``."""
     import random
 
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     rng = random.Random(seed)
     for _ in range(batch):
@@ -76,7 +73,7 @@ def decode_steps(engine, prompt_len: int, tokens: int, seed: int, after_prefill=
 
 
 def make_llm(model_dir: Path, threads: int):
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.llm_engine import LLM
 
     llm = LLM(str(model_dir), dtype="bfloat16", progress=False, num_threads=threads, kv_cache_memory="256MiB",
               max_model_len=512)
@@ -153,7 +150,7 @@ def ab_region(args, model_dir: Path) -> None:
     """One engine, KUBELLM_LAYER_REGION=0/1 alternated every 4 decode steps; per-step wall-time percentiles."""
     import random
 
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     engine = make_llm(model_dir, args.threads).engine
     times: dict[str, list[float]] = {"0": [], "1": []}

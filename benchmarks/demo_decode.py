@@ -32,10 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         for module, name in ((cpu_int4_gemm, "int8_available"), (cpu_int4_gemm, "takes_float32"),
                              (cpu_grouped_int8_gemm, "available"), (cpu_grouped_int8_gemm, "takes_float32")):
             setattr(module, name, lambda: False)
-    from kubellm.runtime import model_store
-    from kubellm.runtime.config import EngineConfig
-    from kubellm.runtime.engine import LLMEngine
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.config import EngineConfig
+    from kubellm.runtime.engine.llm_engine import LLMEngine
+    from kubellm.runtime.models import store as model_store
+    from kubellm.runtime.sampling.params import SamplingParams
 
     path = model_store.resolve("smollm2", pull_missing=True)
     engine = LLMEngine(EngineConfig(model=str(path), dtype=args.dtype, kv_cache_memory="512MiB", max_model_len=2048),

@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
+from bf16_gemm_cpu import SHAPES
+from cpu_targets import best_seconds
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # safe-path mode leaves this folder off sys.path
-from bf16_gemm_cpu import SHAPES  # noqa: E402
-from cpu_targets import best_seconds  # noqa: E402
-
-from kubellm.kernels import cpu_bf16_gemm  # noqa: E402
+from kubellm.kernels import cpu_bf16_gemm
 
 
 def call_cost(repeats: int, calls: int = 20000) -> float:

@@ -53,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         write_gguf,
     )
 
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.llm_engine import LLM
     from kubellm.runtime.layers.moe import FusedMoE
-    from kubellm.runtime.model_store import export_hf
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.models.store import export_hf
+    from kubellm.runtime.sampling.params import SamplingParams
 
     meta = byte_level_metadata(train_byte_level_tokenizer()) | {"pre": "qwen2"}
     model = tiny_model(tiny_config(len(meta["tokens"]), hidden_size=args.hidden, num_hidden_layers=args.layers,

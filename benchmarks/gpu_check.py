@@ -41,11 +41,7 @@ import traceback
 from pathlib import Path
 
 import torch
-
-# This folder, explicitly: the scripts run in Python's safe-path mode too (PYTHONSAFEPATH, which keeps a
-# checkout's operator/ from shadowing the standard library), and that mode leaves a script's folder off sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check_report import Check, Report, Section  # noqa: E402
+from gpu_check_report import Check, Report, Section
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ("kernels", "timing", "engine", "throughput", "serve", "graphs", "tp", "profile", "llama8b", "peer")

@@ -126,8 +126,7 @@ def random_weights(config: dict, device: str, dtype: torch.dtype) -> Iterator[tu
 def in_memory_weights(folder: Path, device: str, dtype: torch.dtype):
     """While open, an engine started on ``folder`` loads :func:`random_weights` made on ``device`` instead of
     reading the folder's weights file."""
-    from kubellm.runtime import engine as engine_module
-
+    from kubellm.runtime.engine import llm_engine as engine_module
     read = engine_module.read_checkpoint
 
     def read_random(path):
@@ -220,8 +219,8 @@ def _kv_tokens(contexts: list[int], steps: int) -> int:
 
 def engine_rates(folder: Path, device: str, plan: Plan, batches: list[int], **engine_args) -> tuple[list[Rate], str]:
     """kubellm's decode rate per batch size (module docstring) and the engine's kernel line."""
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.sampling.params import SamplingParams
 
     vocab = plan.shape["vocab_size"]
     rates = []

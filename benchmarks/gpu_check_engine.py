@@ -60,8 +60,8 @@ class Generation:
 
 def greedy(model: str, new_tokens: int, **engine_args) -> Generation:
     """Decode PROMPTS together with kubellm's offline API; the engine is closed and freed before returning."""
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
     with LLM(model, progress=False, **engine_args) as llm:
@@ -160,8 +160,7 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 def _demo_cached() -> bool:
     """Whether the demo GGUF is already in kubellm's model cache. Never ``pull`` here: on a GPU machine without a
     package index pip would retry its download for minutes before failing."""
-    from kubellm.runtime import model_store
-
+    from kubellm.runtime.models import store as model_store
     return model_store.model_path("smollm2").is_file()
 
 
@@ -192,8 +191,7 @@ def demo_model(work_dir: Path, demo_files: Path | None = None) -> tuple[str, str
 
 def demo_hf_folder(work_dir: Path, dtype: torch.dtype, demo_files: Path | None = None) -> Path:
     """A Hugging Face folder of the demo model for serve.py (and vLLM beside it)."""
-    from kubellm.runtime import model_store
-
+    from kubellm.runtime.models import store as model_store
     _, model = demo_model(work_dir, demo_files)
     return model_store.cached_hf_export(model, dtype) if model == "smollm2" else Path(model)
 
@@ -314,8 +312,7 @@ def check_cuda_graphs(section: Section, label: str, model: str, device: str, dty
     check fell back) fails with the engine's reason; elsewhere (CPU) the setting is a no-op and this compares
     eager with eager. Divergence only at a near tie, as :func:`compare_greedy` rules: padded batches change the
     GEMMs' row count, which may round differently."""
-    from kubellm.runtime import cuda_graphs
-
+    from kubellm.runtime.engine import cuda_graphs
     common = dict(device=device, dtype=dtype, max_model_len=512, kv_cache_memory=kv_cache_memory, seed=0,
                   **_plain_cpu(device))
     case = f"{label}, {device} {dtype}, {len(PROMPTS)} prompts x {new_tokens} tokens"
@@ -346,8 +343,8 @@ def decode_throughput(section: Section, label: str, model: str, device: str, dty
     """Output tok/s with and without CUDA graphs: per batch size, that many random-token prompts of ``lengths``
     = (input, output) tokens submitted at once, greedy, EOS ignored, one untimed warm-up per engine. Short prompts
     and long outputs, so decode steps dominate the time."""
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.sampling.params import SamplingParams
 
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rates: dict[tuple[bool, int], float] = {}
@@ -400,8 +397,8 @@ def tensor_parallel(section: Section, folder: Path, reference: Generation | None
     args = argparse.Namespace(seed=0, num_requests=batch, min_input=lengths[0], max_input=lengths[0],
                               min_output=lengths[1], max_output=lengths[1])
     wl = offline.make_workload(args, offline.model_info(folder)["vocab"])
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.sampling.params import SamplingParams
 
     table = Table("Offline throughput, TP=2 (bfloat16)", ["batch", "requests x (in, out)", "wall (s)", "output tok/s"])
     with LLM(str(folder), progress=False, max_num_seqs=batch, **common) as llm:

@@ -2,7 +2,7 @@
 
 One engine (CUDA graphs on, as served), the random Llama of the engine checks. Per batch size: that many
 requests are prefilled, decode a few untimed warm-up steps, then ``steps`` decode steps run with a
-:class:`kubellm.runtime.step_timer.StepTimer` attached, which splits each step's wall time into host phases
+:class:`kubellm.runtime.engine.step_timer.StepTimer` attached, which splits each step's wall time into host phases
 (scheduling, building inputs and block tables, host-to-device copies, the forward call or graph replay, LM head,
 sampling, the device-to-host sync of the sampled tokens, postprocessing, detokenizing / streaming) and times the
 forward pass on the device with CUDA events. Then ``torch.profiler`` over a few more steps: the top ops by self
@@ -23,7 +23,7 @@ import time
 import torch
 from gpu_check_report import Section, Table
 
-from kubellm.runtime import step_timer
+from kubellm.runtime.engine import step_timer
 
 TOP_OPS = 15
 
@@ -103,7 +103,7 @@ def op_tables(prof, steps: int, label: str, device: str) -> list[Table]:
 
 def prefill_table(engine, device: str, lengths: list[int], vocab: int) -> Table:
     """One request's prefill step (1 output token) at each length, twice with different tokens."""
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     table = Table("Prefill step of one request: first at its length in this engine, then again",
@@ -134,8 +134,8 @@ def profile_decode(section: Section, label: str, model: str, device: str, dtype:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.sampling.params import SamplingParams
 
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     with LLM(model, progress=False, device=device, dtype=dtype, max_num_seqs=max(batches), cuda_graphs=True,

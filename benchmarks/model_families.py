@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", metavar="PATH", help="also write the table here")
     args = p.parse_args(argv)
 
-    from kubellm.runtime import model_store
-
+    from kubellm.runtime.models import store as model_store
     tokenizer_dir = model_store.cached_hf_export("smollm2", torch.bfloat16)
     out = Path(args.out) if args.out else model_store.cache_root() / "families"
     out.mkdir(parents=True, exist_ok=True)

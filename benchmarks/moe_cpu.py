@@ -66,10 +66,10 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
 
     from kubellm.kernels import cpu_int4_gemm, cpu_moe
+    from kubellm.runtime.distributed.tp_group import Group
     from kubellm.runtime.layers.linear import pack_linears
     from kubellm.runtime.layers.moe import FusedMoE, pack_experts
     from kubellm.runtime.models.llama import use_native_ops
-    from kubellm.runtime.tp_group import Group
 
     if not cpu_moe.available() or (args.int4 or args.int8) and not cpu_int4_gemm.available():
         print("the native MoE kernel is not available here (needs AVX512-BF16)", file=sys.stderr)
@@ -145,10 +145,10 @@ def _check_agree(a, b, x) -> None:
 def _int4_experts(bf16_moe, group: int, float_zeros: bool):
     """A copy of ``bf16_moe`` whose expert linears are native int4 ``QuantizedLinear`` layers (random 4-bit values,
     groups of ``group``; the timing does not depend on the values), the router shared."""
+    from kubellm.runtime.distributed.tp_group import Group
     from kubellm.runtime.layers.moe import FusedMoE
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.prequantized import QuantizedWeight
-    from kubellm.runtime.tp_group import Group
+    from kubellm.runtime.quantization.prequantized import QuantizedWeight
 
     hidden, inter = bf16_moe.gate.in_features, bf16_moe.inter
     with torch.device("meta"):  # its bf16 experts are replaced below: allocate none
@@ -181,10 +181,10 @@ def _int8_experts(bf16_moe, form: str):
     """A copy of ``bf16_moe`` whose experts are native 8-bit ``QuantizedLinear`` layers of ``form`` (random values;
     the timing does not depend on them), stacked for the fused kernel after checking that the stack computes what the
     per-expert layers (one quantized GEMM per hit expert) compute on 4 rows."""
+    from kubellm.runtime.distributed.tp_group import Group
     from kubellm.runtime.layers.moe import FusedMoE, pack_experts
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.prequantized import QuantizedWeight
-    from kubellm.runtime.tp_group import Group
+    from kubellm.runtime.quantization.prequantized import QuantizedWeight
 
     low, high, zero, group, scale_dtype = INT8_FORMS[form]
     hidden, inter = bf16_moe.gate.in_features, bf16_moe.inter

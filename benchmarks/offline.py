@@ -34,16 +34,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from model_families import REAL_SHAPES, build_real_shape
+from prequantized_checkpoints import FORMATS as CHECKPOINT_FORMATS
+from prequantized_checkpoints import quantized_folder
 from tqdm import tqdm
 
-# This folder, explicitly: the scripts run in Python's safe-path mode too (PYTHONSAFEPATH, which keeps a
-# checkout's operator/ from shadowing the standard library), and that mode leaves a script's folder off sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_families import REAL_SHAPES, build_real_shape  # noqa: E402
-from prequantized_checkpoints import FORMATS as CHECKPOINT_FORMATS  # noqa: E402
-from prequantized_checkpoints import quantized_folder  # noqa: E402
-
-from workload_args import check_systems_and_workload  # noqa: E402
+from workload_args import check_systems_and_workload
 
 DEFAULT_SYSTEMS = ("kubellm", "kubellm-int8", "kubellm-int4", "hf-generate", "hf-static-batch", "hf-generate-batch",
                    "vllm")
@@ -143,8 +139,7 @@ def prepare_model(model: str | None, dtype: str) -> Path:
     """An HF folder as-is; a real-shape name (model_families.REAL_SHAPES: random weights at a real model's
     layer shapes, built once into <kubellm cache>/families); a known kubellm model name or .gguf is exported
     once into the kubellm cache."""
-    from kubellm.runtime import model_store
-
+    from kubellm.runtime.models import store as model_store
     name = model or "smollm2"
     path = Path(name).expanduser()
     if path.is_dir():
@@ -179,8 +174,7 @@ def model_info(model_dir: Path) -> dict:
 def format_source(args: argparse.Namespace, model_dir: Path, fmt: str) -> Path:
     """What a format's systems load: the GGUF file itself (kept packed), or ``model_dir`` written in a
     pre-quantized format once into <kubellm cache>/quantized."""
-    from kubellm.runtime import model_store
-
+    from kubellm.runtime.models import store as model_store
     if fmt == "gguf":
         source = model_store.resolve(args.model or "smollm2", pull_missing=True)
         if source.suffix.lower() != ".gguf":
@@ -191,8 +185,8 @@ def format_source(args: argparse.Namespace, model_dir: Path, fmt: str) -> Path:
 
 def run_kubellm(args: argparse.Namespace, model_dir: Path, wl: Workload, info: dict,
                 quantization: str = "none", fmt: str | None = None, int4_activations: str = "auto") -> Result:
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.sampling.params import SamplingParams
 
     llm = LLM(
         str(format_source(args, model_dir, fmt) if fmt else model_dir),
@@ -586,7 +580,7 @@ def _max_model_len(args: argparse.Namespace) -> int:
 
 
 def _kv_bytes(args: argparse.Namespace) -> int:
-    from kubellm.runtime.config import parse_size
+    from kubellm.runtime.engine.config import parse_size
 
     return parse_size(args.kv_cache_memory)
 
@@ -790,7 +784,6 @@ to the number of cores that are really free: oversubscribed OpenMP threads wreck
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("PYTHONSAFEPATH", "1")  # for the vLLM child started below (see the top)
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -30,10 +30,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import prequantized_checkpoints
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # safe-path mode leaves the script's folder out
-import prequantized_checkpoints  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "quality_text.txt"
 
@@ -97,7 +95,7 @@ class Scores:
 
 
 def score(llm, text_windows: list[list[int]], prompts: list[list[int]], new_tokens: int) -> Scores:
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     scored = llm.generate(text_windows, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
                           use_tqdm=False)
@@ -163,8 +161,7 @@ def markdown(rows: list[Row]) -> str:
 def model_sources(model: str, needed: set[str]) -> dict[str, Path]:
     """The folder or file each source runs from. ``model``: a kubellm model name or .gguf (exported once to
     dense bf16/fp32 folders in the kubellm cache) or a Hugging Face folder (dense; no "gguf" source then)."""
-    from kubellm.runtime import model_store
-
+    from kubellm.runtime.models import store as model_store
     path = Path(model).expanduser()
     out: dict[str, Path] = {}
     if path.is_dir():
@@ -187,7 +184,7 @@ def model_sources(model: str, needed: set[str]) -> dict[str, Path]:
 
 
 def run_variant(path: Path, variant: Variant, text_windows, prompts, args) -> tuple[Scores, dict[str, int]]:
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.llm_engine import LLM
 
     longest = max(max(map(len, text_windows)) + 1, args.prompt_tokens + args.new_tokens)  # +1: the sampled token
     llm = LLM(str(path), progress=False, dtype=variant.dtype, quantization=variant.quantization,
@@ -226,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from kubellm.runtime.models.loader import read_checkpoint
-    from kubellm.runtime.tokenizer import Tokenizer
+    from kubellm.runtime.text.tokenizer import Tokenizer
 
     sources = model_sources(args.model, {VARIANTS[v].source for v in args.variants})
     tokenizer = Tokenizer.from_checkpoint(read_checkpoint(next(iter(sources.values()))))

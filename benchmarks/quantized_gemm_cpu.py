@@ -50,9 +50,8 @@ from kubellm.kernels import cpu_fp8_gemm as f8
 from kubellm.kernels import cpu_grouped_int8_gemm as g8
 from kubellm.kernels import cpu_int4_gemm as k4
 from kubellm.kernels import cpu_int8_gemm as k8
-from kubellm.runtime import host_malloc
+from kubellm.runtime.engine import host_malloc  # q/o, k/v, qkv, up, gate_up, down, the tied LM head
 
-# q/o, k/v, qkv, up, gate_up, down, the tied LM head
 SHAPES = ((576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576))
 # Qwen3-0.6B: qkv, o, gate_up, down (its 151936-row LM head is left out: minutes per cell at 256 rows)
 QWEN3_0_6B_SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))
@@ -130,7 +129,7 @@ def dequantizing_for(n: int, k: int) -> list:
     """What 4-bit (group 32, zero points) and 8-bit (group 32, symmetric: Q8_0) layers ran on CPUs without the
     native kernels: QuantizedLinear's ``dequantize`` path (the float32 weight rebuilt on every call)."""
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.prequantized import QuantizedWeight
+    from kubellm.runtime.quantization.prequantized import QuantizedWeight
 
     scales = torch.rand(n, k // 32) * 0.01
     int4 = QuantizedWeight(torch.randint(0, 16, (n, k)), scales, torch.randint(0, 16, (n, k // 32)).float(), 32)

@@ -45,10 +45,7 @@ from pathlib import Path
 
 import httpx
 
-# This folder, explicitly: the scripts run in Python's safe-path mode too (PYTHONSAFEPATH, which keeps a
-# checkout's operator/ from shadowing the standard library), and that mode leaves a script's folder off sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload_args import check_systems_and_workload  # noqa: E402
+from workload_args import check_systems_and_workload
 
 SYSTEMS = ("kubellm", "transformers", "vllm")
 WARMUP_REQUESTS, WARMUP_INPUT, WARMUP_OUTPUT = 2, 16, 4
@@ -285,7 +282,7 @@ def _base_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _kv_bytes(args: argparse.Namespace) -> int:
-    from kubellm.runtime.config import parse_size
+    from kubellm.runtime.engine.config import parse_size
 
     return parse_size(args.kv_cache_memory)
 
@@ -956,8 +953,7 @@ def prepare_model(model: str | None, dtype: str) -> Path:
         return path.resolve()
     import torch
 
-    from kubellm.runtime import model_store
-
+    from kubellm.runtime.models import store as model_store
     return model_store.cached_hf_export("smollm2", getattr(torch, dtype))
 
 
@@ -966,7 +962,6 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("PYTHONSAFEPATH", "1")  # for the servers and probes started below (see the top)
     args = parse_args(argv)
     atexit.register(_stop_all)
     signal.signal(signal.SIGTERM, _on_sigterm)

@@ -97,7 +97,7 @@ def random_draft(target: Path, dest: Path, layers: int, seed: int = 0) -> Path:
 
 
 def timed(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     outs, elapsed = [], 0.0
     for p in prompts:  # batch 1: one request at a time
@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import tempfile
 
-    from kubellm.runtime import model_store
-    from kubellm.runtime.config import parse_dtype
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.config import parse_dtype
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.models import store as model_store
 
     if args.threads:
         torch.set_num_threads(args.threads)

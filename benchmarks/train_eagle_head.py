@@ -88,7 +88,7 @@ class Head(nn.Module):
 
 def generate(llm, conversations: list[list[dict]], max_tokens: int, seed: int = 0) -> list[list[int]]:
     """Prompt + answer token ids, the even conversations answered greedily, the odd ones sampled at 0.7."""
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     sampled = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=max_tokens)
@@ -101,7 +101,7 @@ def features(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
     """The served model's final hidden states (after its last norm) at every position, [T, hidden] in the
     serving dtype: each sequence prefilled whole by kubellm itself (prefix caching off), its step's hidden states
     kept, exactly the features a served EAGLE head reads."""
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     engine = llm.engine
     engine.runner.keep_hidden = True
@@ -258,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     if (repo / ".git").exists() and args.out.resolve().is_relative_to(repo):
         p.error("--out must be outside the repository")
 
-    from kubellm.runtime import model_store
-    from kubellm.runtime.config import parse_dtype
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.config import parse_dtype
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.models import store as model_store
 
     torch.set_num_threads(args.threads)
     folder = Path(args.model).expanduser()

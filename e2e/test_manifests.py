@@ -61,7 +61,7 @@ def test_autoscaled_deployment_scales_a_cpu_model_on_queue_depth():
 
 
 def test_baked_model_path_is_where_the_image_keeps_the_demo_model():
-    from kubellm.runtime import model_store  # imports torch: only here
+    from kubellm.runtime.models import store as model_store  # imports torch: only here
 
     dockerfile = (ROOT / "Dockerfile").read_text()
     cache = "/opt/kubellm/cache"
@@ -124,8 +124,8 @@ def test_multinode_split_divides_the_demo_models_heads():
     import pytest
     from gguf import GGUFReader
 
-    from kubellm.runtime import model_store
-    from kubellm.runtime.tp_group import check_divisible
+    from kubellm.runtime.distributed.tp_group import check_divisible
+    from kubellm.runtime.models import store as model_store
 
     path = model_store.model_path("smollm2")
     if not path.exists():

@@ -76,7 +76,7 @@ def sources() -> list[Path]:
 
 
 def _cache_root() -> Path:
-    # Same rule as kubellm.runtime.model_store.cache_root (kept local: kernels do not import the runtime).
+    # Same rule as kubellm.runtime.models.store.cache_root (kept local: kernels do not import the runtime).
     if env := os.environ.get("KUBELLM_CACHE"):
         return Path(env).expanduser()
     return Path.home() / ".cache" / "kubellm"

@@ -4,7 +4,7 @@ scales and zero points per group, with ``w = (values - zeros) * scales``. Pure t
 :func:`unpack` takes one tensor's raw bytes as a GGUF file stores them, ``[N, K / block * block_bytes]``
 uint8 (``GGUFReader``'s ``tensor.data`` for a quantized type, a row per output channel), and returns a
 :class:`BlockForm`: ``values`` ``[N, K]``, ``scales`` and ``zeros`` ``[N, K / group]`` float32 (the
-orientation of ``runtime/prequantized.py``'s ``QuantizedWeight``; the CPU kernels want them transposed to
+orientation of ``runtime/quantization/prequantized.py``'s ``QuantizedWeight``; the CPU kernels want them transposed to
 ``[K / group, N]``), and which kernel takes it:
 
 =====  ===========================================  ======  =====  ==============================================

@@ -5,7 +5,7 @@ compressed-tensors W4A16/W8A16, GGUF's 4/8-bit forms).
 Math: ``y = x @ ((q - z) * s).T (+ bias)`` where, for output ``n`` and input ``k`` of group ``g(k)``,
 ``q[n, k]`` is an unsigned ``BITS``-bit value, ``z = zeros[g, n]`` and ``s = scales[g, n]``.
 
-Layouts (what :func:`pack` writes from a ``QuantizedWeight`` of runtime/prequantized.py):
+Layouts (what :func:`pack` writes from a ``QuantizedWeight`` of runtime/quantization/prequantized.py):
 
 * ``packed`` int32 ``[K * BITS / 32, N]``: word ``[j, n]`` holds inputs ``k = j * P .. j * P + P - 1`` of output
   ``n`` (``P = 32 / BITS`` values per word), input ``j * P + i`` in bits ``i * BITS .. i * BITS + BITS - 1``
@@ -18,7 +18,7 @@ Layouts (what :func:`pack` writes from a ``QuantizedWeight`` of runtime/prequant
   :func:`pack` sorts the inputs by their group (``g_idx``) once, so groups are contiguous in ``packed``;
   :func:`grouped_gemm` then reads ``x[:, perm]`` (the same permutation on both sides: the sum is unchanged).
 
-Entry point, for the loader through runtime/kernel_choice.py (``grouped_int4_gemm`` / ``grouped_int8_gemm`` =
+Entry point, for the loader through runtime/layers/kernel_choice.py (``grouped_int4_gemm`` / ``grouped_int8_gemm`` =
 ``triton``)::
 
     w = pack(quantized_weight, bits)              # once, at load
@@ -92,7 +92,7 @@ def packable(bits: int, out_features: int, in_features: int, group_size: int) ->
 
 
 def pack(weight, bits: int) -> GroupedWeight:
-    """A ``QuantizedWeight`` (runtime/prequantized.py: ``values`` ``[N, K]``, ``scales``/``zeros``
+    """A ``QuantizedWeight`` (runtime/quantization/prequantized.py: ``values`` ``[N, K]``, ``scales``/``zeros``
     ``[N, groups]``, ``group_size``, ``g_idx``; or a GGUF ``BlockForm``, which has no ``g_idx``) in this
     kernel's layout. Values may be unsigned (0..2^bits-1) or signed (-2^(bits-1)..2^(bits-1)-1, stored offset
     by 2^(bits-1), zeros too). Act-order ``g_idx`` is sorted into contiguous groups (``perm``); it must give

@@ -41,8 +41,8 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from kubellm.runtime import engine_settings
-from kubellm.runtime.engine_settings import ENGINE_SETTINGS, EngineSetting, setting
+from kubellm.runtime.engine import settings as engine_settings
+from kubellm.runtime.engine.settings import ENGINE_SETTINGS, EngineSetting, setting
 
 # --------------------------------------------------------------------------------------------------
 # Identity of the API

@@ -62,7 +62,7 @@ import yaml
 from pydantic import ValidationError
 
 from kubellm.operator import activation, alerts, api, crd, multinode, rollout_guard
-from kubellm.runtime import engine_settings
+from kubellm.runtime.engine import settings as engine_settings
 
 
 class InvalidSpec(ValueError):

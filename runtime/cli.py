@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from kubellm.runtime import engine_settings
+from kubellm.runtime.engine import settings as engine_settings
 
 DEMO_QUESTION = "What is the capital of France?"
 ATTENTION_BACKENDS = engine_settings.ATTENTION_BACKENDS
@@ -57,8 +57,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.sampling.params import SamplingParams
 
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -81,7 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kubellm.runtime.config import EngineConfig
+    from kubellm.runtime.engine.config import EngineConfig
     from kubellm.runtime.server.app import ServerOptions
     from kubellm.runtime.server.auth import api_keys_from
     from kubellm.runtime.server.main import run_server
@@ -93,8 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             tool_call_parser=args.tool_call_parser)
     config = EngineConfig(model=args.model, **engine_kwargs(args))
     if config.node_rank > 0:  # a worker node of a multi-node group: its ranks only, no server
-        from kubellm.runtime import parallel
-
+        from kubellm.runtime.distributed import parallel
         try:
             return parallel.run_node(config)
         except Exception as e:  # noqa: BLE001 - rank 0 gone or unreachable: one line, then the pod restarts
@@ -111,8 +110,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import threading
     import urllib.request
 
-    from kubellm.runtime import model_store
-    from kubellm.runtime.config import EngineConfig
+    from kubellm.runtime.engine.config import EngineConfig
+    from kubellm.runtime.models import store as model_store
     from kubellm.runtime.server.app import ServerOptions
     from kubellm.runtime.server.main import run_server
 
@@ -149,8 +148,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from kubellm.runtime import model_store
-
+    from kubellm.runtime.models import store as model_store
     if args.models_cmd == "pull":
         path = model_store.pull(args.name)
         print(path)
@@ -160,7 +158,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         for name, cached in model_store.list_models():
             print(f"{name}\t{'cached' if cached else 'not pulled'}")
     elif args.models_cmd == "export":
-        from kubellm.runtime.config import parse_dtype
+        from kubellm.runtime.engine.config import parse_dtype
 
         print(model_store.export_hf(args.name, args.out, dtype=parse_dtype(args.dtype)))
     return 0
@@ -192,8 +190,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from kubellm.runtime import kernel_choice
-
+    from kubellm.runtime.layers import kernel_choice
     ok = cpu_extension.available()
     info = cpu_extension.build_info()
     print(f"native CPU kernels: {'loaded' if ok else 'unavailable'}")
@@ -444,9 +441,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Safe-path mode for every Python process this command starts (pip, kernel builds, tensor-parallel ranks):
-    # the working directory stays off their sys.path, so a checkout's operator/ cannot shadow the stdlib's.
-    os.environ.setdefault("PYTHONSAFEPATH", "1")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["render"]:  # the renderer owns its flags (-f, -n, ...)
         setup_logging()

@@ -23,10 +23,6 @@ from kubellm.kernels import (
     cpu_moe,
 )
 
-# Safe-path mode for every Python process a test starts, as `make test` exports it: the working directory
-# (the repository root, with its operator/ folder) never goes on a child's sys.path.
-os.environ.setdefault("PYTHONSAFEPATH", "1")
-
 # Triton kernels run on CPU tensors through Triton's interpreter; @triton.jit reads this when a kernel module
 # is imported, so it must be set before any test imports one. With a GPU the kernels run compiled.
 if not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""CPU stand-ins for CUDA graph capture (runtime/cuda_graphs.py's injectable primitive), for tests that put one in
+"""CPU stand-ins for CUDA graph capture (runtime/engine/cuda_graphs.py's injectable primitive), for tests that put one in
 ``cuda_graphs.CAPTURE_PRIMITIVES["cpu"]``."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import httpx
 
-from kubellm.runtime.config import EngineConfig
+from kubellm.runtime.engine.config import EngineConfig
 from kubellm.runtime.server.app import ServerOptions
 from kubellm.runtime.server.main import run_server
 

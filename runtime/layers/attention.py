@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kubellm.runtime import kernel_choice
+from kubellm.runtime.layers import kernel_choice
 
 
 @dataclass
@@ -193,7 +193,7 @@ class TritonAttentionBackend(KernelAttentionBackend):
 
 
 def attention_backend(kind: str, num_heads: int, num_kv_heads: int, head_dim: int) -> TorchAttentionBackend:
-    """The backend of a decided kind (:mod:`kubellm.runtime.kernel_choice` decides): cpu, triton or torch."""
+    """The backend of a decided kind (:mod:`kubellm.runtime.layers.kernel_choice` decides): cpu, triton or torch."""
     backends = {"cpu": NativeCpuAttentionBackend, "triton": TritonAttentionBackend, "torch": TorchAttentionBackend}
     return backends[kind](num_heads, num_kv_heads, head_dim)
 
@@ -201,7 +201,7 @@ def attention_backend(kind: str, num_heads: int, num_kv_heads: int, head_dim: in
 def make_backend(kind: str, device: str, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, block_size: int = 16) -> TorchAttentionBackend:
     """The backend ``--attention-backend kind`` gives a model of this shape on ``device`` (tests, tools): ``auto``
-    as :mod:`kubellm.runtime.kernel_choice` rules it; an explicit kind that cannot run is a ValueError."""
+    as :mod:`kubellm.runtime.layers.kernel_choice` rules it; an explicit kind that cannot run is a ValueError."""
     settings = kernel_choice.KernelSettings(attention=kind, layer_ops="torch", prepack="off")
     target = kernel_choice.Target(device, dtype, num_heads, num_kv_heads, head_dim, block_size)
     kind = kernel_choice.choose(settings, target, kernel_choice.probe(settings, target)).attention

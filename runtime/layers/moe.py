@@ -26,12 +26,12 @@ import torch
 from torch import nn
 
 from kubellm.kernels import cpu_layer_ops, cpu_moe
+from kubellm.runtime.distributed.tp_group import Group
 from kubellm.runtime.layers.linear import NativeLinear
 from kubellm.runtime.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaMLP
-from kubellm.runtime.tp_group import Group
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

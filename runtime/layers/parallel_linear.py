@@ -20,7 +20,7 @@ Every loader checks shapes and raises :class:`CheckpointError` with the checkpoi
 the model's loader adds the tensor's name.
 
 Checkpoints quantized elsewhere shard by the same rules through ``quantized_loader(weight, bias, shard_id)``:
-runtime/models/quantized_loading.py reads each stored part (AWQ, GPTQ, compressed-tensors, FP8, GGUF blocks)
+runtime/quantization/loading.py reads each stored part (AWQ, GPTQ, compressed-tensors, FP8, GGUF blocks)
 into a :class:`QuantizedWeight` (values ``[out, in]`` unpacked, scales per group) and the layer that the
 quantized layer replaces returns this rank's part of it. Slicing the unpacked form makes every packing (AWQ's
 eight nibbles per word along the outputs, GPTQ's and compressed-tensors' along the inputs, GGUF's blocks)
@@ -33,9 +33,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kubellm.runtime.distributed.tp_group import Group
 from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.prequantized import QuantizedWeight
-from kubellm.runtime.tp_group import Group
+from kubellm.runtime.quantization.prequantized import QuantizedWeight
 
 ShardId = int | str | None
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kubellm.runtime.distributed.tp_group import Group
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.layers.vocab_parallel import vocab_parallel_lookup
-from kubellm.runtime.tp_group import Group
 
 
 class QuantizedEmbedding(nn.Module):

@@ -1,6 +1,6 @@
 """A linear layer that computes from weights quantized elsewhere (AWQ, GPTQ, compressed-tensors, FP8, GGUF).
 
-It takes the one form every reader returns (``runtime/prequantized.py``'s :class:`QuantizedWeight`:
+It takes the one form every reader returns (``runtime/quantization/prequantized.py``'s :class:`QuantizedWeight`:
 values ``[out, in]``, scales and zero points per (output, group of inputs), an optional input → group map)
 and keeps it in what its GEMM reads, chosen per layer (``KernelChoice.grouped_path``):
 
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from kubellm.kernels import cpu_fp8_gemm, cpu_grouped_int8_gemm, cpu_int4_gemm, int4_weights
-from kubellm.runtime.prequantized import QuantizedWeight
+from kubellm.runtime.quantization.prequantized import QuantizedWeight
 
 PATHS = ("native", "triton", "dequantize")
 # AVX2 builds quantize a 4-bit layer's activations to int8 only for steps of at most this many rows (decode):

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kubellm.runtime.distributed.tp_group import Group
 from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.prequantized import QuantizedWeight
-from kubellm.runtime.tp_group import Group
+from kubellm.runtime.quantization.prequantized import QuantizedWeight
 
 PAD = 64  # rows per rank are a multiple of this, so every rank's GEMM has whole 64-row tiles
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kubellm.runtime.distributed.tp_group import Group
 from kubellm.runtime.layers.attention import Attention, AttentionMetadata, LayerOptions
 from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from kubellm.runtime.tp_group import Group
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

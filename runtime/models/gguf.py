@@ -14,7 +14,7 @@ the runtime never needs to know which format a model came in:
 (``kernels/gguf_blocks.BlockForm``, q/k rows unpermuted) when every one of them is Q8_0, Q4_0, Q4_1, Q4_K, Q5_K
 or Q6_K, a mixture of experts' stacked experts included (each expert's slice of the blocks becomes its own
 BlockForm, as ``tensors()`` splits them), and the token embedding too when it is of one of those types
-(``Checkpoint.packed_embedding``); the loader (runtime/models/quantized_loading.py) keeps them packed. Routers
+(``Checkpoint.packed_embedding``); the loader (runtime/quantization/loading.py) keeps them packed. Routers
 (``ffn_gate_inp``) are served in the model dtype: one stored in a quantized type (Q8_0...) is dequantized by gguf's
 own block math like any other tensor read whole, and a log line says how many were.
 """

@@ -18,6 +18,7 @@ from torch import nn
 
 from kubellm.kernels import cpu_decode_layer, cpu_layer_ops
 from kubellm.kernels.cpu_decode_layer import decode_layer_, decode_layer_q_
+from kubellm.runtime.distributed.tp_group import Group
 from kubellm.runtime.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -37,8 +38,7 @@ from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
-from kubellm.runtime.quantization import Int8Linear
-from kubellm.runtime.tp_group import Group
+from kubellm.runtime.quantization.weight_only import Int8Linear
 
 
 class RMSNorm(nn.Module):

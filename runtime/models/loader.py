@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kubellm.runtime.kernel_choice import KernelChoice
+from kubellm.runtime.distributed.tp_group import Group
+from kubellm.runtime.layers.kernel_choice import KernelChoice
 from kubellm.runtime.layers.rotary import RotaryEmbedding
-from kubellm.runtime.models import quantized_loading
 from kubellm.runtime.models.checkpoint import Checkpoint, CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM
 from kubellm.runtime.models.registry import model_class
-from kubellm.runtime.tp_group import Group
+from kubellm.runtime.quantization import loading as quantized_loading
 
 log = logging.getLogger("kubellm.loader")
 

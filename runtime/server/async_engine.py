@@ -15,8 +15,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from kubellm.runtime.engine import EngineStats, LLMEngine, RequestOutput
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from kubellm.runtime.sampling.params import SamplingParams
 
 log = logging.getLogger("kubellm.server.engine")
 

@@ -12,7 +12,7 @@ import time
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.sampling.params import SamplingParams
 from kubellm.runtime.server.metrics import CONTENT_TYPE
 from kubellm.runtime.server.protocol import new_id
 from kubellm.runtime.server.state import ServerState

@@ -7,7 +7,7 @@ vLLM writes it.
 
 from __future__ import annotations
 
-from kubellm.runtime.sampler import TokenLogprobs
+from kubellm.runtime.sampling.sampler import TokenLogprobs
 
 FLOOR = -9999.0
 

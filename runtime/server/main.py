@@ -18,8 +18,8 @@ import time
 
 import uvicorn
 
-from kubellm.runtime.config import EngineConfig
-from kubellm.runtime.engine import LLMEngine
+from kubellm.runtime.engine.config import EngineConfig
+from kubellm.runtime.engine.llm_engine import LLMEngine
 from kubellm.runtime.server.admin import ADMIN_HOST, DEFAULT_ADMIN_PORT, bind_admin_socket, build_admin_app
 from kubellm.runtime.server.app import build_app
 from kubellm.runtime.server.async_engine import AsyncEngine

@@ -17,9 +17,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from kubellm.runtime.engine import RequestOutput
-from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
-from kubellm.runtime.scheduler import RequestTooLong
+from kubellm.runtime.engine.llm_engine import RequestOutput
+from kubellm.runtime.engine.scheduler import RequestTooLong
+from kubellm.runtime.sampling.params import InvalidSamplingParams, SamplingParams
+from kubellm.runtime.sampling.structured_output import InvalidGuidedDecoding
 from kubellm.runtime.server.async_engine import EngineDead
 from kubellm.runtime.server.auth import require_api_key
 from kubellm.runtime.server.errors import APIError, bad_request, overloaded
@@ -36,7 +37,8 @@ from kubellm.runtime.server.protocol import (
 )
 from kubellm.runtime.server.request_body import parse_json_object, read_body
 from kubellm.runtime.server.state import ServerState
-from kubellm.runtime.server.tools import (
+from kubellm.runtime.text.tokenizer import ChatTemplateError
+from kubellm.runtime.text.tool_calls import (
     ToolCallingUnavailable,
     ToolCallStream,
     choose_parser,
@@ -45,8 +47,6 @@ from kubellm.runtime.server.tools import (
     required_grammar,
     template_messages,
 )
-from kubellm.runtime.structured_output import InvalidGuidedDecoding
-from kubellm.runtime.tokenizer import ChatTemplateError
 
 
 def openai_router(state: ServerState) -> APIRouter:

@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from kubellm.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
-from kubellm.runtime.structured_output import GuidedDecoding
-from kubellm.runtime.tokenizer import TEMPLATE_VARIABLES
+from kubellm.runtime.sampling.params import MAX_LOGPROBS, SamplingParams
+from kubellm.runtime.sampling.structured_output import GuidedDecoding
+from kubellm.runtime.text.tokenizer import TEMPLATE_VARIABLES
 
 MAX_N = 16
 MAX_MESSAGES = 4096  # per chat request; more is a bug or an attack, not a conversation

@@ -16,7 +16,7 @@ if str(BENCHMARKS) not in sys.path:
 
 import cpu_targets  # noqa: E402
 
-from kubellm.runtime.engine import LLM  # noqa: E402
+from kubellm.runtime.engine.llm_engine import LLM  # noqa: E402
 
 
 # Untied and tied embeddings; in bfloat16 a tied embedding packed with the native LM head has no weight left.

@@ -203,8 +203,7 @@ def test_on_cpu_the_graphs_section_compares_eager_with_eager_and_says_so(tmp_pat
 def test_where_the_device_captures_graphs_a_run_that_fell_back_fails(capture, passed, expect, tmp_path, monkeypatch):
     """CPU with a stand-in capture plays the GPU: graphs captured pass (and replay the eager tokens); a start-up
     check that falls back fails the kit with the engine's reason."""
-    from kubellm.runtime import cuda_graphs
-
+    from kubellm.runtime.engine import cuda_graphs
     monkeypatch.setitem(cuda_graphs.CAPTURE_PRIMITIVES, "cpu", capture)
     assert gpu_check.main(GRAPHS_ONLY + ["--out", str(tmp_path)]) == (0 if passed else 1)
     text = _report(tmp_path)
@@ -316,8 +315,7 @@ def _phase_table(section: str, batch: int) -> tuple[dict[str, tuple[float, float
 def test_the_profile_part_reports_every_phase_and_its_shares_add_up(tmp_path, monkeypatch):
     """On CPU with the stand-in capture (graph replays as on a GPU): per batch a phase table whose host phases tile
     the wall time, the GPU column n/a, the replay count, the reading line, and the profiler's op table."""
-    from kubellm.runtime import cuda_graphs, step_timer
-
+    from kubellm.runtime.engine import cuda_graphs, step_timer
     monkeypatch.setitem(cuda_graphs.CAPTURE_PRIMITIVES, "cpu", RecordingCapture)
     assert gpu_check.main(PROFILE_ONLY + ["--out", str(tmp_path)]) == 0
     text = _report(tmp_path)
@@ -344,7 +342,7 @@ def test_the_profile_reading_says_host_bound_from_the_gpu_time():
     """The CUDA reading, from records as a GPU run makes them: 3 ms steps with 1 ms on the GPU are host-bound."""
     import gpu_check_profile
 
-    from kubellm.runtime.step_timer import PHASES, StepRecord
+    from kubellm.runtime.engine.step_timer import PHASES, StepRecord
 
     def record(wall_ms: float, gpu_ms: float) -> StepRecord:
         phases = dict.fromkeys(PHASES, 0)
@@ -361,9 +359,9 @@ def test_the_profile_reading_says_host_bound_from_the_gpu_time():
 
 def test_without_a_timer_the_engine_keeps_no_records_and_with_one_every_step_is_tiled(tmp_path):
     """The hook is off by default (runner.step_timer None); attached, each step's phases add up to its wall time."""
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.sampling_params import SamplingParams
-    from kubellm.runtime.step_timer import StepTimer
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.engine.step_timer import StepTimer
+    from kubellm.runtime.sampling.params import SamplingParams
 
     llama = engine.random_llama(tmp_path / "llama", tiny=True)
     with LLM(str(llama), progress=False, device="cpu", dtype="float32", kv_cache_memory="64MiB", max_model_len=64,

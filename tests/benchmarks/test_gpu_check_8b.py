@@ -51,8 +51,8 @@ def test_engine_and_peer_decode_the_same_tokens_from_the_same_weights(folder):
     """float32 on CPU: kubellm's greedy tokens equal transformers' through the static cache and the compiled step
     (Dynamo full graph, eager backend). The vocabulary (1000) is larger than the tokenizer's (512), as on the
     device: sampled ids past the tokenizer must not break the engine."""
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.sampling.params import SamplingParams
 
     prompts, new = g8._prompts(2, 8, g8.TINY["vocab_size"], 3), 6
     with g8.in_memory_weights(folder, "cpu", torch.float32), LLM(

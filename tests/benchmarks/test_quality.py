@@ -18,7 +18,7 @@ if str(BENCHMARKS) not in sys.path:
 
 import quality  # noqa: E402
 
-from kubellm.runtime.engine import LLM  # noqa: E402
+from kubellm.runtime.engine.llm_engine import LLM  # noqa: E402
 from tiny_checkpoints import load_hf_model  # noqa: E402
 
 

@@ -17,8 +17,8 @@ if str(BENCHMARKS) not in sys.path:
 
 import train_eagle_head as distillation  # noqa: E402
 
-from kubellm.runtime.engine import LLM  # noqa: E402
-from kubellm.runtime.sampling_params import SamplingParams  # noqa: E402
+from kubellm.runtime.engine.llm_engine import LLM  # noqa: E402
+from kubellm.runtime.sampling.params import SamplingParams  # noqa: E402
 
 ARGS = dict(progress=False, dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=256,
             max_num_seqs=4, num_kv_blocks=200)

@@ -1,5 +1,5 @@
 """kernels/triton_grouped_gemm.py (the CUDA GEMM of pre-quantized 4/8-bit checkpoints) through Triton's
-interpreter on tiny shapes: the kernel against ``x @ QuantizedWeight.dequantize().T`` (runtime/prequantized.py,
+interpreter on tiny shapes: the kernel against ``x @ QuantizedWeight.dequantize().T`` (runtime/quantization/prequantized.py,
 independent of the packing), over 4 and 8 bits, groups 32/64/128 and per channel, asymmetric and symmetric
 zero points, act-order ``g_idx``, bias, partial row/column tiles and strided rows; GPTQ's qweight words and
 every GGUF block type's form multiply as their readers say; the packed words pinned; a wrong nibble order or
@@ -21,7 +21,7 @@ from test_gguf_blocks import _random_blocks
 
 from kubellm.kernels import gguf_blocks, triton_check
 from kubellm.kernels import triton_grouped_gemm as tg
-from kubellm.runtime.prequantized import QuantizedWeight
+from kubellm.runtime.quantization.prequantized import QuantizedWeight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 2**-7}}
@@ -225,7 +225,7 @@ def test_the_packed_words_hold_consecutive_inputs_low_bits_first():
 def test_a_gptq_checkpoints_qweight_words_are_the_packed_words_and_multiply_as_read(bits):
     """GPTQ v1 words read by runtime/prequantized.read_gptq (zeros stored minus one) pack back to the very same
     int32 words, and the kernel on them equals the reader's dequantized weight."""
-    from kubellm.runtime.prequantized import read_gptq
+    from kubellm.runtime.quantization.prequantized import read_gptq
 
     gen = torch.Generator().manual_seed(bits)
     k, n, group = 128, 32, 32

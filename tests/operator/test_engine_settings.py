@@ -1,4 +1,4 @@
-"""The engine settings' table (runtime/engine_settings.py) and the four places that derive from it agree: the
+"""The engine settings' table (runtime/engine/settings.py) and the four places that derive from it agree: the
 ``kubellm`` CLI, EngineConfig, the LLMDeployment CRD and the operator's rendered ``kubellm serve`` arguments."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 from pydantic.alias_generators import to_camel
 
 from kubellm.operator import crd, render
-from kubellm.runtime import engine_settings
 from kubellm.runtime.cli import build_parser, engine_kwargs
-from kubellm.runtime.config import EngineConfig
-from kubellm.runtime.engine_settings import ENGINE_SETTINGS, EngineSetting
+from kubellm.runtime.engine import settings as engine_settings
+from kubellm.runtime.engine.config import EngineConfig
+from kubellm.runtime.engine.settings import ENGINE_SETTINGS, EngineSetting
 
 CRD_SETTINGS = [s for s in ENGINE_SETTINGS if s.crd_field]
 
@@ -35,10 +35,10 @@ def _crd_node(setting: EngineSetting) -> dict[str, Any]:
 
 def test_the_table_imports_without_torch():
     code = (
-        "import sys, kubellm.runtime.engine_settings, kubellm.operator.api, kubellm.operator.render; "
+        "import sys, kubellm.runtime.engine.settings, kubellm.operator.api, kubellm.operator.render; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)  # safe-path mode (conftest): any cwd will do
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_names_flags_and_crd_fields_are_unique():

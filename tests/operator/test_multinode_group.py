@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from kubellm.operator import api, multinode, render
-from kubellm.runtime.engine import LLM
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.engine.llm_engine import LLM
+from kubellm.runtime.sampling.params import SamplingParams
 from server_harness import free_port, wait_ready
 
 IMAGE_MODEL = "/opt/models/tiny"  # where an image would hold it (render refuses /tmp, which the pod's emptyDir hides)

@@ -1212,7 +1212,7 @@ def test_group_commands_parse_and_configure_the_runtime_once_the_kubelet_expands
     """The kubelet expands $(VAR) from the variables the LWS controller injects: what each pod then runs is a
     valid multi-node EngineConfig with its own node rank."""
     from kubellm.runtime.cli import build_parser, engine_kwargs
-    from kubellm.runtime.config import EngineConfig
+    from kubellm.runtime.engine.config import EngineConfig
 
     ld = make(merged(HARDWARE["nodes4"], {"model": {"uri": "smollm2"}}))
     lws = render.render_workload(ld)

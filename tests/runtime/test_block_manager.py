@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import kubellm.runtime.block_manager as block_manager_mod
-from kubellm.runtime.block_manager import BlockManager, block_hash
-from kubellm.runtime.sampling_params import SamplingParams
-from kubellm.runtime.sequence import Sequence
+import kubellm.runtime.engine.block_manager as block_manager_mod
+from kubellm.runtime.engine.block_manager import BlockManager, block_hash
+from kubellm.runtime.engine.sequence import Sequence
+from kubellm.runtime.sampling.params import SamplingParams
 
 
 def make_seq(tokens: list[int]) -> Sequence:

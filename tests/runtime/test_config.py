@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kubellm.runtime.config import available_memory_bytes, cgroup_memory_headroom, parse_size
+from kubellm.runtime.engine.config import available_memory_bytes, cgroup_memory_headroom, parse_size
 
 
 def write(root, name, text):

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (runtime/cuda_graphs.py), everything but the capture itself, on CPU.
+"""CUDA graphs for decode steps (runtime/engine/cuda_graphs.py), everything but the capture itself, on CPU.
 
 The capture primitive is swapped for tests/cuda_graph_stand_ins.py's ``RecordingCapture``, which "captures" by
 recording the callable and "replays" by calling it again on the persistent buffers, writing the output tensor it
@@ -14,13 +14,13 @@ import pytest
 import torch
 from cuda_graph_stand_ins import RaisingCapture, RecordingCapture, StaleCapture
 
-from kubellm.runtime import cuda_graphs
 from kubellm.runtime.cli import build_parser, engine_kwargs
-from kubellm.runtime.config import EngineConfig
-from kubellm.runtime.engine import LLM
+from kubellm.runtime.distributed.tp_group import Group
+from kubellm.runtime.engine import cuda_graphs
+from kubellm.runtime.engine.config import EngineConfig
+from kubellm.runtime.engine.llm_engine import LLM
 from kubellm.runtime.layers.moe import FusedMoE
-from kubellm.runtime.sampling_params import SamplingParams
-from kubellm.runtime.tp_group import Group
+from kubellm.runtime.sampling.params import SamplingParams
 
 NUM_BLOCKS, BLOCK_SIZE = 96, 4
 PROMPTS = ["the cat sat on the mat", "a", "one two three four five six seven eight nine ten", "hello there",

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from kubellm.runtime.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["the", "a", "model", "token", "stream", "answer", "quickly", "over", "under", "river"]

@@ -10,14 +10,14 @@ import pytest
 import torch
 from speculation_checks import CHI2_999, CYCLE, CYCLE_PROMPT, chi2, cycle_checkpoint, run_lengths
 
-from kubellm.runtime import speculative
-from kubellm.runtime.config import EngineConfig
-from kubellm.runtime.draft_model import DraftVocabularyMismatch
-from kubellm.runtime.engine import LLM
-from kubellm.runtime.sampler import Sampler
-from kubellm.runtime.sampling_params import SamplingParams
-from kubellm.runtime.sequence import Sequence
-from kubellm.runtime.speculative import rejection_sample, sampling_probs
+from kubellm.runtime.engine.config import EngineConfig
+from kubellm.runtime.engine.llm_engine import LLM
+from kubellm.runtime.engine.sequence import Sequence
+from kubellm.runtime.sampling.params import SamplingParams
+from kubellm.runtime.sampling.sampler import Sampler
+from kubellm.runtime.spec_decode import speculative
+from kubellm.runtime.spec_decode.draft_model import DraftVocabularyMismatch
+from kubellm.runtime.spec_decode.speculative import rejection_sample, sampling_probs
 
 
 @pytest.fixture(scope="module")

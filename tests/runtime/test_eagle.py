@@ -10,10 +10,10 @@ import torch
 from speculation_checks import CYCLE, CYCLE_PROMPT, cycle_checkpoint, eagle_head
 from test_draft_model import _largest_chi2_ratio
 
-from kubellm.runtime.config import EngineConfig
-from kubellm.runtime.eagle import EagleHeadError
-from kubellm.runtime.engine import LLM
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.engine.config import EngineConfig
+from kubellm.runtime.engine.llm_engine import LLM
+from kubellm.runtime.sampling.params import SamplingParams
+from kubellm.runtime.spec_decode.eagle import EagleHeadError
 
 
 @pytest.fixture(scope="module")

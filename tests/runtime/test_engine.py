@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kubellm.runtime.engine import LLM
-from kubellm.runtime.sampling_params import SamplingParams
-from kubellm.runtime.scheduler import RequestTooLong
+from kubellm.runtime.engine.llm_engine import LLM
+from kubellm.runtime.engine.scheduler import RequestTooLong
+from kubellm.runtime.sampling.params import SamplingParams
 
 PROMPT = "What is the capital of France?"
 

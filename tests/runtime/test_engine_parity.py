@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kubellm.kernels.cpu_decode_layer import decode_layer_
-from kubellm.runtime.engine import LLM
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.engine.llm_engine import LLM
+from kubellm.runtime.sampling.params import SamplingParams
 from tiny_checkpoints import hf_greedy, load_hf_model
 
 LOGIT_ATOL = 1e-4  # fp32; logits here are O(1-10)

@@ -16,8 +16,8 @@ from test_prequantized_loading import SHAPE, write_quantized
 from kubellm.kernels import cpu_decode_layer
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models import llama
-from kubellm.runtime.quantization import Int8Linear
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.quantization.weight_only import Int8Linear
+from kubellm.runtime.sampling.params import SamplingParams
 
 # int8 activations need VNNI, which every AVX512-BF16 CPU has (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("native_int4", "native_int4_int8", "native_bf16_gemm")

@@ -482,8 +482,8 @@ def test_qwen3_has_head_norms_a_wider_head_and_no_permutation(tmp_path, byte_tok
     with torch.no_grad():
         assert torch.equal(clone(ids).logits, model(ids).logits)
     # And kubellm serving the file generates what transformers generates from the original.
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.sampling.params import SamplingParams
 
     llm = LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=16, block_size=16, progress=False)
     out = llm.generate([list(range(3, 20))], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
@@ -537,8 +537,8 @@ def test_other_families_load_and_generate_what_transformers_generates(arch, tmp_
     """Phi-3 (fused projections, LongRoPE factors as tensors), Gemma 2/3 (norms stored as 1 + w, windows, caps)
     and Qwen3-MoE (stacked experts): every tensor comes back as the original, and kubellm's greedy output on
     the file equals transformers' on the original model."""
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.sampling.params import SamplingParams
 
     cls, overrides, kv, norm_offset, served = FAMILIES[arch]
     meta = byte_level_metadata(byte_tokenizer) | {"pre": "qwen2"}
@@ -575,7 +575,7 @@ def test_a_packed_file_keeps_its_q8_0_embedding_packed_and_a_tied_head_computes_
     """Linears in Q4_0/Q4_1 and the embedding in Q8_0: the loader keeps them all in their blocks (the embedding
     behind a QuantizedEmbedding, whose table is the LM head when tied) and the engine's greedy output equals
     transformers' on the same file's dequantized weights."""
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.llm_engine import LLM
     from kubellm.runtime.layers.quantized_embedding import QuantizedEmbedding
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 
@@ -602,7 +602,7 @@ def test_a_packed_file_keeps_its_q8_0_embedding_packed_and_a_tied_head_computes_
 
 def _greedy_equals_transformers(llm, reference) -> None:
     """Eight greedy tokens for two prompts equal transformers' ``reference`` model's; closes ``llm``."""
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     prompts = [list(range(3, 20)), list(range(40, 45))]
     try:
@@ -622,7 +622,7 @@ def _one_and_two_ranks_agree(path, prompts, params, max_model_len: int, inspect=
     ``inspect(llm, tp)`` looks at each engine before it generates. Returns each run's weight bytes by dtype."""
     from test_engine_parity import LogitRecorder
 
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.llm_engine import LLM
 
     runs = []
     for tp in (1, 2):
@@ -651,7 +651,7 @@ def test_tp2_keeps_a_packed_file_packed_and_generates_what_one_rank_generates(ti
     copy of them), the tied LM head is that packed slice, and greedy tokens equal one rank's with logits
     within float32 rounding. 320 tokens: each rank holds 192 rows, rank 1's last 64 are padding."""
     from kubellm.runtime.layers.quantized_embedding import QuantizedEmbedding
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     meta = byte_level_metadata(byte_tokenizer)
     model = tiny_model(tiny_config(len(meta["tokens"]), tie_word_embeddings=tied), seed=4)
@@ -732,7 +732,7 @@ def test_a_moe_file_keeps_its_experts_packed_and_generates_what_its_dequantized_
     blocks, every expert linear is a QuantizedLinear of the type's bits (the weight-bytes log holds each expert
     value once, 4-bit ones as half a byte, no float expert weight), routers stay float, and the engine's greedy
     output equals transformers' on the same file's dequantized weights."""
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.llm_engine import LLM
     from kubellm.runtime.layers.moe import FusedMoE
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 
@@ -772,7 +772,7 @@ def test_a_quantized_gguf_router_is_dequantized_at_load(case, router, tmp_path, 
     (the format's), the engine serves it float with a log line saying so, and its greedy output equals
     transformers' on the file's dequantized weights. The stored router is not the float one written (so a
     router taken from anywhere else would route differently)."""
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.llm_engine import LLM
     from kubellm.runtime.layers.moe import FusedMoE
 
     path = tmp_path / f"{case}.gguf"
@@ -844,9 +844,9 @@ def test_fused_8bit_gguf_experts_generate_what_the_dequantized_file_does(case, t
     """bfloat16 end to end: the packed file (8-bit or Q4_K_M-mixed experts on the fused quantized kernel) greedily
     generates the tokens of the same file dequantized on load (a bfloat16 folder: what such a file ran as before
     its experts stayed packed, on the bfloat16 MoE kernel)."""
-    from kubellm.runtime.engine import LLM
-    from kubellm.runtime.model_store import export_hf
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.engine.llm_engine import LLM
+    from kubellm.runtime.models.store import export_hf
+    from kubellm.runtime.sampling.params import SamplingParams
 
     path = tmp_path / f"{case}.gguf"
     write_packed_moe(path, case, byte_tokenizer)
@@ -869,7 +869,7 @@ def test_tp2_keeps_gguf_moe_experts_packed_and_generates_what_one_rank_generates
     """Qwen3-MoE with Q4_0 experts (intermediate 64: each rank's down keeps whole groups of 32) on two gloo ranks:
     every expert's gate/up column-parallel and down row-parallel in their blocks (half of one rank's 4-bit
     values each), greedy tokens equal to one rank's, logits within float32 rounding."""
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     path = tmp_path / "moe.gguf"
     write_packed_moe(path, "qwen3moe-q4_0", byte_tokenizer, moe_intermediate_size=64)
@@ -883,7 +883,7 @@ def test_tp2_runs_fused_8bit_gguf_experts_on_each_ranks_slices(tmp_path, byte_to
     """Mixtral with Q8_0 experts in bfloat16 on two gloo ranks: each rank stacks its shards (gate/up's 32 of the
     64 intermediate channels, down's inputs one whole group of 32) for the fused quantized kernel, and greedy
     tokens equal one rank's, logits within bfloat16 rounding of the two ranks' partial sums."""
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     path = tmp_path / "moe.gguf"
     _, experts = write_packed_moe(path, "mixtral-q8_0", byte_tokenizer, intermediate_size=64)
@@ -1067,7 +1067,7 @@ def test_unsupported_tokenizer_model(tmp_path, byte_tokenizer):
 
 
 def test_export_hf_folder_loads_in_transformers(exact, tmp_path):
-    from kubellm.runtime.model_store import export_hf
+    from kubellm.runtime.models.store import export_hf
 
     path, model, _ = exact
     out = export_hf(path, tmp_path / "hf", dtype=torch.float32)
@@ -1091,7 +1091,7 @@ def test_export_hf_folder_loads_in_transformers(exact, tmp_path):
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from kubellm.runtime.model_store import pull
+    from kubellm.runtime.models.store import pull
 
     return pull("smollm2", progress=False)  # $KUBELLM_CACHE or ~/.cache/kubellm: downloads once
 

@@ -1,4 +1,4 @@
-"""runtime/kernel_choice.py: one pure decision from (settings, target, what loaded) to the kernels; each setting
+"""runtime/layers/kernel_choice.py: one pure decision from (settings, target, what loaded) to the kernels; each setting
 chooses only what it names, and ``auto`` keeps the native CPU path together."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from kubellm.runtime.kernel_choice import KernelChoice, KernelSettings, Loaded, Target, choose
+from kubellm.runtime.layers.kernel_choice import KernelChoice, KernelSettings, Loaded, Target, choose
 
 AUTO = KernelSettings()
 CPU = Target("cpu", torch.float32, num_heads=4, num_kv_heads=2, head_dim=64)
@@ -75,7 +75,7 @@ def test_what_auto_picks_on_this_host_runs_here(dtype):
     picks pack and compute what nn.Linear computes, never a path the CPU cannot run."""
     from torch import nn
 
-    from kubellm.runtime.kernel_choice import decide
+    from kubellm.runtime.layers.kernel_choice import decide
     from kubellm.runtime.layers.linear import pack_linears
 
     choice = decide(AUTO, Target("cpu", dtype, num_heads=4, num_kv_heads=2, head_dim=64))
@@ -101,8 +101,7 @@ def test_layer_ops_auto_on_cuda_are_triton_when_their_check_passed_else_torch():
 
 
 def test_probe_checks_the_triton_layer_ops_where_a_setting_could_pick_them(monkeypatch):
-    from kubellm.runtime import kernel_choice
-
+    from kubellm.runtime.layers import kernel_choice
     asked = []
     monkeypatch.setattr(kernel_choice, "triton_attention_reason", lambda target: None)
     monkeypatch.setattr(kernel_choice, "triton_layer_ops_reason", lambda target: asked.append(target.device) or None)
@@ -115,8 +114,7 @@ def test_probe_checks_the_triton_layer_ops_where_a_setting_could_pick_them(monke
 def test_triton_layer_ops_on_cpu_are_refused_with_the_reason_unless_interpreted(monkeypatch):
     from triton import knobs
 
-    from kubellm.runtime import kernel_choice
-
+    from kubellm.runtime.layers import kernel_choice
     monkeypatch.setattr(knobs.runtime, "interpret", False)
     settings = KernelSettings(layer_ops="triton")
     with pytest.raises(ValueError, match=r"Triton layer ops cannot run here: Triton kernels need a CUDA device.*"
@@ -216,8 +214,7 @@ def test_fp8_gemm_is_native_for_bf16_on_cpu_where_it_loads_and_the_layer_packs()
 
 def test_probe_checks_the_grouped_kernels_for_bf16_and_float32_on_cpu_only(monkeypatch):
     from kubellm.kernels import cpu_fp8_gemm, cpu_grouped_int8_gemm, cpu_int4_gemm
-    from kubellm.runtime import kernel_choice
-
+    from kubellm.runtime.layers import kernel_choice
     monkeypatch.setattr(cpu_int4_gemm, "available", lambda: True)
     monkeypatch.setattr(cpu_int4_gemm, "int8_available", lambda: True)
     monkeypatch.setattr(cpu_int4_gemm, "takes_float32", lambda: False)
@@ -275,8 +272,7 @@ def test_pre_quantized_gemms_are_triton_on_cuda_where_their_checks_passed_and_th
 
 
 def test_probe_checks_the_pre_quantized_triton_gemms_on_cuda_for_those_methods_only(monkeypatch):
-    from kubellm.runtime import kernel_choice
-
+    from kubellm.runtime.layers import kernel_choice
     asked = []
     monkeypatch.setattr(kernel_choice, "triton_gemm_reason", lambda method, *a: asked.append(method) or None)
     monkeypatch.setattr(kernel_choice, "triton_attention_reason", lambda target: None)
@@ -295,15 +291,14 @@ def test_probe_checks_the_pre_quantized_triton_gemms_on_cuda_for_those_methods_o
 
 @pytest.mark.parametrize("method", ["grouped4", "grouped8", "fp8"])
 def test_the_pre_quantized_triton_checks_run_for_real_under_the_interpreter(method):
-    from kubellm.runtime import kernel_choice
-
+    from kubellm.runtime.layers import kernel_choice
     assert kernel_choice.triton_gemm_reason(method, "cpu", torch.float32) is None
 
 
 def test_the_engine_passes_its_choice_down(tiny_llama):
     """One decision reaches the runner's attention backend, the model's layer-op switches and its linears."""
     from kubellm.kernels import cpu_extension
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.llm_engine import LLM
     from kubellm.runtime.layers.linear import PackedLinear
 
     llm = LLM(str(tiny_llama), progress=False, dtype="float32", num_kv_blocks=16, max_model_len=64,
@@ -327,9 +322,9 @@ def test_the_engine_passes_its_choice_down(tiny_llama):
 def test_the_engine_gives_its_int4_layers_int8_activations_when_asked(tiny_llama, native_int4_int8):
     """--cpu-int4-activations int8 reaches every native 4-bit layer, and the engine decodes with them."""
     from kubellm.kernels import cpu_int4_gemm
-    from kubellm.runtime.engine import LLM
+    from kubellm.runtime.engine.llm_engine import LLM
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.sampling_params import SamplingParams
+    from kubellm.runtime.sampling.params import SamplingParams
 
     # AVX2 builds: int8 activations only, on float32 (what --dtype auto runs there)
     avx512 = cpu_int4_gemm.available()

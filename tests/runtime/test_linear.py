@@ -93,8 +93,8 @@ def test_native_linear_same_as_nn_linear_in_bfloat16(rows, bias):
 def test_native_packing_moves_a_tied_embedding_onto_the_packed_table():
     """The embedding's rows come from the LM head's packed weight and its own weight is gone (one copy of the
     table); an untied embedding keeps its weight."""
+    from kubellm.runtime.distributed.tp_group import Group
     from kubellm.runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
-    from kubellm.runtime.tp_group import Group
 
     torch.manual_seed(0)
     tied, untied = (nn.ModuleDict({"embed": VocabParallelEmbedding(100, 48, Group()),

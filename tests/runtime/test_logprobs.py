@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from kubellm.runtime.engine import LLM
-from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
+from kubellm.runtime.engine.llm_engine import LLM
+from kubellm.runtime.sampling.params import InvalidSamplingParams, SamplingParams
 from tiny_checkpoints import load_hf_model
 
 ATOL = 1e-4  # fp32, as the issue asks

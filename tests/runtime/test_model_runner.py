@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kubellm.runtime import host_malloc
-from kubellm.runtime.model_runner import zeroed_pool
+from kubellm.runtime.engine import host_malloc
+from kubellm.runtime.engine.model_runner import zeroed_pool
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -24,7 +24,7 @@ def test_zeroed_pool_is_zero_aligned_and_owns_its_memory(dtype, num_blocks):
 
 
 def test_to_device_lays_the_lists_in_one_buffer_as_16_byte_aligned_int64_views():
-    from kubellm.runtime.model_runner import to_device
+    from kubellm.runtime.engine.model_runner import to_device
 
     lists = [[5, 6, 7], [], [1], [2**40, -3]]
     out = to_device(lists, "cpu")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kubellm.runtime import model_store
-from kubellm.runtime.model_store import KNOWN_MODELS, KnownModel, ModelStoreError
+from kubellm.runtime.models import store as model_store
 from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.models.store import KNOWN_MODELS, KnownModel, ModelStoreError
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 

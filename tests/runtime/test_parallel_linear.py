@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from kubellm.runtime.distributed.tp_group import Group
 from kubellm.runtime.layers.parallel_linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -16,7 +17,6 @@ from kubellm.runtime.layers.parallel_linear import (
     replicated_loader,
 )
 from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.tp_group import Group
 
 HIDDEN = 12
 

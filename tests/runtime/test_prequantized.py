@@ -1,4 +1,4 @@
-"""Published quantized-checkpoint layouts (runtime/prequantized.py): each reader against an independent writer
+"""Published quantized-checkpoint layouts (runtime/quantization/prequantized.py): each reader against an independent writer
 of the same layout: compressed-tensors' own packer and compressor, and small writers here that follow the
 AWQ and GPTQ v1 layouts as their projects document them."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kubellm.runtime import prequantized as pq
 from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.quantization import prequantized as pq
 
 OUT, IN = 24, 256
 

@@ -1,4 +1,4 @@
-"""Serving checkpoints quantized elsewhere (runtime/models/quantized_loading.py, runtime/layers/quantized_linear.py).
+"""Serving checkpoints quantized elsewhere (runtime/quantization/loading.py, runtime/layers/quantized_linear.py).
 
 Each format's writer turns a tiny Llama / Qwen3 checkpoint into that format's published layout (AWQ and GPTQ v1
 by the small writers of test_prequantized.py, compressed-tensors by its own compressor, FP8 by hand), and a
@@ -19,12 +19,12 @@ from safetensors.torch import load_file, save_file
 from test_engine_parity import LogitRecorder, _engine, _prompts, _run_and_compare
 from test_prequantized import _pack_cols, _pack_rows, _quantize
 
-from kubellm.runtime import prequantized as pq
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear, contiguous_order
 from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.models.quantized_loading import fp8_weight
-from kubellm.runtime.prequantized import QuantizedWeight
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.quantization import prequantized as pq
+from kubellm.runtime.quantization.loading import fp8_weight
+from kubellm.runtime.quantization.prequantized import QuantizedWeight
+from kubellm.runtime.sampling.params import SamplingParams
 from tiny_checkpoints import load_hf_model
 
 # Mixtral's experts name gate, up and down w1, w3 and w2; routers (mlp.gate, block_sparse_moe.gate) stay float.
@@ -354,7 +354,7 @@ def test_an_fp8_layer_on_the_triton_path_equals_the_dequantize_path(kind):
 def test_fp8_layers_take_the_triton_gemm_the_kernel_choice_names():
     """The choice (fp8_gemm=triton once its start-up check passed on CUDA) reaches every FP8 layer the kernel
     takes (per channel, power-of-two groups from 16); other scale layouts and CPU choices dequantize."""
-    from kubellm.runtime.kernel_choice import KernelChoice
+    from kubellm.runtime.layers.kernel_choice import KernelChoice
 
     on = KernelChoice(fp8_gemm="triton")
     assert on.fp8_path(256, -1) == on.fp8_path(256, 128) == on.fp8_path(96, 32) == "triton"
@@ -373,7 +373,7 @@ def test_an_fp8_checkpoint_loads_onto_the_triton_gemm_when_chosen(fmt, dense, tm
     """Through the loader: with fp8_gemm=triton every decoder linear runs kernels/triton_fp8_gemm.py (the
     interpreter here) and computes what its dequantized weight computes."""
     pytest.importorskip("triton")
-    from kubellm.runtime.kernel_choice import KernelChoice
+    from kubellm.runtime.layers.kernel_choice import KernelChoice
     from kubellm.runtime.models.loader import build_model, read_checkpoint
 
     quant_dir, _ = write_quantized(dense, tmp_path, fmt)
@@ -486,7 +486,7 @@ def test_load_logs_weight_bytes_by_dtype_in_one_structured_line(tiny_checkpoint_
 def test_fused_parts_of_different_gguf_types_join_at_the_smaller_group():
     """Q4_K_M stores attn_v as Q6_K beside Q4_K q/k: 4-bit values (group 32, zeros) and signed 8-bit values
     (group 16, no zeros) become one 8-bit weight whose dequantization is the parts' stacked."""
-    from kubellm.runtime.models.quantized_loading import _concatenate
+    from kubellm.runtime.quantization.loading import _concatenate
 
     gen = torch.Generator().manual_seed(3)
     q4 = QuantizedWeight(torch.randint(0, 16, (16, 64), generator=gen, dtype=torch.uint8),

@@ -1,4 +1,4 @@
-"""Mixtures of experts quantized elsewhere (runtime/models/quantized_loading.py): every expert's gate/up and down
+"""Mixtures of experts quantized elsewhere (runtime/quantization/loading.py): every expert's gate/up and down
 load as :class:`QuantizedLinear` layers straight from the stored tensors, the routers are float (dequantized at
 load where a checkpoint stores them quantized), and the engine routes as the bf16 path does.
 
@@ -21,12 +21,12 @@ from test_engine_parity import _engine, _prompts, _run_and_compare, mean_logit_e
 from test_prequantized_loading import write_quantized
 
 from kubellm.kernels import cpu_grouped_int8_gemm, cpu_moe
+from kubellm.runtime.distributed.tp_group import Group
 from kubellm.runtime.layers.linear import pack_linears
 from kubellm.runtime.layers.moe import FusedMoE, pack_experts
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.prequantized import QuantizedWeight
-from kubellm.runtime.tp_group import Group
+from kubellm.runtime.quantization.prequantized import QuantizedWeight
 
 # Experts 128 wide (groups of 128 on down_proj's inputs; native int4 wants outputs in multiples of 16).
 SHAPE = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, head_dim=32)

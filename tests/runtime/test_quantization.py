@@ -13,8 +13,8 @@ from test_engine_parity import _engine, _prompts, _run_and_compare, tiny_mixtral
 from torch import nn
 
 from kubellm.kernels import cpu_int8_gemm
-from kubellm.runtime.config import EngineConfig
-from kubellm.runtime.quantization import (
+from kubellm.runtime.engine.config import EngineConfig
+from kubellm.runtime.quantization.weight_only import (
     Int8Linear,
     dequantize_int8,
     int4_group,
@@ -200,7 +200,7 @@ def test_int4_group_is_32_where_the_layer_allows(in_features, group):
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_layer_equals_a_matmul_on_the_dequantized_weight(dtype, bias):
     """Off the native kernel (float32 anywhere, bfloat16 without it) the layer dequantizes per call."""
-    from kubellm.runtime.kernel_choice import KernelChoice
+    from kubellm.runtime.layers.kernel_choice import KernelChoice
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 
     g = torch.Generator().manual_seed(5)
@@ -219,7 +219,7 @@ def test_int4_layer_equals_a_matmul_on_the_dequantized_weight(dtype, bias):
 
 
 def test_int4_layer_takes_int8_activations_from_the_kernel_choice():
-    from kubellm.runtime.kernel_choice import KernelChoice
+    from kubellm.runtime.layers.kernel_choice import KernelChoice
 
     linear = nn.Linear(64, 32).to(torch.bfloat16)
     assert not int4_layer(linear, KernelChoice(grouped_int4_gemm="native")).int8_activations
@@ -229,7 +229,7 @@ def test_int4_layer_takes_int8_activations_from_the_kernel_choice():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_layer_on_cuda_runs_the_triton_grouped_gemm_on_the_same_weights(dtype):
     """The CUDA path of --quantization int4 (Triton's interpreter here): float zero points and all."""
-    from kubellm.runtime.kernel_choice import KernelChoice
+    from kubellm.runtime.layers.kernel_choice import KernelChoice
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(8)
@@ -264,9 +264,9 @@ def test_int4_engine_equals_transformers_on_the_dequantized_weights(fixture, req
 
 def test_int4_on_bf16_cpu_runs_the_native_int4_kernel_on_the_same_weights(native_int4):
     """Where cpu_int4_gemm loads, --quantization int4 computes with it on quantize_int4's weights."""
-    from kubellm.runtime.kernel_choice import KernelChoice
+    from kubellm.runtime.layers.kernel_choice import KernelChoice
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.quantization import quantize_model
+    from kubellm.runtime.quantization.weight_only import quantize_model
 
     gen = torch.Generator().manual_seed(5)
     linear = nn.Linear(256, 48, bias=True).to(torch.bfloat16)

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from kubellm.runtime import sampler as sampler_mod
-from kubellm.runtime.sampler import Sampler, apply_penalties, compute_logprobs
-from kubellm.runtime.sampling_params import SamplingParams
-from kubellm.runtime.sequence import Sequence
+from kubellm.runtime.engine.sequence import Sequence
+from kubellm.runtime.sampling import sampler as sampler_mod
+from kubellm.runtime.sampling.params import SamplingParams
+from kubellm.runtime.sampling.sampler import Sampler, apply_penalties, compute_logprobs
 
 EOS = 0
 

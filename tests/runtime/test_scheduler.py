@@ -14,10 +14,10 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kubellm.runtime.block_manager import BlockManager
-from kubellm.runtime.sampling_params import SamplingParams
-from kubellm.runtime.scheduler import RequestTooLong, ScheduledSeq, Scheduler
-from kubellm.runtime.sequence import FinishReason, Sequence, SequenceStatus
+from kubellm.runtime.engine.block_manager import BlockManager
+from kubellm.runtime.engine.scheduler import RequestTooLong, ScheduledSeq, Scheduler
+from kubellm.runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
+from kubellm.runtime.sampling.params import SamplingParams
 
 
 def make_sched(

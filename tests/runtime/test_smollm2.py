@@ -6,8 +6,8 @@ import pytest
 import torch
 import transformers
 
-from kubellm.runtime.engine import LLM
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.engine.llm_engine import LLM
+from kubellm.runtime.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ LOGIT_ATOL = 2e-3  # fp32 through 30 layers; greedy gaps in these runs are far l
 
 @pytest.fixture(scope="module")
 def smollm2_gguf():
-    from kubellm.runtime.model_store import pull
+    from kubellm.runtime.models.store import pull
 
     return pull("smollm2", progress=False)
 
@@ -76,7 +76,7 @@ def test_demo_answers_the_capital_of_france(smollm2_gguf, dtype, quantization):
     assert out.finish_reason == "stop"
     if quantization == "int8":
         from kubellm.kernels import cpu_int8_gemm
-        from kubellm.runtime.quantization import Int8Linear
+        from kubellm.runtime.quantization.weight_only import Int8Linear
 
         paths = {m.path for m in llm.engine.runner.model.modules() if isinstance(m, Int8Linear)}
         native = dtype == "bfloat16" and cpu_int8_gemm.available()

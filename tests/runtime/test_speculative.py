@@ -10,10 +10,10 @@ import pytest
 import torch
 from speculation_checks import CHI2_999, CYCLE, CYCLE_PROMPT, chi2, cycle_checkpoint, run_lengths
 
-from kubellm.runtime.engine import LLM
-from kubellm.runtime.sampling_params import SamplingParams
-from kubellm.runtime.sequence import Sequence
-from kubellm.runtime.speculative import NgramProposer, accept, find_ngram_continuation
+from kubellm.runtime.engine.llm_engine import LLM
+from kubellm.runtime.engine.sequence import Sequence
+from kubellm.runtime.sampling.params import SamplingParams
+from kubellm.runtime.spec_decode.speculative import NgramProposer, accept, find_ngram_continuation
 
 
 @pytest.fixture(scope="module")

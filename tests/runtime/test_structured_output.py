@@ -10,9 +10,9 @@ import jsonschema
 import lark
 import pytest
 
-from kubellm.runtime.engine import LLM
-from kubellm.runtime.sampling_params import SamplingParams
-from kubellm.runtime.structured_output import GuidedDecoding, InvalidGuidedDecoding
+from kubellm.runtime.engine.llm_engine import LLM
+from kubellm.runtime.sampling.params import SamplingParams
+from kubellm.runtime.sampling.structured_output import GuidedDecoding, InvalidGuidedDecoding
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "color", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 6},

@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_engine_parity import _engine, _prompts, _run_and_compare, tiny_phi3, tiny_qwen3_moe  # noqa: F401 (fixtures)
 
+from kubellm.runtime.distributed.parallel import Group
 from kubellm.runtime.layers.parallel_linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -23,8 +24,7 @@ from kubellm.runtime.layers.parallel_linear import (
 )
 from kubellm.runtime.layers.vocab_parallel import PAD, ParallelLMHead, VocabParallelEmbedding
 from kubellm.runtime.models.loader import build_model, read_checkpoint
-from kubellm.runtime.parallel import Group
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.sampling.params import SamplingParams
 from server_harness import free_port, wait_ready
 
 
@@ -338,7 +338,7 @@ def test_a_worker_node_whose_leader_is_gone_exits_non_zero(tiny_llama, tmp_path)
     ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank must be in"),
 ])
 def test_bad_node_settings_are_refused_with_the_reason(kwargs, message):
-    from kubellm.runtime.config import EngineConfig
+    from kubellm.runtime.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="unused", device="cpu", **kwargs)

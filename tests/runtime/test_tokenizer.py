@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kubellm.runtime.models.hf import read_hf_folder
-from kubellm.runtime.tokenizer import ChatTemplateError, Tokenizer
+from kubellm.runtime.text.tokenizer import ChatTemplateError, Tokenizer
 
 TEXTS = ["Hello world", "What is the capital of France? 1234 apples, café", "  spaces\tand\nnewlines  ", "日本 🙂"]
 CONVERSATIONS = [

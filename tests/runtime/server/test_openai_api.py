@@ -7,8 +7,8 @@ import asyncio
 import openai
 import pytest
 
-from kubellm.runtime.engine import LLM
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.engine.llm_engine import LLM
+from kubellm.runtime.sampling.params import SamplingParams
 from server_harness import MODEL_NAME
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

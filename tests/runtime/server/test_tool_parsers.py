@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kubellm.runtime.server.tools import ToolCallStream, detect_parser, parse_calls
+from kubellm.runtime.text.tool_calls import ToolCallStream, detect_parser, parse_calls
 
 HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
           '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')

@@ -158,7 +158,7 @@ def test_tool_results_go_back_into_the_conversation(client, tool_server):
     resp = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, max_tokens=4)
     assert resp.usage.prompt_tokens > 0
     from kubellm.runtime.server.protocol import ChatCompletionRequest
-    from kubellm.runtime.server.tools import template_messages
+    from kubellm.runtime.text.tool_calls import template_messages
 
     req = ChatCompletionRequest.model_validate({"messages": history})
     text = tool_server.state.tokenizer.apply_chat_template(template_messages(req.messages), tools=TOOLS)

@@ -15,24 +15,26 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from kubellm.runtime import cuda_graphs, host_malloc, kernel_choice, parallel, step_timer
-from kubellm.runtime.block_manager import BlockManager
-from kubellm.runtime.config import EngineConfig, available_memory_bytes
-from kubellm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from kubellm.runtime.draft_model import DraftModelProposer, load_draft_model
-from kubellm.runtime.eagle import EagleProposer, load_eagle_head
-from kubellm.runtime.model_runner import ModelRunner, kv_block_bytes
+from kubellm.runtime.distributed import parallel
+from kubellm.runtime.distributed.tp_group import Group, check_divisible
+from kubellm.runtime.engine import cuda_graphs, host_malloc, step_timer
+from kubellm.runtime.engine.block_manager import BlockManager
+from kubellm.runtime.engine.config import EngineConfig, available_memory_bytes
+from kubellm.runtime.engine.model_runner import ModelRunner, kv_block_bytes
+from kubellm.runtime.engine.scheduler import Scheduler
+from kubellm.runtime.engine.sequence import FinishReason, Sequence
+from kubellm.runtime.layers import kernel_choice
 from kubellm.runtime.models.config import ModelConfig, text_tower_config
 from kubellm.runtime.models.loader import build_model, keeps_gguf_packed, read_checkpoint
-from kubellm.runtime.quantization import check_checkpoint, log_weight_bytes, quantize_model
-from kubellm.runtime.sampler import Sampler, TokenLogprobs
-from kubellm.runtime.sampling_params import InvalidSamplingParams, SamplingParams
-from kubellm.runtime.scheduler import Scheduler
-from kubellm.runtime.sequence import FinishReason, Sequence
-from kubellm.runtime.speculative import NgramProposer, SpeculationStats, Speculator
-from kubellm.runtime.structured_output import StructuredOutputs
-from kubellm.runtime.tokenizer import Tokenizer
-from kubellm.runtime.tp_group import Group, check_divisible
+from kubellm.runtime.quantization.weight_only import check_checkpoint, log_weight_bytes, quantize_model
+from kubellm.runtime.sampling.params import InvalidSamplingParams, SamplingParams
+from kubellm.runtime.sampling.sampler import Sampler, TokenLogprobs
+from kubellm.runtime.sampling.structured_output import StructuredOutputs
+from kubellm.runtime.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from kubellm.runtime.spec_decode.eagle import EagleProposer, load_eagle_head
+from kubellm.runtime.spec_decode.speculative import NgramProposer, SpeculationStats, Speculator
+from kubellm.runtime.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from kubellm.runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("kubellm.engine")
 
@@ -106,7 +108,7 @@ def _max_model_len(ckpt, config: EngineConfig) -> int:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
-        from kubellm.runtime.model_store import resolve
+        from kubellm.runtime.models.store import resolve
 
         if config.device == "cpu":
             host_malloc.tune()  # recycle activation buffers instead of page-faulting them in every step
@@ -326,7 +328,7 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        timer = self.runner.step_timer  # None unless a profiler is attached (runtime/step_timer.py)
+        timer = self.runner.step_timer  # None unless a profiler is attached (runtime/engine/step_timer.py)
         if timer is not None:
             timer.begin()
         drafted = self.speculator.propose(self.scheduler.running) if self.speculator else []

@@ -56,12 +56,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kubellm.runtime import kernel_choice, prequantized
-from kubellm.runtime.kernel_choice import KernelChoice
+from kubellm.runtime.layers import kernel_choice
+from kubellm.runtime.layers.kernel_choice import KernelChoice
 from kubellm.runtime.layers.quantized_embedding import QuantizedEmbedding
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.prequantized import QuantizedWeight, QuantSpec
+from kubellm.runtime.quantization import prequantized
+from kubellm.runtime.quantization.prequantized import QuantizedWeight, QuantSpec
 
 log = logging.getLogger("kubellm.loader")
 

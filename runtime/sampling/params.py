@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kubellm.runtime.structured_output import GuidedDecoding
+    from kubellm.runtime.sampling.structured_output import GuidedDecoding
 
 MAX_LOGPROBS = 20  # top log-probabilities per token a request may ask for (vLLM's default max_logprobs)
 

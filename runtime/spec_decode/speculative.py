@@ -1,7 +1,7 @@
 """Speculative decoding: drafts proposed cheaply, verified by the model in one forward pass.
 
 Three proposers: prompt lookup (``NgramProposer``, here), a small draft model (``DraftModelProposer`` in
-``runtime/draft_model.py``) and an EAGLE head (``EagleProposer`` in ``runtime/eagle.py``). All hand the
+``runtime/spec_decode/draft_model.py``) and an EAGLE head (``EagleProposer`` in ``runtime/spec_decode/eagle.py``). All hand the
 :class:`Speculator` a batch of drafts, and all are verified here.
 
 Prompt lookup: draft tokens copied from the sequence's own history, no draft model.
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from kubellm.runtime.sequence import Sequence, SequenceStatus
+from kubellm.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

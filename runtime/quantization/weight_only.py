@@ -29,7 +29,7 @@ Embeddings, norms and the LM head stay in the model dtype, as in most weight-onl
 share of the weights of a large model and the LM head decides the tokens.
 
 The other methods the LLMDeployment API names (fp8, awq, gptq, gguf) are formats of checkpoints quantized
-elsewhere: the checkpoint decides (``runtime/prequantized.py`` detects it, ``runtime/models/quantized_loading.py``
+elsewhere: the checkpoint decides (``runtime/quantization/prequantized.py`` detects it, ``runtime/quantization/loading.py``
 loads it), and naming one is a check that the checkpoint is quantized that way (:func:`check_checkpoint`).
 """
 
@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from kubellm.kernels import cpu_int8_gemm
-from kubellm.runtime import kernel_choice
-from kubellm.runtime.kernel_choice import KernelChoice
-from kubellm.runtime.prequantized import QuantizedWeight
+from kubellm.runtime.layers import kernel_choice
+from kubellm.runtime.layers.kernel_choice import KernelChoice
+from kubellm.runtime.quantization.prequantized import QuantizedWeight
 
 log = logging.getLogger("kubellm.quantization")
 
@@ -62,8 +62,7 @@ def check_method(method: str) -> None:
 def checkpoint_method(config: dict, source: str = "") -> str | None:
     """How the checkpoint is quantized (``prequantized.detect``'s method, or ``gguf``), None when it is not;
     a CheckpointError for a quantization it declares that is not supported."""
-    from kubellm.runtime import prequantized
-
+    from kubellm.runtime.quantization import prequantized
     spec = prequantized.detect(config, f" in {source}" if source else "")
     if spec is not None:
         return spec.method
@@ -107,7 +106,7 @@ class Int8Linear(nn.Module):
     """Drop-in for an ``nn.Linear``: int8 weight, one scale per output channel, activations in the model dtype.
 
     ``qweight`` is the int8 weight, in the native kernel's packed layout when ``path == "native"``. ``path``:
-    the engine's :class:`~kubellm.runtime.kernel_choice.KernelChoice` gives it; alone (tests, tools), ``auto``
+    the engine's :class:`~kubellm.runtime.layers.kernel_choice.KernelChoice` gives it; alone (tests, tools), ``auto``
     for the layer's device and dtype."""
 
     def __init__(self, linear: nn.Linear, path: str | None = None):

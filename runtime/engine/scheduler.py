@@ -13,8 +13,8 @@ import contextlib
 from collections import deque
 from dataclasses import dataclass
 
-from kubellm.runtime.block_manager import BlockManager
-from kubellm.runtime.sequence import FinishReason, Sequence, SequenceStatus
+from kubellm.runtime.engine.block_manager import BlockManager
+from kubellm.runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class RequestTooLong(ValueError):

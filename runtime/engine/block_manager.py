@@ -15,7 +15,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from kubellm.runtime.sequence import Sequence
+from kubellm.runtime.engine.sequence import Sequence
 
 
 class Block:
@@ -50,7 +50,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         # An EAGLE head's K/V at a block's last position depend on the next block's first token, which the hash
-        # does not cover: serving every hit but the last makes the model recompute that block (runtime/eagle.py).
+        # does not cover: serving every hit but the last makes the model recompute that block (runtime/spec_decode/eagle.py).
         self.recompute_last_hit_block = recompute_last_hit_block
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = evict first

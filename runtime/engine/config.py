@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubellm.runtime.engine_settings import (
+from kubellm.runtime.engine.settings import (
     ATTENTION_BACKENDS,
     CPU_INT4_ACTIVATIONS,
     LAYER_OPS,
@@ -63,22 +63,22 @@ class EngineConfig:
     kv_cache_memory_fraction: float = default("kv_cache_memory_fraction")
     enable_prefix_caching: bool = default("enable_prefix_caching")
     enable_chunked_prefill: bool = True
-    # Kernels (runtime/kernel_choice.py decides what auto means here): each setting chooses only what it names.
+    # Kernels (runtime/layers/kernel_choice.py decides what auto means here): each setting chooses only what it names.
     attention_backend: str = default("attention_backend")  # auto | torch | cpu (native CPU kernels) | triton
     layer_ops: str = default("layer_ops")  # auto | native (fused CPU RMSNorm/rotary/SiLU-and-mul) | triton | torch
     prepack_weights: str = default("prepack_weights")  # auto | native | onednn | on | off: dense linear weights packed once
     cpu_int4_activations: str = default("cpu_int4_activations")  # auto | bf16 | int8: the native int4 GEMM's activations
-    quantization: str = default("quantization")  # none | int8 (weight-only, per output channel; runtime/quantization.py)
-    tensor_parallel_size: int = default("tensor_parallel_size")  # processes (ranks) each holding 1/N of every layer (runtime/parallel.py)
+    quantization: str = default("quantization")  # none | int8 (weight-only, per output channel; runtime/quantization/weight_only.py)
+    tensor_parallel_size: int = default("tensor_parallel_size")  # processes (ranks) each holding 1/N of every layer (runtime/distributed/parallel.py)
     nnodes: int = default("nnodes")  # nodes (pods) the ranks span, tensor_parallel_size / nnodes on each
     node_rank: int = default("node_rank")  # this node: 0 serves; the others only run their ranks
     dist_init_addr: str | None = default("dist_init_addr")  # HOST:PORT of node 0's rendezvous (nnodes > 1)
     num_threads: int | None = default("num_threads")  # CPU intra-op threads; default: all cores torch sees
-    speculative_ngram: int = default("speculative_ngram")  # prompt-lookup speculation: longest n-gram matched (0 = off; runtime/speculative.py)
-    speculative_model: str | None = default("speculative_model")  # draft-model speculation: the draft's path (runtime/draft_model.py)
-    speculative_method: str = default("speculative_method")  # draft_model | eagle: what speculative_model is (runtime/eagle.py)
+    speculative_ngram: int = default("speculative_ngram")  # prompt-lookup speculation: longest n-gram matched (0 = off; runtime/spec_decode/speculative.py)
+    speculative_model: str | None = default("speculative_model")  # draft-model speculation: the draft's path (runtime/spec_decode/draft_model.py)
+    speculative_method: str = default("speculative_method")  # draft_model | eagle: what speculative_model is (runtime/spec_decode/eagle.py)
     num_speculative_tokens: int = default("num_speculative_tokens")  # draft tokens verified per step, with speculation on
-    cuda_graphs: bool = default("cuda_graphs")  # decode steps replayed from CUDA graphs (CUDA only; runtime/cuda_graphs.py)
+    cuda_graphs: bool = default("cuda_graphs")  # decode steps replayed from CUDA graphs (CUDA only; runtime/engine/cuda_graphs.py)
     cuda_graph_max_batch_size: int = default("cuda_graph_max_batch_size")  # largest captured decode batch (rows)
     seed: int = default("seed")
 
@@ -108,7 +108,7 @@ class EngineConfig:
                               ("cpu_int4_activations", CPU_INT4_ACTIVATIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: unknown {getattr(self, name)!r}; use {', '.join(choices)}")
-        from kubellm.runtime.quantization import check_method
+        from kubellm.runtime.quantization.weight_only import check_method
 
         check_method(self.quantization)
         if self.tensor_parallel_size < 1:

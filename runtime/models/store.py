@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .models.checkpoint import CheckpointError
-from .models.gguf import read_gguf
+from kubellm.runtime.models.checkpoint import CheckpointError
+from kubellm.runtime.models.gguf import read_gguf
 
 _CHUNK = 1 << 20  # bytes per read while extracting and hashing
 

@@ -1,4 +1,4 @@
-"""Every engine setting, declared once: the ``kubellm`` CLI flags, :class:`~kubellm.runtime.config.EngineConfig`'s
+"""Every engine setting, declared once: the ``kubellm`` CLI flags, :class:`~kubellm.runtime.engine.config.EngineConfig`'s
 defaults, the LLMDeployment API's fields and the operator's ``kubellm serve`` arguments all derive from
 :data:`ENGINE_SETTINGS` (tests/operator/test_engine_settings.py proves they agree).
 

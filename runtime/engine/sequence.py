@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from kubellm.runtime.sampling_params import SamplingParams
+from kubellm.runtime.sampling.params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

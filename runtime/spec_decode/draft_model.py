@@ -23,7 +23,7 @@ output is decoding without speculation). Sampled requests draw each draft from `
 distribution after the request's temperature, top-k, top-p and min-p, and hand ``q`` on: verification applies
 the rejection rule (``speculative.verify_sampled_drafts``), so the output distribution is the model's.
 
-EAGLE heads (drafting from the served model's hidden states) are in ``runtime/eagle.py``.
+EAGLE heads (drafting from the served model's hidden states) are in ``runtime/spec_decode/eagle.py``.
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ from pathlib import Path
 
 import torch
 
-from kubellm.runtime import kernel_choice
-from kubellm.runtime.block_manager import BlockManager
-from kubellm.runtime.model_runner import ModelRunner, kv_block_bytes
+from kubellm.runtime.distributed.tp_group import Group
+from kubellm.runtime.engine.block_manager import BlockManager
+from kubellm.runtime.engine.model_runner import ModelRunner, kv_block_bytes
+from kubellm.runtime.engine.scheduler import ScheduledSeq
+from kubellm.runtime.engine.sequence import Sequence, SequenceStatus
+from kubellm.runtime.layers import kernel_choice
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.loader import build_model, read_checkpoint
-from kubellm.runtime.sampler import Sampler
-from kubellm.runtime.scheduler import ScheduledSeq
-from kubellm.runtime.sequence import Sequence, SequenceStatus
-from kubellm.runtime.speculative import BackingOffProposer, Draft, draw_drafts
-from kubellm.runtime.tokenizer import Tokenizer
-from kubellm.runtime.tp_group import Group
+from kubellm.runtime.sampling.sampler import Sampler
+from kubellm.runtime.spec_decode.speculative import BackingOffProposer, Draft, draw_drafts
+from kubellm.runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("kubellm.draft")
 
@@ -81,7 +81,7 @@ def check_same_vocabulary(draft: Tokenizer, target: Tokenizer, draft_source: str
 def load_draft_model(name_or_path: str, target_tokenizer: Tokenizer, engine_config, max_model_len: int,
                      device: str, progress: bool = True) -> DraftModel:
     """Read and build the draft (unsharded, on ``device``), after checking it shares the target's tokenizer."""
-    from kubellm.runtime.model_store import resolve
+    from kubellm.runtime.models.store import resolve
 
     path = resolve(name_or_path)
     ckpt = read_checkpoint(path)

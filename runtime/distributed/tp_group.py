@@ -2,7 +2,7 @@
 
 Collectives run on process groups built directly on a TCP store (no ``torch.distributed`` global state, so
 several engines can live in one process): gloo on CPU; on CUDA, NCCL for the all-reduce and gloo for the step
-broadcast. :mod:`kubellm.runtime.parallel` starts the ranks; the models take a :class:`Group` (size 1 without
+broadcast. :mod:`kubellm.runtime.distributed.parallel` starts the ranks; the models take a :class:`Group` (size 1 without
 tensor parallelism).
 """
 

@@ -40,8 +40,8 @@ from kubellm.runtime.layers.attention import AttentionMetadata, KernelAttentionB
 from kubellm.runtime.layers.moe import FusedMoE
 
 if TYPE_CHECKING:
-    from kubellm.runtime.config import EngineConfig
-    from kubellm.runtime.model_runner import ModelRunner
+    from kubellm.runtime.engine.config import EngineConfig
+    from kubellm.runtime.engine.model_runner import ModelRunner
 
 log = logging.getLogger("kubellm.cuda_graphs")
 

@@ -12,27 +12,27 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kubellm.runtime import step_timer
-from kubellm.runtime.kernel_choice import KernelChoice
+from kubellm.runtime.distributed.tp_group import LOGITS
+from kubellm.runtime.engine import step_timer
+from kubellm.runtime.engine.scheduler import ScheduledSeq
 from kubellm.runtime.layers.attention import (
     AttentionMetadata,
     KernelAttentionBackend,
     PrefillSpan,
     attention_backend,
 )
+from kubellm.runtime.layers.kernel_choice import KernelChoice
 from kubellm.runtime.layers.linear import pack_linears
 from kubellm.runtime.layers.moe import pack_experts
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM, use_fused_decode, use_native_ops
-from kubellm.runtime.sampler import token_logprobs
-from kubellm.runtime.scheduler import ScheduledSeq
-from kubellm.runtime.speculative import verify_sampled_drafts
-from kubellm.runtime.tp_group import LOGITS
+from kubellm.runtime.sampling.sampler import token_logprobs
+from kubellm.runtime.spec_decode.speculative import verify_sampled_drafts
 
 if TYPE_CHECKING:
-    from kubellm.runtime.cuda_graphs import DecodeGraphs
-    from kubellm.runtime.sampler import Sampler, TokenLogprobs
-    from kubellm.runtime.structured_output import StructuredOutputs
+    from kubellm.runtime.engine.cuda_graphs import DecodeGraphs
+    from kubellm.runtime.sampling.sampler import Sampler, TokenLogprobs
+    from kubellm.runtime.sampling.structured_output import StructuredOutputs
 
 log = logging.getLogger("kubellm.runner")
 

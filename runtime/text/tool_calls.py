@@ -20,7 +20,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from kubellm.runtime.structured_output import JSON_OPTIONS, GuidedDecoding
+from kubellm.runtime.sampling.structured_output import JSON_OPTIONS, GuidedDecoding
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 

@@ -52,7 +52,7 @@ class Sampler:
 
     ``seqs[i]`` describes row ``i`` of ``logits`` and needs ``sampling_params`` (a ``SamplingParams``),
     ``prompt_token_ids``, ``output_token_ids``, ``num_output_tokens`` and ``generator``
-    (``torch.Generator | None``), as ``kubellm.runtime.sequence.Sequence`` has. ``logits`` is never
+    (``torch.Generator | None``), as ``kubellm.runtime.engine.sequence.Sequence`` has. ``logits`` is never
     modified. Token ids sampled are always ``< V``.
     """
 

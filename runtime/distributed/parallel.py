@@ -11,7 +11,7 @@ on every rank, so one scheduler (rank 0's) serves them all.
 Rank 0 is the engine's own process. It hosts the rendezvous (a TCP store) and spawns its node's other ranks
 (:func:`worker_main`), which load their shards and then replay each step: rank 0 pickles the step's prepared
 inputs (token ids, positions, attention metadata) and broadcasts them, every rank runs the forward pass. The
-group and its collectives are :mod:`kubellm.runtime.tp_group`; this module starts the ranks and runs them.
+group and its collectives are :mod:`kubellm.runtime.distributed.tp_group`; this module starts the ranks and runs them.
 
 Several nodes (``--nnodes N``, one pod each in a LeaderWorkerSet): node k holds ranks k*L..k*L+L-1 (L = size /
 N). Node 0 is the server; nodes 1..N-1 run ``kubellm serve --node-rank k`` (:func:`run_node`), which starts
@@ -35,13 +35,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kubellm.runtime import host_malloc, kernel_choice
-from kubellm.runtime.kernel_choice import KernelChoice
-from kubellm.runtime.model_runner import ModelRunner
+from kubellm.runtime.distributed.tp_group import EXIT, LOGITS, Group, check_divisible, join_group
+from kubellm.runtime.engine import host_malloc
+from kubellm.runtime.engine.model_runner import ModelRunner
+from kubellm.runtime.layers import kernel_choice
+from kubellm.runtime.layers.kernel_choice import KernelChoice
 from kubellm.runtime.models.loader import build_model, keeps_gguf_packed, read_checkpoint
-from kubellm.runtime.quantization import quantize_model
-from kubellm.runtime.sampler import Sampler
-from kubellm.runtime.tp_group import EXIT, LOGITS, Group, check_divisible, join_group
+from kubellm.runtime.quantization.weight_only import quantize_model
+from kubellm.runtime.sampling.sampler import Sampler
 
 __all__ = ["Group", "check_divisible", "start", "run_node", "worker_main", "build_rank_runner"]
 
@@ -74,7 +75,7 @@ def start(config, max_model_len: int, kernels: KernelChoice) -> Group:
 def run_node(config) -> int:
     """Nodes 1..N-1 (``--node-rank`` > 0): this node's ranks, and no server. Returns 0 when rank 0 ends the group
     (after its drain); raises when the group breaks (rank 0 gone), so the pod restarts with its leader."""
-    from kubellm.runtime.model_store import resolve
+    from kubellm.runtime.models.store import resolve
 
     config = dataclasses.replace(config, model=str(resolve(config.model)))  # this node's own copy
     first = config.node_rank * config.ranks_per_node

@@ -43,17 +43,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kubellm.runtime.kernel_choice import KernelChoice
+from kubellm.runtime.distributed.tp_group import Group
+from kubellm.runtime.engine.model_runner import ModelRunner, chunk_starts
+from kubellm.runtime.engine.scheduler import ScheduledSeq
+from kubellm.runtime.engine.sequence import Sequence
+from kubellm.runtime.layers.kernel_choice import KernelChoice
 from kubellm.runtime.layers.rotary import RotaryEmbedding
-from kubellm.runtime.model_runner import ModelRunner, chunk_starts
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
-from kubellm.runtime.sampler import Sampler
-from kubellm.runtime.scheduler import ScheduledSeq
-from kubellm.runtime.sequence import Sequence
-from kubellm.runtime.speculative import BackingOffProposer, Draft, draw_drafts, speculable
-from kubellm.runtime.tp_group import Group
+from kubellm.runtime.sampling.sampler import Sampler
+from kubellm.runtime.spec_decode.speculative import BackingOffProposer, Draft, draw_drafts, speculable
 
 log = logging.getLogger("kubellm.eagle")
 
@@ -160,7 +160,7 @@ def load_eagle_head(name_or_path: str, target: LlamaForCausalLM, target_cfg: Mod
                     device: str, max_model_len: int) -> tuple[EagleHead, ModelConfig]:
     """Read an EAGLE-1 head folder, check it fits the served model, build it on ``device`` borrowing the served
     model's embedding (its LM head is the served model's ``compute_logits``)."""
-    from kubellm.runtime.model_store import resolve
+    from kubellm.runtime.models.store import resolve
 
     folder = resolve(name_or_path)
     source = str(folder)

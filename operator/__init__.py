@@ -1,1 +1,0 @@
-"""kubellm operator: the LLMDeployment API, rendering and reconciliation."""

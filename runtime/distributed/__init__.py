@@ -1,0 +1,1 @@
+"""Tensor parallelism: one process per rank and the collectives the sharded layers call."""

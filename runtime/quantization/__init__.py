@@ -1,0 +1,1 @@
+"""Quantization: weight-only methods applied at load time and checkpoints quantized elsewhere."""

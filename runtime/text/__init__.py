@@ -1,0 +1,1 @@
+"""Text in and out: tokenizer and chat templates, detokenizer, tool-call parsing."""

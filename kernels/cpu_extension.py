@@ -60,7 +60,7 @@ _SOURCE_NAMES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "prefill_attent
                  "fp8_gemm_cpu.cpp", "decode_layer_cpu.cpp")
 # Part of the build's cache key, not compiled on their own.
 _HEADER_NAMES = ("scalar_math.h", "gemm_tiles.h", "int4_tiles.h", "int8_tiles.h", "w4a8_tiles.h", "bf16_linear.h",
-                 "shared_items.h", "avx2_tiles.h")
+                 "shared_items.h", "avx2_tiles.h", "gemm_checks.h")
 OP_NAMESPACE = "kubellm_cpu"
 # One op per source: the extension counts as loaded when all of them are registered.
 _OPS = ("paged_decode_attention", "prefill_attention", "rms_norm", "add_rms_norm_", "silu_and_mul", "rotary_embedding_",

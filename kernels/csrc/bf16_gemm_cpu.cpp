@@ -28,6 +28,7 @@
 #include <string>
 
 #include "bf16_linear.h"
+#include "gemm_checks.h"
 #include "gemm_tiles.h"
 
 namespace kubellm_cpu {
@@ -204,20 +205,16 @@ Bf16LinearItems bf16_linear_items(const at::Tensor& x_in, const at::Tensor& pack
   TORCH_CHECK(false, "bf16_linear needs a build with AVX512-BF16 or AVX2 + FMA (-march of a CPU that has them)");
 #else
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == 16 && packed.size(3) == 2,
-              "packed must be a contiguous [ceil(N/16), ceil(K/2), 16, 2] bfloat16 tensor (cpu_bf16_gemm.pack)");
+  gemm_checks::check_packed(
+      packed, at::kBFloat16, {16, 2},
+      "packed must be a contiguous [ceil(N/16), ceil(K/2), 16, 2] bfloat16 tensor (cpu_bf16_gemm.pack)");
   Bf16LinearItems it;
   const int64_t K = x_in.size(1);
   it.M = x_in.size(0), it.N = N, it.NBLK = packed.size(0), it.K2 = packed.size(1);
   TORCH_CHECK(it.K2 == (K + 1) / 2, "x has ", K, " columns, the packed weight ", 2 * it.K2, " (pairs of inputs)");
   TORCH_CHECK(N > 16 * (it.NBLK - 1) && N <= 16 * it.NBLK, "N (", N, ") does not fit ", it.NBLK,
               " blocks of 16 channels");
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "bias must be [N] float32");
-    it.bias = bias->const_data_ptr<float>();
-  }
+  it.bias = gemm_checks::optional_bias(bias, N);
   // Pairs of x are read as int32: an odd K (or row stride) gets a zero-padded copy, like the weight's last pair.
   it.x = x_in;
   if (K % 2 != 0 || x_in.stride(1) != 1 || x_in.stride(0) % 2 != 0) {

@@ -40,6 +40,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "gemm_checks.h"
 #include "gemm_tiles.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -278,25 +279,16 @@ at::Tensor fp8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 #ifndef KUBELLM_FP8_GEMM
   TORCH_CHECK(false, "fp8_gemm needs a build with AVX512-BF16 (-march of a CPU that has it)");
 #else
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              "x must be [M, K] bfloat16, rows contiguous");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(2) == 64,
-              "packed must be a contiguous [ceil(N/16), K/4, 64] uint8 tensor (cpu_fp8_gemm.pack)");
+  gemm_checks::check_x(x, /*takes_float32=*/false);
+  gemm_checks::check_packed(packed, at::kByte, {64},
+                            "packed must be a contiguous [ceil(N/16), K/4, 64] uint8 tensor (cpu_fp8_gemm.pack)");
   const int64_t M = x.size(0), K = x.size(1), NBLK = packed.size(0), K4 = packed.size(1);
-  TORCH_CHECK(K == 4 * K4, "x has ", K, " columns, the weight ", 4 * K4);
-  TORCH_CHECK(group_size >= 4 && group_size % 4 == 0, "group_size (", group_size, ") must be a multiple of 4");
-  TORCH_CHECK(x.stride(0) % 2 == 0, "x's row stride must be even (bf16 pairs)");
+  gemm_checks::check_columns(x, 4 * K4);
+  gemm_checks::check_group_size(group_size, 4, K, /*whole_groups=*/false);  // a ragged last group is fine
   const int64_t groups = (K + group_size - 1) / group_size;
-  TORCH_CHECK(scales.dim() == 2, "scales must be [ceil(K/group), N]");
-  const int64_t N = scales.size(1);
+  const int64_t N = gemm_checks::scale_channels(scales, NBLK, "[ceil(K/group), N]");
   const tiles::GroupParams sp = tiles::group_params(scales, "scales", groups, N);
-  TORCH_CHECK((N + 15) / 16 == NBLK, "scales have ", N, " channels, the packed weight ", NBLK, " blocks of 16");
-  const float* bias_p = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "bias must be [N] float32");
-    bias_p = bias->const_data_ptr<float>();
-  }
+  const float* bias_p = gemm_checks::optional_bias(bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const auto* xp = reinterpret_cast<const int32_t*>(x.const_data_ptr<c10::BFloat16>());

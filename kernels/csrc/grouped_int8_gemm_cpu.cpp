@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "avx2_tiles.h"
+#include "gemm_checks.h"
 #include "gemm_tiles.h"
 #include "int8_tiles.h"
 
@@ -217,35 +218,18 @@ at::Tensor grouped_int8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
 #if !defined(KUBELLM_GROUPED_INT8_GEMM) && !defined(KUBELLM_AVX2_TILES)
   TORCH_CHECK(false, "grouped_int8_gemm needs a build with AVX512-BF16 or AVX2 (-march of a CPU that has it)");
 #else
-#ifdef KUBELLM_AVX2_TILES
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
-                  x.stride(1) == 1,
-              "x must be [M, K] bfloat16 or float32, rows contiguous");
-#else
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              "x must be [M, K] bfloat16, rows contiguous");
-#endif
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
-                  packed.size(2) == 16 && packed.size(3) == 2,
-              "packed must be a contiguous [ceil(N/16), K/2, 16, 2] int8 tensor");
+  gemm_checks::check_x(x, grouped_int8_gemm_takes_float32());
+  gemm_checks::check_packed(packed, at::kChar, {16, 2},
+                            "packed must be a contiguous [ceil(N/16), K/2, 16, 2] int8 tensor");
   const int64_t M = x.size(0), K = x.size(1), NBLK = packed.size(0), K2 = packed.size(1);
-  TORCH_CHECK(K == 2 * K2, "x has ", K, " columns, the weight ", 2 * K2);
-  TORCH_CHECK(group_size >= 2 && group_size % 2 == 0 && K % group_size == 0, "group_size (", group_size,
-              ") must be even and divide K (", K, ")");
-  TORCH_CHECK(x.stride(0) % 2 == 0, "x's row stride must be even (bf16 pairs)");
+  gemm_checks::check_columns(x, 2 * K2);
+  gemm_checks::check_group_size(group_size, 2, K, /*whole_groups=*/true);
   const int64_t groups = K / group_size;
-  TORCH_CHECK(scales.dim() == 2, "scales must be [K/group, N]");
-  const int64_t N = scales.size(1);
+  const int64_t N = gemm_checks::scale_channels(scales, NBLK, "[K/group, N]");
   const tiles::GroupParams sp = tiles::group_params(scales, "scales", groups, N);
-  TORCH_CHECK((N + 15) / 16 == NBLK, "scales have ", N, " channels, the packed weight ", NBLK, " blocks of 16");
   const bool zp = zeros.has_value() && zeros->defined();
   const tiles::GroupParams zpp = zp ? tiles::group_params(*zeros, "zeros", groups, N) : tiles::GroupParams{};
-  const float* bias_p = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "bias must be [N] float32");
-    bias_p = bias->const_data_ptr<float>();
-  }
+  const float* bias_p = gemm_checks::optional_bias(bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 #ifdef KUBELLM_AVX2_TILES

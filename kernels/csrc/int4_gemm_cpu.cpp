@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "gemm_checks.h"
 #include "gemm_tiles.h"
 #include "avx2_tiles.h"
 #include "int4_tiles.h"
@@ -403,31 +404,16 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
 #if !defined(KUBELLM_INT4_GEMM) && !defined(KUBELLM_AVX2_TILES)
   TORCH_CHECK(false, "int4_gemm needs a build with AVX512-BF16 or AVX2 (-march of a CPU that has it)");
 #else
-#ifdef KUBELLM_AVX2_TILES
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
-                  x.stride(1) == 1,
-              "x must be [M, K] bfloat16 or float32, rows contiguous");
-#else
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              "x must be [M, K] bfloat16, rows contiguous");
-#endif
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == 16 && packed.size(3) == 2,
-              "packed must be a contiguous [N/16, K/4, 16, 2] uint8 tensor (cpu_int4_gemm.pack)");
+  gemm_checks::check_x(x, int4_gemm_takes_float32());
+  gemm_checks::check_packed(packed, at::kByte, {16, 2},
+                            "packed must be a contiguous [N/16, K/4, 16, 2] uint8 tensor (cpu_int4_gemm.pack)");
   const int64_t M = x.size(0), K = x.size(1), NBLK = packed.size(0), K4 = packed.size(1), N = NBLK * 16;
-  TORCH_CHECK(K == 4 * K4, "x has ", K, " columns, the weight ", 4 * K4);
-  TORCH_CHECK(group_size >= 4 && group_size % 4 == 0 && K % group_size == 0, "group_size (", group_size,
-              ") must be a multiple of 4 and divide K (", K, ")");
+  gemm_checks::check_columns(x, 4 * K4);
+  gemm_checks::check_group_size(group_size, 4, K, /*whole_groups=*/true);
   const int64_t groups = K / group_size;
-  TORCH_CHECK(x.stride(0) % 2 == 0, "x's row stride must be even (bf16 pairs)");
   const tiles::GroupParams sp = tiles::group_params(scales, "scales", groups, N);
   const tiles::GroupParams zp = tiles::group_params(zeros, "zeros", groups, N);
-  const float* bias_p = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "bias must be [N] float32");
-    bias_p = bias->const_data_ptr<float>();
-  }
+  const float* bias_p = gemm_checks::optional_bias(bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "gemm_checks.h"
 #include "gemm_tiles.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -88,27 +89,17 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
 #ifndef KUBELLM_INT8_GEMM
   TORCH_CHECK(false, "int8_gemm needs a build with AVX512-BF16 (-march of a CPU that has it)");
 #else
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bfloat16, rows contiguous");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(2) == 16 &&
-                  packed.size(3) == 2,
-              "packed must be a contiguous [N/16, K/2, 16, 2] int8 tensor");
-  const int64_t M = x.size(0), K = x.size(1), NBLK = packed.size(0), K2 = packed.size(1), N = NBLK * 16;
-  TORCH_CHECK(K == 2 * K2, "x has ", K, " columns, the weight ", 2 * K2);
-  TORCH_CHECK(x.stride(0) % 2 == 0, "x's row stride must be even (bf16 pairs)");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "scales must be [N] float32");
-  const float* bias_p = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "bias must be [N] float32");
-    bias_p = bias->const_data_ptr<float>();
-  }
+  gemm_checks::check_x(x, /*takes_float32=*/false);
+  gemm_checks::check_packed(packed, at::kChar, {16, 2}, "packed must be a contiguous [N/16, K/2, 16, 2] int8 tensor");
+  const int64_t M = x.size(0), NBLK = packed.size(0), K2 = packed.size(1), N = NBLK * 16;
+  gemm_checks::check_columns(x, 2 * K2);
+  const float* sp = gemm_checks::channel_vector(scales, N, "scales");
+  const float* bias_p = gemm_checks::optional_bias(bias, N);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const auto* xp = reinterpret_cast<const int32_t*>(x.const_data_ptr<c10::BFloat16>());
   const int64_t x_pair_stride = x.stride(0) / 2;
   const int8_t* wp = packed.const_data_ptr<int8_t>();
-  const float* sp = scales.const_data_ptr<float>();
   c10::BFloat16* yp = y.mutable_data_ptr<c10::BFloat16>();
   const int64_t w_block_stride = K2 * 32;
   if (M >= kDequantMinRows) {

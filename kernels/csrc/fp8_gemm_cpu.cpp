@@ -64,7 +64,7 @@ constexpr int kMaxRowsF8 = 12;           // MR x NB group sums + MR x NB outputs
 // From here on the dequantizing path: below it the cheap widening costs less than a dequantization pass (1 thread,
 // SmolLM2 shapes: streaming 1.0-1.2x bf16 at 16-32 rows where dequantizing gave 0.8-1.0x; from 64 the reverse).
 constexpr int64_t kDequantMinRows = 48;
-// One scale per channel: the widening is the whole dequantization (benchmarks/README.md, "batched int4 and FP8").
+// One scale per channel: the widening is the whole dequantization (benchmarks/results/, "batched int4 and FP8").
 constexpr int64_t kDequantMinRowsPerChannel = 16;
 constexpr int kTileRows = 6;             // bf16 tile: 6 x 4 accumulators + 4 weights + 1 broadcast
 

@@ -59,7 +59,7 @@ bool grouped_int8_gemm_takes_float32() {  // float32 x (and y): the AVX2 build
 
 #ifdef KUBELLM_GROUPED_INT8_GEMM
 constexpr int kMaxRowsG8 = 12;  // MR x NB group sums + MR x NB outputs + NB weights + a broadcast <= 32 zmm
-constexpr int64_t kDequantMinRowsG8 = 16;  // from here on the dequantizing path (benchmarks/README.md)
+constexpr int64_t kDequantMinRowsG8 = 16;  // from here on the dequantizing path (benchmarks/results/)
 
 // MR rows x NB blocks of 16 outputs (int8_tiles.h's tile); `tail` masks the channels of the last block that exist
 // (0xFFFF: all).

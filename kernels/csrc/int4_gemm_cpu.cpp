@@ -110,7 +110,7 @@ void micro_kernel4(const int32_t* x_pairs, int64_t x_pair_stride, const float* x
 // bf16 once and the rows run a plain bf16 GEMM over them (tiles::dequantized_gemm); done as a pass of its own
 // the dequantization cost ~15% of the GEMM at 32 rows, spread over the previous item's GEMM ~3 points less.
 // The weights are rounded to bf16 before the products, as a bf16 model's are.
-constexpr int64_t kDequantMinRows = 16;  // from here on the dequantizing path (benchmarks/README.md)
+constexpr int64_t kDequantMinRows = 16;  // from here on the dequantizing path (benchmarks/results/)
 
 // Per group and block, the scale and offset the dequantization multiplies and adds, in the lane order of
 // dequantize_quad: sc[(g * nb + b) * 4 + {S0, C0, S1, C1}] (tiles::pair_lane_constants).
@@ -201,7 +201,7 @@ void rows_kernel4(int mr, const int32_t* x_pairs, int64_t x_pair_stride, const f
 // Blocks of 3-8 rows run the assembly tile dot_groups_rows over items of up to 2 blocks (the item's weights,
 // L1-resident after its first row block, are read from memory once per call). Against native bf16 (1 thread,
 // cache-resident) it runs 1.1-1.3x from 8 to 1024 rows, where dot_groups in intrinsics ran 0.83-0.98x at 4-32
-// rows (benchmarks/README.md, 2026-11-28).
+// rows (benchmarks/results/, 2026-11-28).
 
 // Adds the bias to the first `rows` rows of a float32 tile (row r, block b at tile[(r * NB + b) * 16 ..]) and
 // stores them as bf16 rows of y: store_tile for the assembly tiles, whose results are in memory.

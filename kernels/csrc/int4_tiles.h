@@ -22,10 +22,10 @@ namespace int4 {
 // Nibbles widen to bf16 in registers: a nibble v OR'd into the bits 0x4300 is the bf16 of 128 + v (exact), so
 // the products sum x * (q + 128) and the group's epilogue subtracts (z + 128) * sum(x).
 // At 1-2 rows the two products of a quad go to two accumulator sets, so the additions into one do not wait on
-// each other (as the bf16 kernel's stream does): 6-10% at one row on cache-resident layers (benchmarks/README.md).
+// each other (as the bf16 kernel's stream does): 6-10% at one row on cache-resident layers (benchmarks/results/).
 // prefetch_bytes > 0: from 2 rows, every quad prefetches that far ahead in each block's stream (the GEMM passes
 // its item's size: the same quad of the next item, whose blocks follow). With weights coming from memory, 2 rows
-// went 1.2-1.6x -> 1.5-2.1x bf16 and 4 rows 0.9-1.2x -> 1.2-1.7x (benchmarks/README.md); at one row prefetching
+// went 1.2-1.6x -> 1.5-2.1x bf16 and 4 rows 0.9-1.2x -> 1.2-1.7x (benchmarks/results/); at one row prefetching
 // (1.5 KB or one item ahead) was slower than the hardware's alone, so one row does not.
 // (Inlined by force so the accumulators stay in registers in the caller's tile loop.)
 template <int MR, int NB>

@@ -44,7 +44,7 @@ bool int8_gemm_available() {
 
 #ifdef KUBELLM_INT8_GEMM
 constexpr int kMaxRows = 12;  // MR x NB accumulators + NB weights + 1 broadcast within the 32 zmm registers
-constexpr int64_t kDequantMinRows = 16;  // from here on the widen-once path (benchmarks/README.md)
+constexpr int64_t kDequantMinRows = 16;  // from here on the widen-once path (benchmarks/results/)
 
 template <int MR, int NB>
 void micro_kernel(const int32_t* x_pairs, int64_t x_pair_stride, const int8_t* w, int64_t w_block_stride, int64_t K2,

@@ -26,7 +26,7 @@ struct WidenAny {
 // 16 bits, indexes a table of 64 bf16 by its low 6 bits (vpermi2w), which tell apart any 64 consecutive values:
 // entry i holds the value v in [low, low + 63] with v = i modulo 64. At one row the tile is bound by its
 // instructions rather than by reading the weights: the Q6_K-shaped experts went 1.05-1.08x -> 1.17-1.24x bf16
-// with it (benchmarks/README.md).
+// with it (benchmarks/results/).
 struct WidenTable {
   __m512i lo, hi;  // entries 0..31, 32..63
 
@@ -48,7 +48,7 @@ struct WidenTable {
 // tiles::GroupParams::load16, inlined by force: GCC keeps load16 out of line in the MoE kernel's large tile
 // functions, and each call (two per block and group with zero points) then spills and reloads every live zmm
 // register (all are caller-saved), the float32 accumulators included: Q5_K experts ran ~20% slower than Q6_K's
-// for it (benchmarks/README.md).
+// for it (benchmarks/results/).
 __attribute__((always_inline)) inline __m512 load_params16(const tiles::GroupParams& p, int64_t i, __mmask16 mask) {
   if (p.half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p.data) + i));
   return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p.data) + i);

@@ -454,7 +454,7 @@ at::Tensor moe_quantized_experts(const at::Tensor& x, const at::Tensor& logits, 
   BF16* h = h_buf.mutable_data_ptr<BF16>();
   // One row of 8-bit gate/up: each pair of inputs also prefetches the next item's (the next 16 channels' blocks,
   // block_bytes on): 0.95-1.19x, 5 of 6 one-process A/B runs faster at one row (presumably each item's start
-  // waited on memory; benchmarks/README.md). Not for 4-bit values, whose tile was slower with it at one row.
+  // waited on memory; benchmarks/results/). Not for 4-bit values, whose tile was slower with it at one row.
   const int64_t prefetch1 = l13.block_bytes;
   const std::vector<Item> items1 = work_items(off, E, IB);
   dynamic_for(static_cast<int64_t>(items1.size()), [&](int64_t it, std::vector<float>&) {

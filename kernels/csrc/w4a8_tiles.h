@@ -5,7 +5,7 @@
 // with a[m, g] = max|x[m, g]| / 127 and xq = round(x / a) in -127..127 (kernels/cpu_int4_gemm.py's
 // reference_w4a8_gemm is the same math in PyTorch).
 // Why: the bf16-activation tile spends, per 64 weights and row, a zero-extension, a shift, two ternary ORs and
-// two vdpbf16ps, and at one row it is instruction-bound (benchmarks/README.md, issue 12). Here a quad's 32
+// two vdpbf16ps, and at one row it is instruction-bound (benchmarks/results/, issue 12). Here a quad's 32
 // packed bytes become the 64 unsigned bytes vpdpbusd multiplies in three instructions shared by all rows, and
 // each row adds one vpdpbusd (an embedded broadcast of its four int8 activations) per 64 weights.
 #pragma once
@@ -81,7 +81,7 @@ inline void quantize_block(const c10::BFloat16* x, int64_t ldx, int64_t rows, in
 // Consecutive quads go to two accumulator sets (as int4::dot_groups does at 1-2 rows), so the additions into one
 // do not wait on each other. prefetch_bytes > 0: each cache line of the weights prefetches that far ahead
 // (the GEMM passes its item's size, as for int4::dot_groups), at one row too: with the widening this cheap,
-// the hardware prefetcher alone left one row from memory slower than two (benchmarks/README.md).
+// the hardware prefetcher alone left one row from memory slower than two (benchmarks/results/).
 template <int MR, int NB>
 __attribute__((always_inline)) inline void dot_groups(const int32_t* xq, int64_t x_stride, const float* scale,
                                                       const float* qsum, int64_t groups, const uint8_t* w,

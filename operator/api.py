@@ -1,6 +1,6 @@
 """The LLMDeployment API (kubellm.io/v1alpha1): spec and status models, the single source of truth.
 
-The CRD's OpenAPI schema is generated from these models (:mod:`kubellm.operator.crd`), so field
+The CRD's OpenAPI schema is generated from these models (:mod:`kubellm.operator.crd.schema`), so field
 docstrings are what ``kubectl explain llmdeployment.spec...`` prints; write them for users.
 
 Conventions:

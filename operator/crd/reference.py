@@ -24,7 +24,7 @@ from kubellm.operator.crd import schema
 
 TITLE = "LLMDeployment API reference"
 GENERATED_NOTE = (
-    "<!-- Generated from operator/api.py by `kubellm crd --reference` (make crds); do not edit by hand. -->"
+    "<!-- Generated from operator/api/ by `kubellm crd --reference` (make crds); do not edit by hand. -->"
 )
 
 
@@ -251,7 +251,7 @@ def render_reference() -> str:
         "",
         GENERATED_NOTE,
         "",
-        "Generated from the pydantic models in `operator/api.py` (the source of truth) by "
+        "Generated from the pydantic models in `operator/api/` (the source of truth) by "
         "`kubellm crd --reference`; `make crds` regenerates it with the CRD, and a test fails when the two "
         "disagree. `kubectl explain llmdeployment.spec` prints the same descriptions from the installed CRD.",
         "",

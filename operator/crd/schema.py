@@ -28,7 +28,7 @@ from kubellm.operator import api
 
 _INT_OR_STRING_ANYOF = [{"type": "integer"}, {"type": "string"}]
 HEADER = (
-    "# Generated from kubellm/operator/api.py by `kubellm crd` (python -m kubellm.operator.crd.schema); do not edit.\n"
+    "# Generated from kubellm/operator/api/ by `kubellm crd` (python -m kubellm.operator.crd.schema); do not edit.\n"
     "# Regenerate with `make crds`.\n"
 )
 

@@ -36,28 +36,14 @@ from kubellm.operator.render.validation import validate
 __all__ = ["InvalidSpec", "render", "render_validated", "render_workload", "validate"]
 
 
-def render(
-    ld: api.LLMDeployment,
-    *,
-    service_monitor_available: bool = False,
-    prometheus_url: str = autoscaling.DEFAULT_PROMETHEUS_URL,
-    replace_in_place: str | None = None,
-    activator_url: str | None = None,
-) -> list[dict[str, Any]]:
+def render(ld: api.LLMDeployment, **options: Any) -> list[dict[str, Any]]:
     """Every child manifest of ``ld``, in apply order. Pure: same input, same output; ``ld`` is not changed.
 
-    ``service_monitor_available``: whether the monitoring.coreos.com ServiceMonitor CRD is installed (for
-    monitoring.serviceMonitor Auto). ``prometheus_url``: the Prometheus the KEDA trigger queries.
-    ``replace_in_place``: the rollout guard's decision (:func:`.deployment.render_deployment`).
-    ``activator_url``: the activator's admin base URL (its activity counts feed KEDA), None without one.
-    The activator's EndpointSlice depends on observed state and is not among these
-    (:func:`.activation.render_routing`). Raises :class:`InvalidSpec` when the spec cannot be rendered.
+    Checks the spec once (:func:`validate`: raises :class:`InvalidSpec` when it cannot be rendered), then
+    renders it with ``options``, those of :func:`render_validated`.
     """
     validate(ld)
-    return render_validated(
-        ld, service_monitor_available=service_monitor_available, prometheus_url=prometheus_url,
-        replace_in_place=replace_in_place, activator_url=activator_url,
-    )  # fmt: skip
+    return render_validated(ld, **options)
 
 
 def render_validated(
@@ -69,7 +55,15 @@ def render_validated(
     activator_url: str | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`render` of an ``ld`` that already passed :func:`validate` (the reconcile checks it first, then
-    reads what it renders with): the same manifests, without checking the spec again."""
+    reads what it renders with): the same manifests, without checking the spec again.
+
+    ``service_monitor_available``: whether the monitoring.coreos.com ServiceMonitor CRD is installed (for
+    monitoring.serviceMonitor Auto). ``prometheus_url``: the Prometheus the KEDA trigger queries.
+    ``replace_in_place``: the rollout guard's decision (:func:`.deployment.render_deployment`).
+    ``activator_url``: the activator's admin base URL (its activity counts feed KEDA), None without one.
+    The activator's EndpointSlice depends on observed state and is not among these
+    (:func:`.activation.render_routing`).
+    """
     children = [
         service.render_service(ld),
         service.render_pods_service(ld),

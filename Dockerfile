@@ -15,7 +15,7 @@
 # Every final stage copies a finished virtual environment (/opt/venv) out of a builder stage and adds nothing
 # else but the interpreter and a user (runtime-cpu: also the prebuilt CPU kernels and the model cache, below):
 # no compiler, no pip cache, no source tree. The code is root-owned and
-# the images run as uid/gid 10001, the user the operator's pod security context expects (operator/render.py
+# the images run as uid/gid 10001, the user the operator's pod security context expects (operator/render/pods.py
 # RUN_AS_USER), so a container cannot change its own code.
 #
 # The native CPU kernels (kernels/csrc/*.cpp, built by kernels/cpu_extension.py) are compiled in a builder
@@ -61,7 +61,7 @@ RUN python -m venv /opt/venv \
 ENV PATH=/opt/venv/bin:$PATH
 
 # The operator needs the kubellm package (operator/, and runtime/cli.py for the `kubellm` command, which imports
-# torch only inside the serving commands) plus what operator/*.py imports. The list mirrors pyproject.toml's
+# torch only inside the serving commands) plus what operator/ imports. The list mirrors pyproject.toml's
 # ranges; tests/delivery/test_dockerfile.py fails when an operator import is missing here.
 FROM python-builder AS operator-builder
 RUN pip install --no-cache-dir \
@@ -72,7 +72,7 @@ RUN pip install --no-cache-dir \
         "prometheus-client>=0.20"
 COPY --from=source /src /src
 RUN pip install --no-cache-dir --no-deps /src \
-    && python -c "import sys, kubellm.operator.handlers; assert 'torch' not in sys.modules" \
+    && python -c "import sys, kubellm.operator.control.handlers; assert 'torch' not in sys.modules" \
     && kubellm crd >/dev/null
 
 # torch first, from PyTorch's CPU-only index (a plain `pip install torch` pulls the CUDA build, gigabytes

@@ -63,7 +63,7 @@ e2e: $(STAMP)  ## build the images, run them on a kind cluster, run e2e/ (needs 
 gpu-check: $(STAMP)  ## on a CUDA machine: kernels, timings, engine parity and throughput -> benchmarks/results/
 	$(PY) benchmarks/gpu_check.py
 
-crds: $(STAMP)  ## regenerate the CRD from operator/api.py (a test fails when the committed file drifts)
+crds: $(STAMP)  ## regenerate the CRD from operator/api/ (a test fails when the committed file drifts)
 	$(VENV)/bin/kubellm crd -o crds/llmdeployments.kubellm.io.yaml
 	cp crds/llmdeployments.kubellm.io.yaml charts/kubellm/crds/llmdeployments.kubellm.io.yaml
 	$(VENV)/bin/kubellm crd --reference -o docs/crd-reference.md

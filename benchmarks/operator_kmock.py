@@ -34,7 +34,6 @@ import kubernetes.config.kube_config
 import yaml
 from tqdm import tqdm
 
-from kubellm.operator import handlers  # noqa: F401  (the import registers the kopf handlers)
 from kubellm.operator import testing as t
 
 ROOT = Path(__file__).resolve().parent.parent

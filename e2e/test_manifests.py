@@ -9,6 +9,9 @@ from pathlib import Path
 import manifests
 
 from kubellm.operator import api, render
+from kubellm.operator.render import autoscaling as autoscaling_mod
+from kubellm.operator.render import cli as render_cli
+from kubellm.operator.render import pods as pods_mod
 
 IMAGE = "kubellm/runtime-cpu:e2e"
 NAMESPACE = "kubellm-e2e-test"
@@ -16,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _children(doc: dict) -> dict[str, dict]:
-    ld = render.load(doc)
+    ld = render_cli.load(doc)
     return {c["kind"]: c for c in render.render(ld, service_monitor_available=True)}
 
 
@@ -49,7 +52,7 @@ def test_autoscaled_deployment_scales_a_cpu_model_on_queue_depth():
     children = _children(doc)
     hpa = children["HorizontalPodAutoscaler"]
     assert hpa["spec"]["maxReplicas"] == 2
-    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == render.HPA_METRIC_NAME
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == autoscaling_mod.HPA_METRIC_NAME
     assert "ServiceMonitor" in children, "Prometheus must scrape the queue depth the HPA scales on"
     pod = children["Deployment"]["spec"]["template"]["spec"]
     assert "initContainers" not in pod, "the baked model needs no download"
@@ -57,7 +60,7 @@ def test_autoscaled_deployment_scales_a_cpu_model_on_queue_depth():
     assert args[args.index("--model") + 1] == manifests.BAKED_DEMO_MODEL
     assert args[args.index("--max-num-seqs") + 1] == "2"
     assert args[args.index("--device") + 1] == "cpu"
-    assert render.load(doc).spec.served_model_name == manifests.SERVED_MODEL_NAME
+    assert render_cli.load(doc).spec.served_model_name == manifests.SERVED_MODEL_NAME
 
 
 def test_baked_model_path_is_where_the_image_keeps_the_demo_model():
@@ -72,7 +75,7 @@ def test_baked_model_path_is_where_the_image_keeps_the_demo_model():
 def test_rendered_pods_run_as_the_image_user():
     children = _children(manifests.cpu_deployment(IMAGE, NAMESPACE))
     security = children["Deployment"]["spec"]["template"]["spec"]["securityContext"]
-    assert security["runAsUser"] == render.RUN_AS_USER == 10001
+    assert security["runAsUser"] == pods_mod.RUN_AS_USER == 10001
     assert api.KIND == "LLMDeployment"
 
 
@@ -160,7 +163,7 @@ def test_scale_to_zero_deployment_sleeps_after_a_minute_through_keda():
     example = manifests.load_example("llmdeployment-scale-to-zero.yaml")
     assert doc["metadata"]["name"] == example["metadata"]["name"]
     assert (doc["spec"]["autoscaling"]["backend"], doc["spec"]["autoscaling"]["minReplicas"]) == ("keda", 0)
-    ld = render.load(doc)
+    ld = render_cli.load(doc)
     children = render.render(ld, service_monitor_available=True, activator_url="http://a.b.svc:9090")
     (so,) = [c for c in children if c["kind"] == "ScaledObject"]
     assert so["spec"]["cooldownPeriod"] == 60 and so["spec"]["maxReplicaCount"] == 1

@@ -468,20 +468,20 @@ class Catalog:
         """The target of one LLMDeployment object, None unless it is valid and scales to zero."""
         from pydantic import ValidationError
 
-        from kubellm.operator import activation, status
-        from kubellm.operator import render as render_mod
+        from kubellm.operator.render import naming
+        from kubellm.operator.status import observe
 
         try:
-            ld = status.parse(obj)
+            ld = observe.parse(obj)
         except ValidationError:
             return None
-        if not activation.scales_to_zero(ld) or ld.metadata.get("deletionTimestamp"):
+        if not naming.scales_to_zero(ld) or ld.metadata.get("deletionTimestamp"):
             return None
         namespace = ld.namespace or "default"
         ref = ld.spec.auth.api_key_secret_ref
-        upstream = self.upstream_template.format(service=activation.pods_service_name(ld), namespace=namespace,
+        upstream = self.upstream_template.format(service=naming.pods_service_name(ld), namespace=namespace,
                                                  port=ld.spec.service.port)  # fmt: skip
-        return Target(namespace, render_mod.child_name(ld), upstream, deployment=ld.name,
+        return Target(namespace, naming.child_name(ld), upstream, deployment=ld.name,
                       api_key=(ref.name, ref.key) if ref else None)  # fmt: skip
 
     async def run(self, activator: Activator, refresh_interval: float) -> None:
@@ -584,7 +584,7 @@ def run(host: str, port: int, *, namespaces: list[str] | None, limits: Limits, u
         admin_port: int | None = None, refresh_interval: float = 5.0) -> None:
     """``kubellm activator``: log in to the cluster (in-cluster or kubeconfig) and serve the LLMDeployments
     of ``namespaces`` (None: every namespace) until interrupted."""
-    from kubellm.operator.kube import Kube
+    from kubellm.operator.control.kube import Kube
 
     async def main() -> None:
         kube = await Kube.connect(ScaleWaker.FIELD_MANAGER)

@@ -22,7 +22,8 @@ import kopf
 import kubernetes.config.kube_config
 import yaml
 
-from kubellm.operator import api, handlers
+from kubellm.operator import api
+from kubellm.operator.control import handlers
 
 NS = "ml"
 NAME = "llama"

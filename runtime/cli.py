@@ -166,9 +166,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_crd(args: argparse.Namespace) -> int:
     if args.reference:
-        from kubellm.operator.reference import main as crd_main
+        from kubellm.operator.crd.reference import main as crd_main
     else:
-        from kubellm.operator.crd import main as crd_main
+        from kubellm.operator.crd.schema import main as crd_main
 
     return crd_main(["-o", args.output] if args.output else [])
 
@@ -207,13 +207,13 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from kubellm.operator.render import main as render_main
+    from kubellm.operator.render.cli import main as render_main
 
     return render_main(args.render_args)
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
-    from kubellm.operator.handlers import run
+    from kubellm.operator.control.handlers import run
 
     if bool(args.namespaces) == bool(args.all_namespaces):
         raise ValueError("pass --namespace NS (repeatable) or --all-namespaces")
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["render"]:  # the renderer owns its flags (-f, -n, ...)
         setup_logging()
-        from kubellm.operator.render import main as render_main
+        from kubellm.operator.render.cli import main as render_main
 
         return render_main(argv[1:])
     parser = build_parser()

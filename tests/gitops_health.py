@@ -20,8 +20,8 @@ from typing import Any
 
 import lupa.lua51 as lupa  # Argo CD runs health scripts with gopher-lua, a Lua 5.1
 
-from kubellm.operator import status as status_mod
 from kubellm.operator.api import LLMDeployment, LLMDeploymentStatus
+from kubellm.operator.status import observe as status_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGOCD_LUA = ROOT / "charts" / "kubellm" / "files" / "argocd-health.lua"

@@ -17,8 +17,8 @@ import promql_parser
 import yaml
 from prometheus_client import CollectorRegistry
 
-from kubellm.operator import metrics as operator_metrics
-from kubellm.operator import render
+from kubellm.operator.control import metrics as operator_metrics
+from kubellm.operator.render import naming
 from kubellm.runtime.server.metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ KUBE_STATE_METRICS = {
 # Labels Prometheus attaches to every series of a ServiceMonitor's targets (the LLMDeployment's ServiceMonitor
 # adds kubellm_io_llmdeployment from the pod label); `up` is Prometheus's own series per target.
 TARGET_LABELS = {"namespace", "pod", "service", "job", "instance", "container", "endpoint",
-                 render.LABEL_LLMDEPLOYMENT.replace(".", "_").replace("/", "_")}  # fmt: skip
+                 naming.LABEL_LLMDEPLOYMENT.replace(".", "_").replace("/", "_")}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import gitops_health as gitops
 from gitops_health import ARGOCD_LUA as LUA
 from gitops_health import NOW, ROOT, argo_health, deployment, kstatus, ld, observed, pod, resource, settled
-from kubellm.operator import status as status_mod
+from kubellm.operator.status import observe as status_mod
 
 
 def test_serving_is_healthy():

@@ -25,7 +25,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kubellm.operator import api, rbac, render
+from kubellm.operator import api
+from kubellm.operator.control import rbac
+from kubellm.operator.render import autoscaling as autoscaling_mod
+from kubellm.operator.render import cli as render_cli
 from kubellm.runtime.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -279,7 +282,7 @@ def test_versions_agree_with_the_project():
 def test_defaults_agree_with_the_operator_cli():
     defaults = build_parser().parse_args(["operator", "-A"])
     assert VALUES["metrics"]["port"] == defaults.metrics_port
-    assert VALUES["autoscaling"]["prometheusUrl"] == defaults.prometheus_url == render.DEFAULT_PROMETHEUS_URL
+    assert VALUES["autoscaling"]["prometheusUrl"] == defaults.prometheus_url == autoscaling_mod.DEFAULT_PROMETHEUS_URL
 
 
 def test_names_fit_with_the_longest_release_name(helm):
@@ -355,7 +358,7 @@ def test_pod_meets_the_restricted_pod_security_standard(rendered, case):
 
 
 # --------------------------------------------------------------------------------------------------
-# RBAC: exactly operator/rbac.py
+# RBAC: exactly operator/control/rbac.py
 # --------------------------------------------------------------------------------------------------
 
 
@@ -471,20 +474,20 @@ def test_service_monitor_scrapes_the_metrics_service(rendered, case):
 
 def test_prometheus_adapter_values_serve_the_metric_the_hpas_target():
     adapter = yaml.safe_load((CHART / "files" / "prometheus-adapter-values.yaml").read_text())
-    assert adapter["rules"]["custom"] == [render.PROMETHEUS_ADAPTER_RULE]
+    assert adapter["rules"]["custom"] == [autoscaling_mod.PROMETHEUS_ADAPTER_RULE]
     assert adapter["rules"]["default"] is False
     (rule,) = adapter["rules"]["custom"]
     # The adapter renames series with a Go regexp and ${1}-style references; do the same in Python.
     replacement = re.sub(r"\$\{(\d+)\}", r"\\\1", rule["name"]["as"])
-    assert re.sub(rule["name"]["matches"], replacement, api.QUEUE_DEPTH_METRIC) == render.HPA_METRIC_NAME
+    assert re.sub(rule["name"]["matches"], replacement, api.QUEUE_DEPTH_METRIC) == autoscaling_mod.HPA_METRIC_NAME
     assert rule["seriesQuery"].startswith(api.QUEUE_DEPTH_METRIC + "{")
     url = f"{adapter['prometheus']['url']}:{adapter['prometheus']['port']}"
-    assert url == render.DEFAULT_PROMETHEUS_URL  # the same Prometheus the KEDA backend queries by default
+    assert url == autoscaling_mod.DEFAULT_PROMETHEUS_URL  # the same Prometheus the KEDA backend queries by default
 
 
 def test_hpa_asks_for_the_adapters_metric():
-    ld = render.load(yaml.safe_load((ROOT / "examples" / "llmdeployment-autoscaled.yaml").read_text()))
-    hpa = render.render_hpa(ld)
+    ld = render_cli.load(yaml.safe_load((ROOT / "examples" / "llmdeployment-autoscaled.yaml").read_text()))
+    hpa = autoscaling_mod.render_hpa(ld)
     assert hpa is not None
     (metric,) = hpa["spec"]["metrics"]
-    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == render.HPA_METRIC_NAME
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == autoscaling_mod.HPA_METRIC_NAME

@@ -1,6 +1,6 @@
 """The chart's activator (templates/activator.yaml, values activator.*): rendered with the real helm (the fixture
 and helpers of test_chart.py), every object through kubernetes-validate --strict, the activator's and the
-operator's flags parsed by the real CLI, RBAC equal to operator/rbac.py's tables, and the names the operator and
+operator's flags parsed by the real CLI, RBAC equal to operator/control/rbac.py's tables, and the names the operator and
 the activator find each other by."""
 
 # ruff: noqa: F811  (the tests take test_chart's `helm` fixture, imported below, as a parameter)
@@ -28,7 +28,8 @@ from test_chart import (  # noqa: F401  (helm is a fixture)
     template,
 )
 
-from kubellm.operator import activation, rbac
+from kubellm.operator.control import rbac
+from kubellm.operator.render import activation
 from kubellm.runtime.cli import build_parser
 
 ON = {"activator": {"enabled": True}}

@@ -42,7 +42,7 @@ from test_chart import (  # noqa: F401  (helm is a fixture)
     template,
 )
 
-from kubellm.operator import alerts as llmdeployment_alerts
+from kubellm.operator.render import alerts as llmdeployment_alerts
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -299,7 +299,7 @@ def test_operations_guide_and_readme_list_every_alert_and_no_other():
     ops = OPERATIONS.read_text()
     section = ops[ops.index("\n## Alerts\n") : ops.index("\n## Runbooks\n")]
     readme = (CHART / "README.md").read_text()
-    # the section lists the per-LLMDeployment alerts (operator/alerts.py) too, the chart's README does not
+    # the section lists the per-LLMDeployment alerts (operator/render/alerts.py) too, the chart's README does not
     assert set(re.findall(r"`(Kubellm\w+)`", section)) == set(ALERT_NAMES) | set(llmdeployment_alerts.ALERT_NAMES)
     assert set(re.findall(r"`(Kubellm\w+)`", readme)) == set(ALERT_NAMES)
     assert "apiVersion: monitoring.coreos.com/v1" not in ops, "one source: the chart's template, not a copy"

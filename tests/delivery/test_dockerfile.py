@@ -22,7 +22,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from kubellm.operator import render
+from kubellm.operator.render import pods as pods_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -144,10 +144,10 @@ def test_final_stage_runs_as_the_operators_non_root_user(dockerfile, target):
     users = [u for stage in reversed(ancestry(stages, target)) for u in stage.args_of("USER")]
     assert users, f"{target} sets no USER, so it runs as root"
     uid, _, gid = users[-1].partition(":")
-    assert uid == str(render.RUN_AS_USER), f"{target}: USER {users[-1]}; pods run as uid {render.RUN_AS_USER}"
-    assert gid in ("", str(render.RUN_AS_USER))
+    assert uid == str(pods_mod.RUN_AS_USER), f"{target}: USER {users[-1]}; pods run as uid {pods_mod.RUN_AS_USER}"
+    assert gid in ("", str(pods_mod.RUN_AS_USER))
     useradd = " ".join(stages[target].args_of("RUN"))
-    assert f"--uid {render.RUN_AS_USER}" in useradd, f"{target} does not create the user {render.RUN_AS_USER}"
+    assert f"--uid {pods_mod.RUN_AS_USER}" in useradd, f"{target} does not create the user {pods_mod.RUN_AS_USER}"
 
 
 @pytest.mark.parametrize("target", FINAL_TARGETS)
@@ -284,7 +284,7 @@ def test_operator_image_has_every_module_the_operator_imports(dockerfile):
     assert not cli_imports, f"runtime/cli.py imports {cli_imports} at top level; the operator image lacks them"
     distributions = importlib.metadata.packages_distributions()
     missing = {}
-    runs = sorted(p for p in (ROOT / "operator").glob("*.py") if p.name != TEST_SUPPORT.name)
+    runs = sorted(p for p in (ROOT / "operator").rglob("*.py") if p != TEST_SUPPORT)
     for module in sorted(_third_party_imports(runs)):
         dists = {canonicalize_name(d) for d in distributions.get(module, [module])}
         if not dists & installed:
@@ -301,7 +301,7 @@ def test_nothing_the_operator_runs_imports_its_test_support():
     kubellm.operator.testing, lazily or not."""
     assert TEST_SUPPORT.is_file()
     importers = []
-    for path in [*(ROOT / "operator").glob("*.py"), *(ROOT / "runtime").rglob("*.py")]:
+    for path in [*(ROOT / "operator").rglob("*.py"), *(ROOT / "runtime").rglob("*.py")]:
         if path == TEST_SUPPORT:
             continue
         for node in ast.walk(ast.parse(path.read_text())):

@@ -27,7 +27,7 @@ from gitops_health import (
     resource,
     settled,
 )
-from kubellm.operator import status as status_mod
+from kubellm.operator.status import observe as status_mod
 
 SERVING = [pod("llm-a"), pod("llm-b")]
 DEADLINE = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",

@@ -1,4 +1,4 @@
-"""Scale from zero, the pure parts (operator/activation.py, and what render/status do for minReplicas 0):
+"""Scale from zero, the pure parts (operator/render/activation.py, and what render/status do for minReplicas 0):
 the <name>-pods Service, the activator's EndpointSlice at zero and none above it (validated with
 kubernetes-validate --strict), the activator's addresses read from its Service's slices, the KEDA activity
 triggers, status.autoscaling.scaledToZeroSince / activation and the ScaledToZero Event."""
@@ -15,8 +15,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kubellm.operator import activation, api, render, status
-from kubellm.operator.render import InvalidSpec
+from kubellm.operator import api, render
+from kubellm.operator.render import InvalidSpec, activation, naming
+from kubellm.operator.render import autoscaling as autoscaling_mod
+from kubellm.operator.render import cli as render_cli
+from kubellm.operator.render import service as service_mod
+from kubellm.operator.status import observe as status
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSIONS = ("1.31", "1.37")
@@ -29,7 +33,7 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 def make(name: str = "llm", min_replicas: int = 0, **autoscaling: Any) -> api.LLMDeployment:
     spec = {"model": {"uri": "smollm2"},
             "autoscaling": {"enabled": True, "backend": "keda", "minReplicas": min_replicas, **autoscaling}}
-    return render.load({"apiVersion": api.API_VERSION, "kind": api.KIND,
+    return render_cli.load({"apiVersion": api.API_VERSION, "kind": api.KIND,
                         "metadata": {"name": name, "namespace": "team-a", "uid": UID}, "spec": spec})  # fmt: skip
 
 
@@ -61,23 +65,23 @@ def test_pods_service_selects_the_pods_on_the_clients_port_and_escapes_the_servi
     children = render.render(ld, service_monitor_available=True)
     client, pods = [c for c in children if c["kind"] == "Service"]
     assert (client["metadata"]["name"], pods["metadata"]["name"]) == ("llm", "llm-pods")
-    assert pods["spec"]["selector"] == client["spec"]["selector"] == render.selector_labels(ld)
+    assert pods["spec"]["selector"] == client["spec"]["selector"] == naming.selector_labels(ld)
     assert pods["spec"]["ports"] == client["spec"]["ports"] and pods["spec"]["type"] == "ClusterIP"
-    assert pods["metadata"]["ownerReferences"] == [render.owner_reference(ld)]
+    assert pods["metadata"]["ownerReferences"] == [naming.owner_reference(ld)]
     # The ServiceMonitor selects Services by labels: it must find the client Service only, or every pod would be
     # scraped twice and the autoscalers' sums doubled.
     (sm,) = [c for c in children if c["kind"] == "ServiceMonitor"]
     selector = sm["spec"]["selector"]["matchLabels"].items()
     assert selector <= client["metadata"]["labels"].items()
     assert not selector <= pods["metadata"]["labels"].items()
-    assert pods["metadata"]["labels"][render.LABEL_LLMDEPLOYMENT] == render.label_value(ld)  # found for pruning
+    assert pods["metadata"]["labels"][naming.LABEL_LLMDEPLOYMENT] == naming.label_value(ld)  # found for pruning
     validate(pods)
 
 
 def test_no_pods_service_without_scale_to_zero():
-    for ld in (make(min_replicas=1), render.load({"apiVersion": api.API_VERSION, "kind": api.KIND,
+    for ld in (make(min_replicas=1), render_cli.load({"apiVersion": api.API_VERSION, "kind": api.KIND,
                                                   "metadata": {"name": "x"}, "spec": {"model": {"uri": "smollm2"}}})):
-        assert [c["metadata"]["name"] for c in render.render(ld) if c["kind"] == "Service"] == [render.child_name(ld)]
+        assert [c["metadata"]["name"] for c in render.render(ld) if c["kind"] == "Service"] == [naming.child_name(ld)]
 
 
 def test_activator_upstream_is_the_pods_service_on_the_rendered_port():
@@ -87,7 +91,7 @@ def test_activator_upstream_is_the_pods_service_on_the_rendered_port():
     obj = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "qwen", "namespace": "team-a"},
            "spec": {**ld.spec.model_dump(by_alias=True, exclude_none=True), "service": {"port": 8080}}}  # fmt: skip
     target = Catalog(None, ["team-a"]).target_of(obj)
-    (pods_service,) = [c for c in render.render(render.load(obj)) if c["metadata"]["name"].endswith("-pods")]
+    (pods_service,) = [c for c in render.render(render_cli.load(obj)) if c["metadata"]["name"].endswith("-pods")]
     assert target.upstream == f"http://{pods_service['metadata']['name']}.team-a.svc:8080"
     assert pods_service["spec"]["ports"][0]["port"] == 8080
     assert Catalog(None, ["team-a"]).target_of({**obj, "spec": {**obj["spec"], "autoscaling": {"enabled": False}}}) is None
@@ -111,15 +115,15 @@ def test_at_zero_an_endpoint_slice_adds_the_activator_to_the_service():
     assert route.route == activation.ROUTE_ACTIVATOR and route.activator_endpoints == 2
     (s,) = slices
     validate(s)
-    service = render.render_service(ld)
+    service = service_mod.render_service(ld)
     # kube-proxy joins a slice to its Service by this label, and a slice port to a Service port by name.
     assert s["metadata"]["labels"][activation.SERVICE_NAME_LABEL] == service["metadata"]["name"]
     assert [p["name"] for p in s["ports"]] == [p["name"] for p in service["spec"]["ports"]]
     assert s["ports"][0]["port"] == 8000
     # Not the Kubernetes controller's: it leaves slices with another manager alone.
     assert s["metadata"]["labels"][activation.SLICE_MANAGED_BY_LABEL] != "endpointslice-controller.k8s.io"
-    assert s["metadata"]["ownerReferences"] == [render.owner_reference(ld)]  # deleted with the LLMDeployment
-    assert s["metadata"]["labels"][render.LABEL_LLMDEPLOYMENT] == render.label_value(ld)
+    assert s["metadata"]["ownerReferences"] == [naming.owner_reference(ld)]  # deleted with the LLMDeployment
+    assert s["metadata"]["labels"][naming.LABEL_LLMDEPLOYMENT] == naming.label_value(ld)
     assert [e["addresses"] for e in s["endpoints"]] == [["10.0.3.7"], ["10.0.4.2"]]
     assert all(e["conditions"] == {"ready": True} for e in s["endpoints"])
     assert s["metadata"]["name"] != service["metadata"]["name"]  # never the controller's own slice name
@@ -169,7 +173,7 @@ def test_activator_endpoints_are_the_ready_addresses_on_the_http_port():
 
 def test_scale_to_zero_waits_for_no_request_anywhere():
     ld = make(scaleToZeroAfterSeconds=900, scaleDownStabilizationSeconds=300)
-    so = render.render_scaled_object(ld, prometheus_url="http://prom:9090", activator_url=ACTIVATOR_URL)
+    so = autoscaling_mod.render_scaled_object(ld, prometheus_url="http://prom:9090", activator_url=ACTIVATOR_URL)
     assert so["spec"]["cooldownPeriod"] == 900  # the idle time, not the scale-down window
     queue, in_flight, held = so["spec"]["triggers"]
     assert queue["metadata"]["threshold"] == "4"  # the queue alone sizes the deployment
@@ -190,7 +194,7 @@ async def test_activity_url_matches_the_activators_route():
 
     from kubellm.operator.activator import Activator
 
-    path = render.activity_url(make(name="qwen"), ACTIVATOR_URL).removeprefix(ACTIVATOR_URL)
+    path = autoscaling_mod.activity_url(make(name="qwen"), ACTIVATOR_URL).removeprefix(ACTIVATOR_URL)
     activator = Activator(lambda r: None, None)
     match = await activator.admin_app().router.resolve(make_mocked_request("GET", path))
     assert dict(match) == {"namespace": "team-a", "name": "qwen"}
@@ -200,13 +204,13 @@ async def test_activity_url_matches_the_activators_route():
 
 def test_without_scale_to_zero_the_cooldown_and_triggers_are_as_before():
     ld = make(min_replicas=1, scaleDownStabilizationSeconds=600)
-    so = render.render_scaled_object(ld, activator_url=ACTIVATOR_URL)
+    so = autoscaling_mod.render_scaled_object(ld, activator_url=ACTIVATOR_URL)
     assert so["spec"]["cooldownPeriod"] == 600 and len(so["spec"]["triggers"]) == 1
 
 
 def test_scale_to_zero_example_renders_with_the_activity_triggers():
     doc = yaml.safe_load((ROOT / "examples" / "llmdeployment-scale-to-zero.yaml").read_text())
-    ld = render.load({**doc, "metadata": {**doc["metadata"], "namespace": "ml"}})
+    ld = render_cli.load({**doc, "metadata": {**doc["metadata"], "namespace": "ml"}})
     children = render.render(ld, service_monitor_available=True, activator_url=ACTIVATOR_URL)
     assert [c["kind"] for c in children] == ["Service", "Service", "Deployment", "PodDisruptionBudget",
                                              "ScaledObject", "ServiceMonitor"]  # fmt: skip
@@ -283,9 +287,9 @@ def test_no_scale_to_zero_status_for_deployments_that_keep_a_pod():
 
 def test_kubellm_render_takes_the_operators_activator_url(capsys):
     path = str(ROOT / "examples" / "llmdeployment-scale-to-zero.yaml")
-    assert render.main(["-f", path, "--activator-url", ACTIVATOR_URL]) == 0
+    assert render_cli.main(["-f", path, "--activator-url", ACTIVATOR_URL]) == 0
     (so,) = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d and d["kind"] == "ScaledObject"]
     assert so["spec"]["triggers"][-1]["metadata"]["url"] == f"{ACTIVATOR_URL}/activity/default/smollm2-on-demand"
-    assert render.main(["-f", path]) == 0  # without an activator: no trigger polling one
+    assert render_cli.main(["-f", path]) == 0  # without an activator: no trigger polling one
     (so,) = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d and d["kind"] == "ScaledObject"]
     assert [t["type"] for t in so["spec"]["triggers"]] == ["prometheus", "prometheus"]

@@ -23,7 +23,7 @@ from test_operator_kmock import CLOSE, DEPLOYMENTS, VERBS, ApiServer, declare_re
 
 from kubellm.operator import api
 from kubellm.operator.activator import MAX_BODY_BYTES, Activator, Catalog, ScaleWaker, SecretKeys
-from kubellm.operator.kube import Kube
+from kubellm.operator.control.kube import Kube
 from server_harness import free_port
 
 pytestmark = pytest.mark.kmock(cls=ApiServer)

@@ -1,4 +1,4 @@
-"""The PrometheusRule of one LLMDeployment (kubellm.operator.alerts, spec.monitoring.alerts).
+"""The PrometheusRule of one LLMDeployment (kubellm.operator.render.alerts, spec.monitoring.alerts).
 
 Rendered from real specs, validated against the upstream PrometheusRule CRD schema (vendored), every expression
 parsed with promql-parser and checked to read only series the runtime, the operator or kube-state-metrics
@@ -18,7 +18,9 @@ import pytest
 import yaml
 from prometheus_series import check_names, prometheus_rule_schema, selectors
 
-from kubellm.operator import alerts, api, render
+from kubellm.operator import api, render
+from kubellm.operator.render import alerts, naming
+from kubellm.operator.render import cli as render_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kubellm"
@@ -36,7 +38,7 @@ def make(alerts_spec: dict[str, Any] | None = None, name: str = NAME, **spec: An
     body: dict[str, Any] = {"model": {"uri": "smollm2"}, **spec}
     if alerts_spec is not None:
         body["monitoring"] = {"alerts": alerts_spec}
-    return render.load({"apiVersion": api.API_VERSION, "kind": api.KIND,
+    return render_cli.load({"apiVersion": api.API_VERSION, "kind": api.KIND,
                         "metadata": {"name": name, "namespace": NS, "uid": "u-1"}, "spec": body})  # fmt: skip
 
 
@@ -50,8 +52,8 @@ def rules(ld: api.LLMDeployment) -> dict[str, dict[str, Any]]:
 def check_prometheus_rule(ld: api.LLMDeployment, rule: dict[str, Any]) -> None:
     """What every rendered PrometheusRule must satisfy (test_render's matrix calls this too)."""
     jsonschema.Draft7Validator(prometheus_rule_schema()).validate(rule)
-    assert rule["metadata"] == render.child_metadata(ld)
-    label = render.label_value(ld)
+    assert rule["metadata"] == naming.child_metadata(ld)
+    label = naming.label_value(ld)
     (group,) = rule["spec"]["groups"]
     for r in group["rules"]:
         name = r["alert"]
@@ -68,14 +70,14 @@ def check_prometheus_rule(ld: api.LLMDeployment, rule: dict[str, Any]) -> None:
                 continue
             assert matchers["namespace"] == ("Equal", ld.namespace), (name, series)
             if series.startswith("kubellm:") or series == "up":
-                assert matchers[render.PROMETHEUS_LLMDEPLOYMENT_LABEL] == ("Equal", label), (name, series)
+                assert matchers[naming.PROMETHEUS_LLMDEPLOYMENT_LABEL] == ("Equal", label), (name, series)
             elif series.startswith("kube_deployment_"):
-                assert matchers["deployment"] == ("Equal", render.child_name(ld)), name
+                assert matchers["deployment"] == ("Equal", naming.child_name(ld)), name
             elif series.startswith("kube_horizontalpodautoscaler_"):
                 op, value = matchers["horizontalpodautoscaler"]
-                assert op == "Re" and value == f"{render.child_name(ld)}|keda-hpa-{render.child_name(ld)}", name
+                assert op == "Re" and value == f"{naming.child_name(ld)}|keda-hpa-{naming.child_name(ld)}", name
             else:  # pod series: joined on this LLMDeployment's scrape targets
-                assert "and on (namespace, pod)" in r["expr"] and f'{render.PROMETHEUS_LLMDEPLOYMENT_LABEL}="{label}"' \
+                assert "and on (namespace, pod)" in r["expr"] and f'{naming.PROMETHEUS_LLMDEPLOYMENT_LABEL}="{label}"' \
                     in r["expr"], name  # fmt: skip
 
 
@@ -133,7 +135,7 @@ def test_every_knob_reaches_its_alert():
     for rule in r.values():
         # spec labels win over the default severity; namespace and LLMDeployment as the chart's alerts carry them
         assert rule["labels"] == {"severity": "page", "team": "search", "namespace": NS,
-                                  render.PROMETHEUS_LLMDEPLOYMENT_LABEL: NAME}  # fmt: skip
+                                  naming.PROMETHEUS_LLMDEPLOYMENT_LABEL: NAME}  # fmt: skip
 
 
 def test_the_queue_alert_needs_autoscaling_and_the_ttft_alert_an_slo():
@@ -159,7 +161,7 @@ def test_multi_node_groups_leave_out_the_deployment_alert():
 def test_names_that_are_not_labels_select_the_sanitised_series(name):
     ld = make({"enabled": True}, name=name)
     check_prometheus_rule(ld, alerts.render_prometheus_rule(ld))
-    assert render.label_value(ld) != name or "." in name
+    assert naming.label_value(ld) != name or "." in name
 
 
 def test_schema_check_catches_a_misspelt_field():

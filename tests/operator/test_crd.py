@@ -18,7 +18,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from kubellm.operator import api, crd
+from kubellm.operator import api
+from kubellm.operator.crd import schema as crd
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / f"{api.CRD_NAME}.yaml"

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 from pydantic.alias_generators import to_camel
 
-from kubellm.operator import crd, render
+from kubellm.operator.crd import schema as crd
+from kubellm.operator.render import cli as render_cli
+from kubellm.operator.render import pods as pods_mod
 from kubellm.runtime.cli import build_parser, engine_kwargs
 from kubellm.runtime.engine import settings as engine_settings
 from kubellm.runtime.engine.config import EngineConfig
@@ -107,16 +109,16 @@ def test_render_passes_every_api_setting_to_the_runtime_as_it_parses():
         for parent in parents:
             node = node.setdefault(parent, {})
         node[leaf] = values[s.name]
-    ld = render.load({"apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
+    ld = render_cli.load({"apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
                       "metadata": {"name": "x", "namespace": "ml"}, "spec": spec})  # fmt: skip
-    args = build_parser().parse_args(["serve", *render.runtime_args(ld.spec)])
+    args = build_parser().parse_args(["serve", *pods_mod.runtime_args(ld.spec)])
     assert {s.name: getattr(args, s.name) for s in CRD_SETTINGS} == values
 
 
 def test_defaults_render_only_the_pinned_flags():
-    ld = render.load({"apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
+    ld = render_cli.load({"apiVersion": "kubellm.io/v1alpha1", "kind": "LLMDeployment",
                       "metadata": {"name": "x", "namespace": "ml"}, "spec": {"model": {"uri": "smollm2"}}})  # fmt: skip
-    args = render.runtime_args(ld.spec)
+    args = pods_mod.runtime_args(ld.spec)
     for s in CRD_SETTINGS:
         assert (s.flag in args) == (s.render == "always"), s.name
 

@@ -36,7 +36,7 @@ from test_operator_kmock import (
     until,
 )
 
-from kubellm.operator.children import ADOPT_ANNOTATION
+from kubellm.operator.control.children import ADOPT_ANNOTATION
 from kubellm.operator.testing import operator_running
 
 pytestmark = pytest.mark.kmock(cls=ApiServer)

@@ -1,10 +1,11 @@
-"""What the gateways say about the InferencePool, as the LLMDeployment's status and Events (operator/gateway.py)."""
+"""What the gateways say about the InferencePool, as the LLMDeployment's status and Events (operator/status/gateway.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kubellm.operator import api, gateway
+from kubellm.operator import api
+from kubellm.operator.status import gateway
 
 
 def pool(*parents: dict[str, Any], namespace: str = "ml") -> dict[str, Any]:

@@ -14,7 +14,9 @@ import sys
 import openai
 import pytest
 
-from kubellm.operator import api, multinode, render
+from kubellm.operator import api, render
+from kubellm.operator.render import cli as render_cli
+from kubellm.operator.render import multinode
 from kubellm.runtime.engine.llm_engine import LLM
 from kubellm.runtime.sampling.params import SamplingParams
 from server_harness import free_port, wait_ready
@@ -31,7 +33,7 @@ def expand(args: list[str], env: dict[str, str]) -> list[str]:
 @pytest.mark.slow
 def test_the_rendered_leader_and_worker_serve_what_one_rank_generates(tiny_llama, tmp_path):
     rendezvous, port = free_port(), free_port()
-    ld = render.load({
+    ld = render_cli.load({
         "apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "tiny", "namespace": "ml"},
         "spec": {"model": {"uri": f"file://{IMAGE_MODEL}", "servedModelName": "tiny"}, "dtype": "float32",
                  "parallelism": {"tensor": 2, "nodes": 2, "rendezvousPort": rendezvous},

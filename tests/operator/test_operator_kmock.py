@@ -20,11 +20,14 @@ import pydantic
 import pytest
 import pytest_asyncio
 
-from kubellm.operator import api, handlers, metrics, render
-from kubellm.operator import kube as kube_mod
-from kubellm.operator import status as status_mod
-from kubellm.operator.children import as_deployment, replicas_handover, template_id
-from kubellm.operator.kube import Kube, merge_patch_diff
+from kubellm.operator import api, render
+from kubellm.operator.control import handlers, metrics
+from kubellm.operator.control import kube as kube_mod
+from kubellm.operator.control.children import as_deployment, replicas_handover, template_id
+from kubellm.operator.control.kube import Kube, merge_patch_diff
+from kubellm.operator.render import deployment as deployment_mod
+from kubellm.operator.render import naming
+from kubellm.operator.status import observe as status_mod
 from kubellm.operator.testing import (  # noqa: F401  (re-exported: test_operator_rbac.py reads them here)
     CLOSE,
     DEPLOYMENTS,
@@ -730,10 +733,10 @@ def test_as_deployment_reads_a_leader_worker_set_in_the_deployments_shape():
     assert shaped["status"] == {"replicas": 3, "readyReplicas": 2, "availableReplicas": 2, "updatedReplicas": 3,
                                 "observedGeneration": 4, "conditions": [available]}  # fmt: skip
     assert shaped["spec"]["replicas"] == 3 and shaped["metadata"]["generation"] == 4
-    assert shaped["spec"]["selector"]["matchLabels"] == render.serving_selector(ld)  # the leaders
+    assert shaped["spec"]["selector"]["matchLabels"] == naming.serving_selector(ld)  # the leaders
     assert shaped["spec"]["template"] == lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
     assert template_id(lws) == lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["annotations"][
-        render.SPEC_HASH_ANNOTATION]  # fmt: skip
+        naming.SPEC_HASH_ANNOTATION]  # fmt: skip
     # A Deployment passes through as it is; no workload stays None.
-    deployment = render.render_deployment(ld)
+    deployment = deployment_mod.render_deployment(ld)
     assert as_deployment(deployment) == deployment and as_deployment(None) is None

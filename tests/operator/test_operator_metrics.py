@@ -1,4 +1,4 @@
-"""The operator's Prometheus metrics (kubellm.operator.metrics): the handlers move them, /metrics serves them.
+"""The operator's Prometheus metrics (kubellm.operator.control.metrics): the handlers move them, /metrics serves them.
 
 The handlers run as kopf calls them, on an in-memory stand-in for the API client; the exposition is scraped
 over HTTP and parsed with prometheus_client's own parser.
@@ -20,10 +20,12 @@ import pytest
 from kmock import KubernetesError
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubellm.operator import api, handlers, metrics, observer, render
-from kubellm.operator.kube import ApiError, Kube
+from kubellm.operator import api
+from kubellm.operator.control import handlers, metrics, observer
+from kubellm.operator.control.kube import ApiError, Kube
+from kubellm.operator.control.tracking import OperatorState
+from kubellm.operator.render import autoscaling as autoscaling_mod
 from kubellm.operator.testing import ApiServer, declare_resources
-from kubellm.operator.tracking import OperatorState
 from kubellm.runtime.cli import build_parser
 
 NS, NAME = "ml", "llama"
@@ -269,7 +271,7 @@ def test_serve_refuses_a_bad_or_busy_port():
 def test_operator_cli_flags():
     args = build_parser().parse_args(["operator", "-A"])
     assert args.metrics_port == 9090
-    assert args.prometheus_url == render.DEFAULT_PROMETHEUS_URL
+    assert args.prometheus_url == autoscaling_mod.DEFAULT_PROMETHEUS_URL
     args = build_parser().parse_args(["operator", "-n", "ml", "--metrics-port", "0", "--prometheus-url", "http://p:9090"])
     assert (args.metrics_port, args.prometheus_url, args.namespaces) == (0, "http://p:9090", ["ml"])
 

@@ -1,4 +1,4 @@
-"""The operator's API requests against :mod:`kubellm.operator.rbac`, the permissions the Helm chart grants.
+"""The operator's API requests against :mod:`kubellm.operator.control.rbac`, the permissions the Helm chart grants.
 
 The operator (kopf + handlers.py, in-process, scanning on as in production) runs through a life cycle against
 kmock (see test_operator_kmock.py) that makes it use every kind it may own: create with KEDA, a
@@ -23,9 +23,11 @@ import pytest_asyncio
 import test_operator_kmock as t
 from kmock._internal import parsing as kmock_parsing
 
-from kubellm.operator import api, children, handlers, multinode, rbac, render
-from kubellm.operator.children import apply_children
-from kubellm.operator.kube import ApiError, Kube
+from kubellm.operator import api, render
+from kubellm.operator.control import children, handlers, rbac
+from kubellm.operator.control.children import apply_children
+from kubellm.operator.control.kube import ApiError, Kube
+from kubellm.operator.render import naming
 from kubellm.operator.testing import LEADER_WORKER_SETS, declare_leader_worker_sets
 
 pytestmark = pytest.mark.kmock(cls=t.ApiServer)
@@ -403,12 +405,12 @@ def test_without_inference_pool_grants_an_enabled_pool_fails_naming_the_chart_va
 def test_without_leader_worker_set_grants_multi_node_fails_naming_the_chart_value_and_one_node_is_unaffected():
     spec = {"model": {"uri": "hf://org/llama"}, "parallelism": {"tensor": 2, "nodes": 2}}
     ld = api.LLMDeployment.model_validate({**t.llmdeployment(), "spec": spec})
-    kube = RefusingKube(multinode.KIND)
+    kube = RefusingKube(naming.LWS_KIND)
     with pytest.raises(ApiError, match=r"403 Forbidden: .*install the chart with rbac\.leaderWorkerSets=true, or set "
                                        r"parallelism\.nodes: 1"):  # fmt: skip
         asyncio.run(apply_children(kube, ld, render.render(ld)))
     assert kube.applied == ["Service"]  # the Service goes first; nothing after the refused LWS
     ld, children_ = _children("Disabled")
-    kube = RefusingKube(multinode.KIND)
+    kube = RefusingKube(naming.LWS_KIND)
     asyncio.run(apply_children(kube, ld, children_))  # the listing refused: none of ours to clean up
     assert "Deployment" in kube.applied

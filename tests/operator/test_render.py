@@ -21,8 +21,21 @@ import yaml
 from test_alerts import check_prometheus_rule
 from test_crd import cel_violations, to_json_schema  # how tests/operator/test_crd.py admits our own CRD
 
-from kubellm.operator import activation, api, crd, multinode, render
-from kubellm.operator.render import InvalidSpec
+from kubellm.operator import api, render
+from kubellm.operator.crd import schema as crd
+from kubellm.operator.render import (
+    InvalidSpec,
+    disruption_budget,
+    inference_pool,
+    multinode,
+    naming,
+    service_monitor,
+)
+from kubellm.operator.render import autoscaling as autoscaling_mod
+from kubellm.operator.render import cli as render_cli
+from kubellm.operator.render import deployment as deployment_mod
+from kubellm.operator.render import pods as pods_mod
+from kubellm.operator.render import service as service_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("llmdeployment-*.yaml"))
@@ -53,7 +66,7 @@ def manifest(
 
 
 def make(spec: dict[str, Any] | None = None, **kwargs) -> api.LLMDeployment:
-    return render.load(manifest(spec if spec is not None else {"model": {"uri": "smollm2"}}, **kwargs))
+    return render_cli.load(manifest(spec if spec is not None else {"model": {"uri": "smollm2"}}, **kwargs))
 
 
 def merged(base: dict[str, Any], *overrides: dict[str, Any]) -> dict[str, Any]:
@@ -72,7 +85,7 @@ def by_kind(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     kinds = [m["kind"] for m in manifests]
     if kinds.count("Service") == 2:
         second = kinds.index("Service", kinds.index("Service") + 1)
-        assert manifests[second]["metadata"]["name"].endswith(activation.PODS_SERVICE_SUFFIX)
+        assert manifests[second]["metadata"]["name"].endswith(naming.PODS_SERVICE_SUFFIX)
         kinds[second] = "PodsService"
     assert len(kinds) == len(set(kinds)), kinds
     return dict(zip(kinds, manifests, strict=True))
@@ -97,12 +110,12 @@ LWS_VALIDATOR = jsonschema.Draft202012Validator(
 
 
 def runtime(ld: api.LLMDeployment) -> dict[str, Any]:
-    (container,) = render.render_deployment(ld)["spec"]["template"]["spec"]["containers"]
+    (container,) = deployment_mod.render_deployment(ld)["spec"]["template"]["spec"]["containers"]
     return container
 
 
 def pod_spec(ld: api.LLMDeployment) -> dict[str, Any]:
-    return render.render_deployment(ld)["spec"]["template"]["spec"]
+    return deployment_mod.render_deployment(ld)["spec"]["template"]["spec"]
 
 
 def arg(container: dict[str, Any], flag: str) -> str | None:
@@ -154,35 +167,35 @@ def restricted_violations(spec: dict[str, Any]) -> list[str]:
 
 def check_common(ld: api.LLMDeployment, m: dict[str, Any]) -> None:
     meta = m["metadata"]
-    if meta["name"] == activation.pods_service_name(ld):  # scale to zero's second Service, for the activator
-        assert m["kind"] == "Service" and activation.scales_to_zero(ld)
-        labels = {**render.labels(ld), render.LABEL_COMPONENT: activation.PODS_SERVICE_COMPONENT}
+    if meta["name"] == naming.pods_service_name(ld):  # scale to zero's second Service, for the activator
+        assert m["kind"] == "Service" and naming.scales_to_zero(ld)
+        labels = {**naming.labels(ld), naming.LABEL_COMPONENT: service_mod.PODS_SERVICE_COMPONENT}
     else:
-        assert meta["name"] == (multinode.lws_name(ld) if m["kind"] == "LeaderWorkerSet" else render.child_name(ld))
-        labels = render.labels(ld)
+        assert meta["name"] == (naming.lws_name(ld) if m["kind"] == "LeaderWorkerSet" else naming.child_name(ld))
+        labels = naming.labels(ld)
     assert len(meta["name"]) <= 63 and _DNS1035.match(meta["name"])
     assert meta.get("namespace") == ld.namespace
     assert meta["labels"] == labels
     for value in meta["labels"].values():
         assert len(value) <= 63 and _LABEL_VALUE.match(value)
     if ld.metadata.get("uid"):
-        assert meta["ownerReferences"] == [render.owner_reference(ld)]
+        assert meta["ownerReferences"] == [naming.owner_reference(ld)]
 
 
 def scale_target(ld: api.LLMDeployment) -> dict[str, str]:
     if ld.spec.parallelism.nodes > 1:
-        return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": multinode.lws_name(ld)}
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": render.child_name(ld)}
+        return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": naming.lws_name(ld)}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": naming.child_name(ld)}
 
 
 def check_leader_worker_set(ld: api.LLMDeployment, lws: dict[str, Any]) -> None:
     """The LWS CRD's own schema (unknown fields refused), then each pod template inside a Deployment through kubernetes-validate
     (the LWS embeds core/v1 PodTemplateSpecs), then the group's wiring."""
     LWS_VALIDATOR.validate(lws)
-    assert len(lws["metadata"]["name"]) <= multinode.MAX_LWS_NAME_LENGTH and _DNS1035.match(lws["metadata"]["name"])
+    assert len(lws["metadata"]["name"]) <= naming.MAX_LWS_NAME_LENGTH and _DNS1035.match(lws["metadata"]["name"])
     for template in pod_templates(lws):
         wrapped = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
-                   "spec": {"selector": {"matchLabels": render.selector_labels(ld)}, "template": template}}  # fmt: skip
+                   "spec": {"selector": {"matchLabels": naming.selector_labels(ld)}, "template": template}}  # fmt: skip
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(wrapped, version, strict=True)
     group = lws["spec"]["leaderWorkerTemplate"]
@@ -264,10 +277,10 @@ def check_inference_pool(ld: api.LLMDeployment, pool: dict[str, Any], children: 
     assert pool["spec"]["selector"] == {"matchLabels": children["Service"]["spec"]["selector"]}
     template = pod_templates(workload(children))[0]  # a multi-node group's leader: the only one serving
     # (the LWS controller adds the worker index to the pods' labels)
-    selected = {k: v for k, v in pool["spec"]["selector"]["matchLabels"].items() if k != multinode.WORKER_INDEX_LABEL}
+    selected = {k: v for k, v in pool["spec"]["selector"]["matchLabels"].items() if k != naming.WORKER_INDEX_LABEL}
     assert selected.items() <= template["metadata"]["labels"].items()
     (container,) = template["spec"]["containers"]
-    (http,) = [p for p in container["ports"] if p["name"] == render.PORT_NAME]
+    (http,) = [p for p in container["ports"] if p["name"] == naming.PORT_NAME]
     assert pool["spec"]["targetPorts"] == [{"number": http["containerPort"]}]
 
 
@@ -291,9 +304,9 @@ def check_all(ld: api.LLMDeployment, manifests: list[dict[str, Any]]) -> None:
         else:
             raise AssertionError(f"unexpected kind {m['kind']}")
     order = list(dict.fromkeys((m["apiVersion"], m["kind"]) for m in manifests))
-    assert order == [k for k in render.CHILD_KINDS if k in order]
+    assert order == [k for k in naming.CHILD_KINDS if k in order]
     templates = pod_templates(workload(children))
-    selector = render.selector_labels(ld)
+    selector = naming.selector_labels(ld)
     for template in templates:
         assert selector.items() <= template["metadata"]["labels"].items()
         assert restricted_violations(template["spec"]) == []
@@ -303,7 +316,7 @@ def check_all(ld: api.LLMDeployment, manifests: list[dict[str, Any]]) -> None:
         assert children["Deployment"]["spec"]["selector"]["matchLabels"] == selector
         assert children["Service"]["spec"]["selector"] == selector
     else:  # the Service reaches the leaders only (the LWS controller labels each pod with its worker index)
-        assert children["Service"]["spec"]["selector"] == {**selector, multinode.WORKER_INDEX_LABEL: "0"}
+        assert children["Service"]["spec"]["selector"] == {**selector, naming.WORKER_INDEX_LABEL: "0"}
     assert children["PodDisruptionBudget"]["spec"]["selector"] == {"matchLabels": selector}
 
 
@@ -419,7 +432,7 @@ def test_matrix_manifests_are_valid(spec, available):
 @pytest.mark.parametrize("namespace", [None, "team-a"])
 def test_names_fit_everywhere(name, namespace):
     ld = make(merged(CPU, {"model": {"uri": "smollm2"}}, AUTOSCALING["keda"]), name=name, namespace=namespace)
-    if len(render.child_name(ld)) > 63 - len(activation.PODS_SERVICE_SUFFIX):
+    if len(naming.child_name(ld)) > 63 - len(naming.PODS_SERVICE_SUFFIX):
         # Scale to zero needs <name>-pods, which the activator derives from the Service name: refused, not cut.
         with pytest.raises(InvalidSpec, match="shorten metadata.name to at most 58 characters"):
             render.render(ld)
@@ -438,7 +451,7 @@ def test_matrix_covers_what_it_claims():
     kinds = set()
     for _, spec, available in CASES:
         kinds |= {m["kind"] for m in render.render(make(spec), service_monitor_available=available)}
-    assert kinds == {k for _, k in render.CHILD_KINDS}
+    assert kinds == {k for _, k in naming.CHILD_KINDS}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -447,22 +460,22 @@ def test_matrix_covers_what_it_claims():
 
 
 def test_child_name_is_the_name_when_it_fits():
-    assert render.child_name(make(name="qwen2-5-7b")) == "qwen2-5-7b"
-    assert render.child_name(make(name="a" * 63)) == "a" * 63
+    assert naming.child_name(make(name="qwen2-5-7b")) == "qwen2-5-7b"
+    assert naming.child_name(make(name="a" * 63)) == "a" * 63
 
 
 def test_child_name_shortens_and_sanitises_with_a_hash():
     long_a, long_b = make(name="m" * 100 + "a"), make(name="m" * 100 + "b")
-    assert render.child_name(long_a) != render.child_name(long_b)
-    assert render.child_name(long_a) == render.child_name(make(name="m" * 100 + "a"))  # deterministic
+    assert naming.child_name(long_a) != naming.child_name(long_b)
+    assert naming.child_name(long_a) == naming.child_name(make(name="m" * 100 + "a"))  # deterministic
     for ld in (long_a, make(name="qwen2.5.7b"), make(name="7b-chat")):
-        name = render.child_name(ld)
+        name = naming.child_name(ld)
         assert len(name) <= 63 and _DNS1035.match(name), name
     # Sanitising gets a hash too, so "qwen2.5" and "qwen2-5" never share children.
-    assert render.child_name(make(name="qwen2.5")) != render.child_name(make(name="qwen2-5"))
-    assert render.child_name(make(name="7b-chat")).startswith("llm-7b-chat-")
-    assert render.label_value(make(name="qwen2.5.7b")) == "qwen2.5.7b"  # dots are fine in label values
-    assert len(render.label_value(long_a)) == 63
+    assert naming.child_name(make(name="qwen2.5")) != naming.child_name(make(name="qwen2-5"))
+    assert naming.child_name(make(name="7b-chat")).startswith("llm-7b-chat-")
+    assert naming.label_value(make(name="qwen2.5.7b")) == "qwen2.5.7b"  # dots are fine in label values
+    assert len(naming.label_value(long_a)) == 63
 
 
 def test_missing_or_invalid_name_is_invalid_spec():
@@ -487,24 +500,24 @@ def test_owner_reference_on_every_child():
 
 def test_no_uid_means_no_owner_reference():
     ld = make(uid=None)
-    assert render.owner_reference(ld) is None
+    assert naming.owner_reference(ld) is None
     assert all("ownerReferences" not in m["metadata"] for m in render.render(ld))
 
 
 def test_labels():
     ld = make(name="qwen", spec={"model": {"uri": "smollm2"}, "podLabels": {"team": "a"}})
-    assert render.labels(ld) == {
+    assert naming.labels(ld) == {
         "app.kubernetes.io/name": "kubellm",
         "app.kubernetes.io/instance": "qwen",
         "app.kubernetes.io/component": "runtime",
         "app.kubernetes.io/managed-by": "kubellm-operator",
         "kubellm.io/llmdeployment": "qwen",
     }
-    assert render.label_selector(ld) == (
+    assert naming.label_selector(ld) == (
         "app.kubernetes.io/component=runtime,app.kubernetes.io/instance=qwen,app.kubernetes.io/name=kubellm"
     )
-    template = render.render_deployment(ld)["spec"]["template"]
-    assert template["metadata"]["labels"] == {"team": "a", **render.labels(ld)}
+    template = deployment_mod.render_deployment(ld)["spec"]["template"]
+    assert template["metadata"]["labels"] == {"team": "a", **naming.labels(ld)}
 
 
 @pytest.mark.parametrize(
@@ -527,7 +540,7 @@ def test_selector_is_stable_across_spec_changes(change):
             assert old["spec"]["selector"] == new["spec"]["selector"]
         if old["kind"] == "Service":
             assert old["spec"]["selector"] == new["spec"]["selector"]
-    assert render.selector_labels(before) == render.selector_labels(after)
+    assert naming.selector_labels(before) == naming.selector_labels(after)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -540,12 +553,12 @@ def test_autoscaling_leaves_replicas_out(backend):
     ld = make(
         {"model": {"uri": "smollm2"}, "replicas": 3, "autoscaling": {"enabled": True, "backend": backend}}
     )
-    assert "replicas" not in render.render_deployment(ld)["spec"]
+    assert "replicas" not in deployment_mod.render_deployment(ld)["spec"]
     assert (
-        render.render_deployment(make({"model": {"uri": "smollm2"}, "replicas": 3}))["spec"]["replicas"] == 3
+        deployment_mod.render_deployment(make({"model": {"uri": "smollm2"}, "replicas": 3}))["spec"]["replicas"] == 3
     )
     assert (
-        render.render_deployment(make({"model": {"uri": "smollm2"}, "replicas": 0}))["spec"]["replicas"] == 0
+        deployment_mod.render_deployment(make({"model": {"uri": "smollm2"}, "replicas": 0}))["spec"]["replicas"] == 0
     )
 
 
@@ -600,12 +613,12 @@ def test_num_threads_follows_the_cpu_limit(cpu, limit, threads):
 def test_termination_grace_covers_prestop_and_drain(drain):
     ld = make({"model": {"uri": "smollm2"}, "rollout": {"drainTimeoutSeconds": drain}})
     c = runtime(ld)
-    assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": render.PRESTOP_SLEEP_SECONDS}}}
+    assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": pods_mod.PRESTOP_SLEEP_SECONDS}}}
     assert arg(c, "--drain-timeout") == str(drain)
     assert pod_spec(ld)["terminationGracePeriodSeconds"] == (
-        render.PRESTOP_SLEEP_SECONDS + drain + render.TERMINATION_MARGIN_SECONDS
+        pods_mod.PRESTOP_SLEEP_SECONDS + drain + pods_mod.TERMINATION_MARGIN_SECONDS
     )
-    assert pod_spec(ld)["terminationGracePeriodSeconds"] > render.PRESTOP_SLEEP_SECONDS + drain
+    assert pod_spec(ld)["terminationGracePeriodSeconds"] > pods_mod.PRESTOP_SLEEP_SECONDS + drain
 
 
 @pytest.mark.parametrize("timeout", [api.RUNTIME_PROBE_DEADLINE_SECONDS + 1, 15, 60])
@@ -637,19 +650,19 @@ def test_liveness_probe():
 
 
 def test_rollout_defaults_and_overrides():
-    strategy = render.render_deployment(make())["spec"]["strategy"]
+    strategy = deployment_mod.render_deployment(make())["spec"]["strategy"]
     assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     ld = make({"model": {"uri": "smollm2"}, "rollout": {"maxSurge": 0, "maxUnavailable": "50%"}})
-    assert render.render_deployment(ld)["spec"]["strategy"]["rollingUpdate"] == {
+    assert deployment_mod.render_deployment(ld)["spec"]["strategy"]["rollingUpdate"] == {
         "maxSurge": 0,
         "maxUnavailable": "50%",
     }
-    assert render.render_deployment(ld)["spec"]["revisionHistoryLimit"] == render.REVISION_HISTORY_LIMIT
+    assert deployment_mod.render_deployment(ld)["spec"]["revisionHistoryLimit"] == deployment_mod.REVISION_HISTORY_LIMIT
 
 
 def test_progress_deadline_exceeds_the_startup_budget():
     ld = make({"model": {"uri": "smollm2"}, "probes": {"startupTimeoutSeconds": 1800}})
-    assert render.render_deployment(ld)["spec"]["progressDeadlineSeconds"] > 1800
+    assert deployment_mod.render_deployment(ld)["spec"]["progressDeadlineSeconds"] > 1800
 
 
 def test_security_context_is_restricted():
@@ -730,7 +743,7 @@ def test_api_key_secret_reaches_the_runtime_and_only_the_runtime(key):
     env = _resolve_env(container["env"], secrets)
     args = build_parser().parse_args(["serve", *container["args"]])
     assert auth.api_keys_from(args.api_key, env) == ("k-old", "k-new")
-    assert render.API_KEY_ENV == auth.API_KEY_ENV
+    assert pods_mod.API_KEY_ENV == auth.API_KEY_ENV
     for init in ps["initContainers"]:  # the model download never sees the key
         assert auth.API_KEY_ENV not in {e["name"] for e in init["env"]}
     # Without auth nothing is rendered, so the runtime asks for no key.
@@ -742,7 +755,7 @@ def test_api_key_secret_changes_the_pods():
     """Turning keys on or pointing at another Secret rolls the pods (the env is part of the template)."""
     base = {"model": {"uri": "smollm2"}}
     hashes = {
-        render.spec_hash(render.render_deployment(make(merged(base, extra)))["spec"]["template"])
+        pods_mod.spec_hash(deployment_mod.render_deployment(make(merged(base, extra)))["spec"]["template"])
         for extra in (
             {},
             {"auth": {"apiKeySecretRef": {"name": "a"}}},
@@ -764,8 +777,8 @@ def test_pod_spec_passthrough_fields():
     }
     c = ps["containers"][0]
     assert c["image"] == FULL["image"] and c["imagePullPolicy"] == "Always"
-    annotations = render.render_deployment(ld)["spec"]["template"]["metadata"]["annotations"]
-    assert {k: v for k, v in annotations.items() if k != render.SPEC_HASH_ANNOTATION} == FULL[
+    annotations = deployment_mod.render_deployment(ld)["spec"]["template"]["metadata"]["annotations"]
+    assert {k: v for k, v in annotations.items() if k != naming.SPEC_HASH_ANNOTATION} == FULL[
         "podAnnotations"
     ]
     assert c["resources"]["limits"] == {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}
@@ -941,7 +954,7 @@ def test_without_a_draft_model_nothing_of_it_is_rendered():
 def test_a_draft_pvc_path_leaving_its_claim_is_refused():
     ld = make({"model": {"uri": "smollm2"}, "engine": {"speculative": {"model": {"uri": "pvc://store/../etc"}}}})
     with pytest.raises(render.InvalidSpec, match=r"spec.engine.speculative.model.uri: pvc://store/../etc has a '..'"):
-        render.render_deployment(ld)
+        render.render(ld)
 
 
 def test_init_container_shares_cpu_and_memory_for_guaranteed_qos():
@@ -956,8 +969,8 @@ def test_init_container_shares_cpu_and_memory_for_guaranteed_qos():
 
 
 def _hash(spec: dict[str, Any]) -> str:
-    return render.render_deployment(make(spec))["spec"]["template"]["metadata"]["annotations"][
-        render.SPEC_HASH_ANNOTATION
+    return deployment_mod.render_deployment(make(spec))["spec"]["template"]["metadata"]["annotations"][
+        naming.SPEC_HASH_ANNOTATION
     ]
 
 
@@ -979,9 +992,9 @@ def test_spec_hash_follows_the_pods_only():
 def test_spec_hash_ignores_key_order():
     a = make({"model": {"uri": "smollm2"}, "podAnnotations": {"a": "1", "b": "2"}})
     b = make({"model": {"uri": "smollm2"}, "podAnnotations": {"b": "2", "a": "1"}})
-    key = render.SPEC_HASH_ANNOTATION
-    assert (render.render_deployment(a)["spec"]["template"]["metadata"]["annotations"][key]
-            == render.render_deployment(b)["spec"]["template"]["metadata"]["annotations"][key])  # fmt: skip
+    key = naming.SPEC_HASH_ANNOTATION
+    assert (deployment_mod.render_deployment(a)["spec"]["template"]["metadata"]["annotations"][key]
+            == deployment_mod.render_deployment(b)["spec"]["template"]["metadata"]["annotations"][key])  # fmt: skip
 
 
 def test_render_is_deterministic_and_pure():
@@ -991,7 +1004,7 @@ def test_render_is_deterministic_and_pure():
         first = render.render(ld, service_monitor_available=available)
         second = render.render(make(spec), service_monitor_available=available)
         assert first == second
-        assert render.to_yaml(first) == render.to_yaml(second)
+        assert render_cli.to_yaml(first) == render_cli.to_yaml(second)
         assert ld.model_dump() == before
         # The output shares no mutable state with the input.
         for m in first:
@@ -1017,19 +1030,19 @@ def _scramble(node: Any) -> None:
 
 
 def test_service():
-    svc = render.render_service(make(merged(FULL, {"service": {"type": "NodePort", "port": 9000}})))
+    svc = service_mod.render_service(make(merged(FULL, {"service": {"type": "NodePort", "port": 9000}})))
     assert svc["spec"] == {
         "type": "NodePort",
-        "selector": render.selector_labels(make()) | {"app.kubernetes.io/instance": "llm"},
+        "selector": naming.selector_labels(make()) | {"app.kubernetes.io/instance": "llm"},
         "ports": [
             {"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"}
         ],
     }
-    assert render.render_service(make())["spec"]["ports"][0]["port"] == 80
+    assert service_mod.render_service(make())["spec"]["ports"][0]["port"] == 80
 
 
 def test_pdb_never_blocks_a_single_replica_drain():
-    pdb = render.render_pdb(make({"model": {"uri": "smollm2"}, "replicas": 1}))
+    pdb = disruption_budget.render_pdb(make({"model": {"uri": "smollm2"}, "replicas": 1}))
     assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
@@ -1037,8 +1050,8 @@ def test_pdb_never_blocks_a_single_replica_drain():
 def test_hpa():
     ld = make(merged({"model": {"uri": "smollm2"}}, AUTOSCALING["hpa"],
                      {"autoscaling": {"scaleUpStabilizationSeconds": 30, "scaleDownStabilizationSeconds": 600}}))  # fmt: skip
-    hpa = render.render_hpa(ld)
-    assert render.render_scaled_object(ld) is None
+    hpa = autoscaling_mod.render_hpa(ld)
+    assert autoscaling_mod.render_scaled_object(ld) is None
     spec = hpa["spec"]
     assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llm"}
     assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 6)
@@ -1046,22 +1059,22 @@ def test_hpa():
                                                          "target": {"type": "AverageValue", "averageValue": "8"}}}]  # fmt: skip
     assert spec["behavior"]["scaleUp"]["stabilizationWindowSeconds"] == 30
     assert spec["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 600
-    assert render.render_hpa(make()) is None
+    assert autoscaling_mod.render_hpa(make()) is None
 
 
 def test_hpa_metric_name_matches_the_adapter_rule():
-    rule = render.PROMETHEUS_ADAPTER_RULE
+    rule = autoscaling_mod.PROMETHEUS_ADAPTER_RULE
     assert rule["seriesQuery"].startswith(api.QUEUE_DEPTH_METRIC + "{")
     exposed = re.sub(
         rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), api.QUEUE_DEPTH_METRIC
     )
-    assert exposed == render.HPA_METRIC_NAME
+    assert exposed == autoscaling_mod.HPA_METRIC_NAME
 
 
 def test_scaled_object():
     ld = make(merged({"model": {"uri": "smollm2"}}, AUTOSCALING["keda"]), name="qwen", namespace="ml")
-    so = render.render_scaled_object(ld, prometheus_url="http://prom.example:9090")
-    assert render.render_hpa(ld) is None
+    so = autoscaling_mod.render_scaled_object(ld, prometheus_url="http://prom.example:9090")
+    assert autoscaling_mod.render_hpa(ld) is None
     check_scaled_object(ld, so)
     spec = so["spec"]
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 3)
@@ -1075,13 +1088,13 @@ def test_scaled_object():
         "query": 'sum(kubellm:num_requests_waiting{namespace="ml",kubellm_io_llmdeployment="qwen"}) or vector(0)',
         "threshold": "4",
     }
-    assert render.render_scaled_object(ld)["spec"]["triggers"][0]["metadata"]["serverAddress"] == (
-        render.DEFAULT_PROMETHEUS_URL
+    assert autoscaling_mod.render_scaled_object(ld)["spec"]["triggers"][0]["metadata"]["serverAddress"] == (
+        autoscaling_mod.DEFAULT_PROMETHEUS_URL
     )
     # The label the query selects on is the one the ServiceMonitor copies from the pods, sanitised.
-    sm = render.render_service_monitor(ld, service_monitor_available=True)
+    sm = service_monitor.render_service_monitor(ld, service_monitor_available=True)
     (copied,) = sm["spec"]["podTargetLabels"]
-    assert re.sub(r"[^a-zA-Z0-9_]", "_", copied) == render.PROMETHEUS_LLMDEPLOYMENT_LABEL
+    assert re.sub(r"[^a-zA-Z0-9_]", "_", copied) == naming.PROMETHEUS_LLMDEPLOYMENT_LABEL
 
 
 @pytest.mark.parametrize(
@@ -1091,7 +1104,7 @@ def test_scaled_object():
 )  # fmt: skip
 def test_service_monitor_modes(mode, available, expected):
     ld = make({"model": {"uri": "smollm2"}, "monitoring": {"serviceMonitor": mode}})
-    sm = render.render_service_monitor(ld, service_monitor_available=available)
+    sm = service_monitor.render_service_monitor(ld, service_monitor_available=available)
     assert (sm is not None) == expected
     kinds = [m["kind"] for m in render.render(ld, service_monitor_available=available)]
     assert ("ServiceMonitor" in kinds) == expected
@@ -1104,7 +1117,7 @@ def test_inference_pool_only_when_enabled():
     epp = {"name": "epp"}
     for gateway in ({}, {"inferencePool": {}}, {"inferencePool": {"enabled": False, "endpointPickerRef": epp}}):
         ld = make({"model": {"uri": "smollm2"}, "gateway": gateway})
-        assert render.render_inference_pool(ld) is None
+        assert inference_pool.render_inference_pool(ld) is None
         assert "InferencePool" not in [m["kind"] for m in render.render(ld)]
     ld = make({"model": {"uri": "smollm2"}, "gateway": {"inferencePool": {"enabled": True, "endpointPickerRef": epp}}})
     assert [m["kind"] for m in render.render(ld)][-1] == "InferencePool"
@@ -1114,11 +1127,11 @@ def test_inference_pool_selects_the_serving_pods_and_names_the_endpoint_picker()
     ld = make({"model": {"uri": "smollm2"}, "service": {"port": 8080},
                "gateway": {"inferencePool": {"enabled": True, "endpointPickerRef": {"name": "qwen-epp"}}}},
               name="qwen", namespace="ml")  # fmt: skip
-    pool = render.render_inference_pool(ld)
+    pool = inference_pool.render_inference_pool(ld)
     check_all(ld, render.render(ld))
     assert pool["metadata"]["name"] == "qwen" and pool["metadata"]["namespace"] == "ml"
     assert pool["spec"] == {
-        "selector": {"matchLabels": render.selector_labels(ld)},
+        "selector": {"matchLabels": naming.selector_labels(ld)},
         "targetPorts": [{"number": 8000}],  # the pods' port, not the Service's 8080
         "appProtocol": "http",
         "endpointPickerRef": {"group": "", "kind": "Service", "name": "qwen-epp", "port": {"number": 9002},
@@ -1126,7 +1139,7 @@ def test_inference_pool_selects_the_serving_pods_and_names_the_endpoint_picker()
     }  # fmt: skip
     # Without an endpoint picker the field is left out (the upstream API allows it; most gateways then refuse).
     ld = make({"model": {"uri": "smollm2"}, "gateway": {"inferencePool": {"enabled": True}}})
-    assert "endpointPickerRef" not in render.render_inference_pool(ld)["spec"]
+    assert "endpointPickerRef" not in inference_pool.render_inference_pool(ld)["spec"]
 
 
 @pytest.mark.parametrize(
@@ -1145,7 +1158,7 @@ def test_inference_pool_selects_the_serving_pods_and_names_the_endpoint_picker()
 def test_vendored_inference_pool_schema_refuses_broken_pools(case, change, error):
     """The check the render tests rely on can fail: what the upstream CRD refuses, it refuses."""
     ld = make({"model": {"uri": "smollm2"}, "gateway": {"inferencePool": {"enabled": True}}})
-    pool = render.render_inference_pool(ld)
+    pool = inference_pool.render_inference_pool(ld)
     assert inference_pool_errors(pool) == []
     broken = merged(pool, change)
     assert any(error in e for e in inference_pool_errors(broken)), (case, inference_pool_errors(broken))
@@ -1174,8 +1187,8 @@ def group(ld: api.LLMDeployment) -> tuple[dict[str, Any], dict[str, Any]]:
 def test_one_node_renders_the_deployment_exactly_as_before():
     for spec in (FULL, merged(CPU, {"model": {"uri": "smollm2"}}, AUTOSCALING["hpa"])):
         ld = make(spec)
-        assert render.render_workload(ld) == render.render_deployment(ld)
-        assert render.render_service(ld)["spec"]["selector"] == render.selector_labels(ld)
+        assert render.render_workload(ld) == deployment_mod.render_deployment(ld)
+        assert service_mod.render_service(ld)["spec"]["selector"] == naming.selector_labels(ld)
         assert "LeaderWorkerSet" not in [m["kind"] for m in render.render(ld)]
 
 
@@ -1229,8 +1242,8 @@ def test_group_commands_parse_and_configure_the_runtime_once_the_kubelet_expands
 def test_group_templates_differ_from_the_deployments_and_hash_what_they_hold():
     ld = make(MULTI_NODE)
     leader, worker = pod_templates(render.render_workload(ld))
-    hashes = {t["metadata"]["annotations"][render.SPEC_HASH_ANNOTATION] for t in (leader, worker)}
-    assert hashes == {render.spec_hash(leader), render.spec_hash(worker)} and len(hashes) == 2
+    hashes = {t["metadata"]["annotations"][naming.SPEC_HASH_ANNOTATION] for t in (leader, worker)}
+    assert hashes == {pods_mod.spec_hash(leader), pods_mod.spec_hash(worker)} and len(hashes) == 2
     for template in (leader, worker):
         (spread,) = template["spec"]["topologySpreadConstraints"]
         assert spread["matchLabelKeys"] == [multinode.REVISION_LABEL]  # LWS pods have no pod-template-hash
@@ -1250,13 +1263,13 @@ def test_autoscalers_target_the_leader_worker_set():
 @pytest.mark.parametrize("name", ["llm", "a" * 40, "a" * 41, "b" * 63, "x" * 200, "qwen2.5.7b"])
 def test_lws_names_leave_room_for_the_statefulsets_and_never_collide_with_the_service(name):
     ld = make(MULTI_NODE, name=name)
-    lws = multinode.lws_name(ld)
-    assert len(lws) <= multinode.MAX_LWS_NAME_LENGTH and _DNS1035.match(lws)
-    assert lws != render.child_name(ld)  # the LWS controller would adopt our Service as its headless one
+    lws = naming.lws_name(ld)
+    assert len(lws) <= naming.MAX_LWS_NAME_LENGTH and _DNS1035.match(lws)
+    assert lws != naming.child_name(ld)  # the LWS controller would adopt our Service as its headless one
     # worker StatefulSet <lws>-<group> and its controller-revision-hash label <sts>-<10 characters>
     assert len(f"{lws}-99999-0123456789") <= 63
     other = make(MULTI_NODE, name=name + "z" if len(name) < 253 else name[:-1])
-    assert multinode.lws_name(other) != lws
+    assert naming.lws_name(other) != lws
 
 
 @pytest.mark.parametrize(("field", "value"), [("maxSurge", "101%"), ("maxUnavailable", "150%")])
@@ -1302,8 +1315,8 @@ def test_invalid_specs(change, message):
     ld = make(merged({"model": {"uri": "smollm2"}}, change))
     with pytest.raises(InvalidSpec, match=re.escape(message)):
         render.render(ld)
-    with pytest.raises(InvalidSpec):
-        render.render_deployment(ld)
+    with pytest.raises(InvalidSpec, match=re.escape(message)):
+        render.validate(ld)
 
 
 def test_api_rules_are_rechecked():
@@ -1331,15 +1344,15 @@ def test_invalid_spec_is_a_value_error():
 def test_load_applies_crd_defaults_and_rejects_garbage():
     obj = manifest({"model": {"uri": "smollm2"}})
     frozen = copy.deepcopy(obj)
-    ld = render.load(obj)
+    ld = render_cli.load(obj)
     assert obj == frozen
     assert ld.spec.image == api.DEFAULT_IMAGE and ld.spec.rollout.max_unavailable == 0
     with pytest.raises(InvalidSpec, match="expected apiVersion kubellm.io/v1alpha1 kind LLMDeployment"):
-        render.load({"apiVersion": "v1", "kind": "ConfigMap"})
+        render_cli.load({"apiVersion": "v1", "kind": "ConfigMap"})
     with pytest.raises(InvalidSpec, match="spec.replicas"):
-        render.load(manifest({"model": {"uri": "smollm2"}, "replicas": -1}))
+        render_cli.load(manifest({"model": {"uri": "smollm2"}, "replicas": -1}))
     with pytest.raises(InvalidSpec, match="expected a mapping"):
-        render.load(["not", "a", "mapping"])  # type: ignore[arg-type]
+        render_cli.load(["not", "a", "mapping"])  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1358,13 +1371,13 @@ def test_main_renders_every_example(capsys):
     args = []
     for path in EXAMPLES:
         args += ["-f", str(path)]
-    assert render.main([*args, "--service-monitor-available"]) == 0
+    assert render_cli.main([*args, "--service-monitor-available"]) == 0
     captured = capsys.readouterr()
     assert captured.err == ""
     docs = _rendered_docs(captured.out)
     names = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in EXAMPLES}
-    scale_to_zero = {f"{n}{activation.PODS_SERVICE_SUFFIX}" for n in names if n.endswith("-on-demand")}
-    assert {d["metadata"]["name"].removesuffix(multinode.NAME_SUFFIX) for d in docs} == names | scale_to_zero
+    scale_to_zero = {f"{n}{naming.PODS_SERVICE_SUFFIX}" for n in names if n.endswith("-on-demand")}
+    assert {d["metadata"]["name"].removesuffix(naming.LWS_NAME_SUFFIX) for d in docs} == names | scale_to_zero
     for d in docs:
         assert d["metadata"]["namespace"] == "default"
         assert "ownerReferences" not in d["metadata"]  # files have no uid
@@ -1383,14 +1396,14 @@ def test_main_renders_every_example(capsys):
     for path in EXAMPLES:
         obj = yaml.safe_load(path.read_text())
         obj["metadata"]["namespace"] = "default"
-        expected += render.render(render.load(obj), service_monitor_available=True)
+        expected += render.render(render_cli.load(obj), service_monitor_available=True)
     assert docs == expected
 
 
 def test_main_reads_multi_document_stdin_and_namespace(capsys, monkeypatch):
     text = "".join("---\n" + p.read_text() for p in EXAMPLES[:2]) + "---\n"
     monkeypatch.setattr("sys.stdin", io.StringIO(text))
-    assert render.main(["-f", "-", "-n", "ml", "--prometheus-url", "http://p:9090"]) == 0
+    assert render_cli.main(["-f", "-", "-n", "ml", "--prometheus-url", "http://p:9090"]) == 0
     docs = _rendered_docs(capsys.readouterr().out)
     assert {d["metadata"]["namespace"] for d in docs} == {"ml"}
     assert len({d["metadata"]["name"] for d in docs}) == 2
@@ -1401,18 +1414,18 @@ def test_main_reports_bad_input(tmp_path, capsys):
     bad.write_text(yaml.safe_dump(manifest({"model": {"uri": "smollm2"}, "podLabels": {"kubellm.io/x": "1",
                                                                                      "app.kubernetes.io/name": "x"}},
                                            namespace=None, uid=None)))  # fmt: skip
-    assert render.main(["-f", str(bad)]) == 2
+    assert render_cli.main(["-f", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kubellm render: {bad}: document 1 (llm): spec.podLabels: app.kubernetes.io/name")
-    assert render.main(["-f", str(tmp_path / "missing.yaml")]) == 2
+    assert render_cli.main(["-f", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
     (tmp_path / "broken.yaml").write_text("spec: [unclosed")
-    assert render.main(["-f", str(tmp_path / "broken.yaml")]) == 2
+    assert render_cli.main(["-f", str(tmp_path / "broken.yaml")]) == 2
     (tmp_path / "ns.yaml").write_text(yaml.safe_dump(manifest({"model": {"uri": "smollm2"}}, namespace="a")))
-    assert render.main(["-f", str(tmp_path / "ns.yaml"), "-n", "b"]) == 2
+    assert render_cli.main(["-f", str(tmp_path / "ns.yaml"), "-n", "b"]) == 2
     assert "does not match --namespace b" in capsys.readouterr().err
     (tmp_path / "typo.yaml").write_text(yaml.safe_dump(manifest({"model": {"uri": "smollm2"}, "replica": 2})))
-    assert render.main(["-f", str(tmp_path / "typo.yaml")]) == 2
+    assert render_cli.main(["-f", str(tmp_path / "typo.yaml")]) == 2
     assert "spec.replica" in capsys.readouterr().err
 
 
@@ -1438,7 +1451,7 @@ def test_kubellm_render_is_byte_stable_across_processes_and_input_key_order(tmp_
     shuffled.write_text(yaml.safe_dump_all([_reordered(d) for d in reversed(docs)], sort_keys=False))
     outputs = []
     for seed, path in (("1", straight), ("2", straight), ("3", shuffled)):
-        code = "import sys; from kubellm.operator.render import main; sys.exit(main(sys.argv[1:]))"
+        code = "import sys; from kubellm.operator.render.cli import main; sys.exit(main(sys.argv[1:]))"
         env = {**os.environ, "PYTHONHASHSEED": seed}
         result = subprocess.run([sys.executable, "-c", code, "-f", str(path), "-n", "ml"], env=env,
                                 capture_output=True, check=True, timeout=120)  # fmt: skip
@@ -1447,3 +1460,34 @@ def test_kubellm_render_is_byte_stable_across_processes_and_input_key_order(tmp_
     # The shuffled file lists the objects in reverse: compare per object, byte for byte.
     split = [sorted(d for d in re.split(rb"(?m)^---\n", o) if d) for o in outputs]
     assert split[2] == split[0] and len(split[0]) > len(EXAMPLES)
+
+
+# --------------------------------------------------------------------------------------------------
+# One check per render
+# --------------------------------------------------------------------------------------------------
+
+
+def count_spec_checks(monkeypatch) -> list[object]:
+    """Every spec checked against the API's rules from now on (LLMDeploymentSpec.model_validate's inputs)."""
+    checked: list[object] = []
+    original = api.LLMDeploymentSpec.model_validate
+
+    def counted(obj, *args, **kwargs):
+        checked.append(obj)
+        return original(obj, *args, **kwargs)
+
+    monkeypatch.setattr(api.LLMDeploymentSpec, "model_validate", counted)
+    return checked
+
+
+@pytest.mark.parametrize("hardware", ["gpu", "nodes2"])
+def test_render_checks_the_spec_once_for_all_its_children(monkeypatch, hardware):
+    """Every child kind on (Service and pods Service, workload, PDB, KEDA, ServiceMonitor, PrometheusRule,
+    InferencePool): one validation for the whole render, not one per child."""
+    ld = make(merged(HARDWARE[hardware], {"model": {"uri": "hf://a/b"}}, AUTOSCALING["keda"],
+                     {"monitoring": {"alerts": {"enabled": True}}, "gateway": {"inferencePool": {"enabled": True}}}))  # fmt: skip
+    checked = count_spec_checks(monkeypatch)
+    children = render.render(ld, service_monitor_available=True)
+    assert {c["kind"] for c in children} >= {"Service", "PodDisruptionBudget", "ScaledObject", "ServiceMonitor",
+                                              "PrometheusRule", "InferencePool"}  # fmt: skip
+    assert len(checked) == 1

@@ -1,4 +1,4 @@
-"""The rollout guard (operator/rollout_guard.py) as pure functions over Deployment, ReplicaSet and pod fixtures,
+"""The rollout guard (operator/status/rollout_guard.py) as pure functions over Deployment, ReplicaSet and pod fixtures,
 its effect on render (the strategy a rollout replacing in place gets, and back) and on the status conditions,
 Events and kstatus."""
 
@@ -12,8 +12,11 @@ import pytest
 import test_render
 
 import gitops_health
-from kubellm.operator import api, render, rollout_guard
-from kubellm.operator import status as status_mod
+from kubellm.operator import api, render
+from kubellm.operator.render import deployment as deployment_mod
+from kubellm.operator.render import naming
+from kubellm.operator.status import observe as status_mod
+from kubellm.operator.status import rollout_guard
 
 NOW = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
 GPU_MESSAGE = (
@@ -39,7 +42,7 @@ def deployment_of(
     available: int = 2,
 ) -> dict[str, Any]:
     """The Deployment as the API server holds it mid-rollout: render's, plus the controller's status."""
-    d = render.render_deployment(ld, replace_in_place=replace_in_place)
+    d = deployment_mod.render_deployment(ld, replace_in_place=replace_in_place)
     d["metadata"].update(uid=DEPLOYMENT_UID, generation=5)
     d["metadata"].setdefault("annotations", {})[rollout_guard.REVISION_ANNOTATION] = "2"
     d["status"] = {"observedGeneration": 5, "replicas": replicas, "updatedReplicas": updated,
@@ -203,7 +206,7 @@ def test_the_new_replicaset_is_found_by_template_then_by_revision():
 
 
 def spec_hash(ld: api.LLMDeployment) -> str:
-    return render.render_deployment(ld)["spec"]["template"]["metadata"]["annotations"][render.SPEC_HASH_ANNOTATION]
+    return deployment_mod.render_deployment(ld)["spec"]["template"]["metadata"]["annotations"][naming.SPEC_HASH_ANNOTATION]
 
 
 def test_replace_in_place_names_the_template_once_blocked_and_keeps_it_until_complete():
@@ -223,9 +226,9 @@ def test_replace_in_place_names_the_template_once_blocked_and_keeps_it_until_com
     d["status"].update(replicas=2, updatedReplicas=2, availableReplicas=2)
     done = rollout_guard.decide(ld.spec, d, rs, pods, NOW)
     assert done.replace_in_place is None and rollout_guard.needs_apply(ld.spec.rollout, d, done)
-    restored = render.render_deployment(ld, replace_in_place=done.replace_in_place)
+    restored = deployment_mod.render_deployment(ld, replace_in_place=done.replace_in_place)
     assert restored["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
-    assert rollout_guard.IN_PLACE_ANNOTATION not in restored["metadata"].get("annotations", {})
+    assert deployment_mod.IN_PLACE_ANNOTATION not in restored["metadata"].get("annotations", {})
 
 
 def test_with_wait_a_blocked_rollout_keeps_the_specs_strategy():
@@ -237,18 +240,18 @@ def test_with_wait_a_blocked_rollout_keeps_the_specs_strategy():
 
 def test_render_switches_the_strategy_only_for_the_template_it_was_decided_for():
     ld = ld_of(onNoSpareGPU="ReplaceInPlace")
-    d = render.render_deployment(ld, replace_in_place=spec_hash(ld))
+    d = deployment_mod.render_deployment(ld, replace_in_place=spec_hash(ld))
     assert d["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
-    assert d["metadata"]["annotations"] == {rollout_guard.IN_PLACE_ANNOTATION: spec_hash(ld)}
+    assert d["metadata"]["annotations"] == {deployment_mod.IN_PLACE_ANNOTATION: spec_hash(ld)}
     assert rollout_guard.carried_in_place(d) == spec_hash(ld)
     # A new template is a new rollout: it starts with the spec's strategy.
     changed = ld_of(onNoSpareGPU="ReplaceInPlace")
     changed.spec.dtype = "float16"
-    other = render.render_deployment(changed, replace_in_place=spec_hash(ld))
+    other = deployment_mod.render_deployment(changed, replace_in_place=spec_hash(ld))
     assert other["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     assert "annotations" not in other["metadata"]
     # The pods are the same either way: the strategy is no part of the template.
-    assert d["spec"]["template"] == render.render_deployment(ld)["spec"]["template"]
+    assert d["spec"]["template"] == deployment_mod.render_deployment(ld)["spec"]["template"]
 
 
 def test_needs_apply_compares_what_the_api_server_holds():
@@ -272,7 +275,7 @@ def test_needs_apply_compares_what_the_api_server_holds():
 )
 def test_in_place_keeps_a_nonzero_max_unavailable(max_unavailable, in_place):
     rollout = api.RolloutSpec(max_unavailable=max_unavailable)
-    assert rollout_guard.in_place_strategy(rollout) == {"maxSurge": 0, "maxUnavailable": in_place}
+    assert deployment_mod.in_place_strategy(rollout) == {"maxSurge": 0, "maxUnavailable": in_place}
 
 
 @pytest.mark.parametrize(("spec", "available"), [c[1:] for c in test_render.CASES], ids=[c[0] for c in test_render.CASES])
@@ -284,11 +287,11 @@ def test_the_render_matrix_replacing_in_place_stays_valid(spec, available):
         assert "Deployment" not in [c["kind"] for c in children]
         return
     (deployment,) = [c for c in children if c["kind"] == "Deployment"]
-    assert deployment["spec"]["strategy"]["rollingUpdate"] == rollout_guard.in_place_strategy(ld.spec.rollout)
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == deployment_mod.in_place_strategy(ld.spec.rollout)
 
 
 def test_the_spec_hash_annotation_is_renders():
-    assert rollout_guard.SPEC_HASH_ANNOTATION == render.SPEC_HASH_ANNOTATION
+    assert naming.SPEC_HASH_ANNOTATION == naming.SPEC_HASH_ANNOTATION
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import pytest
 import pytest_asyncio
 import test_operator_kmock as t
 
-from kubellm.operator import metrics, rollout_guard
+from kubellm.operator.control import metrics
+from kubellm.operator.render import deployment as deployment_mod
 from kubellm.operator.testing import REPLICASETS, operator_running
 
 pytestmark = pytest.mark.kmock(cls=t.ApiServer)
@@ -133,7 +134,7 @@ async def test_replace_in_place_switches_the_strategy_by_apply_and_restores_it_a
 
     await t.until(lambda: rolling_update(server) == {"maxSurge": 0, "maxUnavailable": 1}, "the in-place strategy")
     switch = deployment_applies(server)[-1]
-    assert switch["metadata"]["annotations"] == {rollout_guard.IN_PLACE_ANNOTATION: spec_hash}
+    assert switch["metadata"]["annotations"] == {deployment_mod.IN_PLACE_ANNOTATION: spec_hash}
     assert switch["spec"]["template"] == deployment["spec"]["template"]  # the pods are left as they are
     progressing = await t.until(
         lambda: (c := t.condition(server, "Progressing")) and c["reason"] == "ReplacingInPlace" and c,

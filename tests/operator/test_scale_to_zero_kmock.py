@@ -40,9 +40,10 @@ from test_operator_kmock import (
 )
 from test_operator_rbac import checks as rbac_checks
 
-from kubellm.operator import activation, rbac
 from kubellm.operator.activator import Catalog, ScaleWaker, SecretKeys, Target
-from kubellm.operator.kube import Kube
+from kubellm.operator.control import rbac
+from kubellm.operator.control.kube import Kube
+from kubellm.operator.render import activation
 from kubellm.operator.testing import operator_running
 
 pytestmark = pytest.mark.kmock(cls=ApiServer)
@@ -157,7 +158,7 @@ async def test_zero_routes_to_the_activator_and_a_ready_pod_routes_back(cluster)
                 "status.autoscaling.activation.route Pods")  # fmt: skip
     assert len(events(server, "ScaledToZero")) == 1
 
-    # Each side asked for exactly what the chart grants it (operator/rbac.py).
+    # Each side asked for exactly what the chart grants it (operator/control/rbac.py).
     def checks_of(token: str) -> set:
         return {c for r in list(server) if r.headers.get("Authorization") == f"Bearer {token}"
                 for c in rbac_checks(r.method.value, r.url.path, dict(r.params), r.headers.get("Content-Type", ""))}

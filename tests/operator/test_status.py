@@ -8,9 +8,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from kubellm.operator import crd
 from kubellm.operator.api import LLMDeployment, LLMDeploymentStatus
-from kubellm.operator.status import (
+from kubellm.operator.crd import schema as crd
+from kubellm.operator.status.observe import (
     Event,
     current_queue_depth,
     invalid_spec_status,

@@ -42,7 +42,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/*
-What the operator needs in each namespace it serves; operator/rbac.py holds the same table with the reason for
+What the operator needs in each namespace it serves; operator/control/rbac.py holds the same table with the reason for
 every verb, and tests/delivery/test_chart.py checks that the two agree.
 */}}
 {{- define "kubellm.namespacedRules" -}}
@@ -123,7 +123,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
-{{/* What the activator needs in each namespace it serves (operator/rbac.py ACTIVATOR). */}}
+{{/* What the activator needs in each namespace it serves (operator/control/rbac.py ACTIVATOR). */}}
 {{- define "kubellm.activatorRules" -}}
 - apiGroups: [apps]
   resources: [deployments/scale]

@@ -1,6 +1,6 @@
 """Generate the LLMDeployment CustomResourceDefinition from the pydantic models in :mod:`kubellm.operator.api`.
 
-``python -m kubellm.operator.crd`` (or ``kubellm crd``) prints it as YAML; ``-o PATH`` writes it.
+``python -m kubellm.operator.crd.schema`` (or ``kubellm crd``) prints it as YAML; ``-o PATH`` writes it.
 
 Pydantic emits JSON Schema 2020-12; a CRD wants a *structural* OpenAPI v3.0 schema, so this module:
 
@@ -28,7 +28,7 @@ from kubellm.operator import api
 
 _INT_OR_STRING_ANYOF = [{"type": "integer"}, {"type": "string"}]
 HEADER = (
-    "# Generated from kubellm/operator/api.py by `kubellm crd` (python -m kubellm.operator.crd); do not edit.\n"
+    "# Generated from kubellm/operator/api/ by `kubellm crd` (python -m kubellm.operator.crd.schema); do not edit.\n"
     "# Regenerate with `make crds`.\n"
 )
 

@@ -1,13 +1,14 @@
-"""kopf wiring of the LLMDeployment operator: thin glue between the API server, :mod:`.render` and :mod:`.status`.
+"""kopf wiring of the LLMDeployment operator: thin glue between the API server, :mod:`kubellm.operator.render` and
+:mod:`kubellm.operator.status`.
 
-* **Reconcile** (``@kopf.on.create/update/resume``): parse the object, render its children and apply them
-  (:func:`.children.apply_children`: server-side apply, field manager ``kubellm-operator``, forced; owned
+* **Reconcile** (``@kopf.on.create/update/resume``): parse the object and check it once, render its children
+  once and apply them (:func:`.children.apply_children`: server-side apply, field manager ``kubellm-operator``, forced; owned
   children no longer rendered are deleted). An invalid spec (a pydantic error, a transition rule, or render's
   ``InvalidSpec``) touches no child: the status says InvalidSpec, a Warning Event says why, and the handler
   returns (no retry: the next spec change runs it again). API errors raise ``kopf.TemporaryError`` with a
   backoff; anything unexpected is logged and retried the same way, and the status says ReconcileFailed.
 * **Observe** (``@kopf.daemon`` per LLMDeployment): :func:`.observer.observe_once` reads the owned Deployment,
-  the HPA and the pods, calls :func:`.status.observe`, patches the status subresource when it changed and
+  the HPA and the pods, calls :func:`.observe.observe`, patches the status subresource when it changed and
   posts the Events. It runs every ``OBSERVE_INTERVAL`` seconds and at once (debounced) when an owned
   Deployment, HPA or pod changes (``@kopf.on.event`` handlers poke it, found through the ``by_label`` index)
   or a reconcile finishes. It observes a new generation only after the reconcile of that generation finished
@@ -30,13 +31,15 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kubellm.operator import api, metrics, observer, rollout_guard
-from kubellm.operator import render as render_mod
-from kubellm.operator import status as status_mod
-from kubellm.operator.children import LABEL, apply_children, read_deployment
-from kubellm.operator.kube import ApiError, Kube
-from kubellm.operator.render import InvalidSpec, render
-from kubellm.operator.tracking import Key, OperatorState, Reconciled, key_of
+from kubellm.operator import api
+from kubellm.operator.control import metrics, observer
+from kubellm.operator.control.children import LABEL, apply_children, read_deployment
+from kubellm.operator.control.kube import ApiError, Kube
+from kubellm.operator.control.tracking import Key, OperatorState, Reconciled, key_of
+from kubellm.operator.render import InvalidSpec, naming, render_validated, validate
+from kubellm.operator.render import autoscaling as autoscaling_mod
+from kubellm.operator.status import observe as status_mod
+from kubellm.operator.status import rollout_guard
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,9 @@ def _backoff(retry: int) -> float:
     return float(min(2 ** min(retry, 6), 60))
 
 
-def _validate(body: Mapping[str, Any], old: Mapping[str, Any] | None, state: OperatorState):
+def _validate(body: Mapping[str, Any], old: Mapping[str, Any] | None) -> api.LLMDeployment:
+    """The LLMDeployment in ``body``, checked once for the whole reconcile: the API's rules, the transition rules
+    against ``old`` (an update's previous object) and what rendering needs (:func:`.render.validate`)."""
     ld = status_mod.parse(body)
     if old and old.get("spec"):
         try:
@@ -76,11 +81,13 @@ def _validate(body: Mapping[str, Any], old: Mapping[str, Any] | None, state: Ope
             old_spec = None  # the previous spec was invalid: nothing to compare with
         if old_spec is not None and (problems := api.validate_update(old_spec, ld.spec)):
             raise InvalidSpec("; ".join(problems))
-    return ld, _render(ld, state)
+    validate(ld)
+    return ld
 
 
-def _render(ld: api.LLMDeployment, state: OperatorState, replace_in_place: str | None = None):
-    return render(
+def _render(ld: api.LLMDeployment, state: OperatorState, replace_in_place: str | None) -> list[dict[str, Any]]:
+    """The children of an ``ld`` that passed :func:`_validate`."""
+    return render_validated(
         ld, service_monitor_available=state.service_monitor_available, prometheus_url=state.prometheus_url,
         replace_in_place=replace_in_place, activator_url=state.activator_url,
     )  # fmt: skip
@@ -115,7 +122,7 @@ async def reconcile(
             return kopf.TemporaryError(message, delay=delay)
 
         try:
-            ld, children = _validate(raw, old if reason == kopf.Reason.UPDATE else None, state)
+            ld = _validate(raw, old if reason == kopf.Reason.UPDATE else None)
         except (ValidationError, InvalidSpec) as e:
             message = status_mod.describe_invalid(e)
             logger.warning(f"invalid spec, children left as they are: {message}")
@@ -129,17 +136,17 @@ async def reconcile(
             outcome.result = "invalid_spec"
             metrics.note_reconcile_failing(key, False)  # nothing failed to apply; InvalidSpec says the rest
             return  # not retried: only a new spec can fix it
-        except Exception as e:  # a bug in parsing or rendering: log it, say so in the status, retry slowly
-            logger.exception("rendering failed unexpectedly")
+        except Exception as e:  # a bug in parsing or validating: log it, say so in the status, retry slowly
+            logger.exception("validating failed unexpectedly")
             raise failed(f"internal error: {type(e).__name__}: {e}", 60) from e
 
         try:
             # A rollout the guard switched to replacing pods in place keeps that strategy through a reconcile
             # (an operator restart resumes every object); render drops it when the template changed.
-            if rollout_guard.may_replace_in_place(ld.spec) and (
-                carried := rollout_guard.carried_in_place(await read_deployment(state.kube, ld))
-            ) is not None:
-                children = _render(ld, state, replace_in_place=carried)
+            carried = None
+            if rollout_guard.may_replace_in_place(ld.spec):
+                carried = rollout_guard.carried_in_place(await read_deployment(state.kube, ld))
+            children = _render(ld, state, replace_in_place=carried)
             await apply_children(state.kube, ld, children, note_template=seen.append)
         except ApiError as e:
             raise failed(f"applying the children failed: {e}", _backoff(retry)) from e
@@ -196,7 +203,7 @@ async def observe_daemon(name: str, namespace: str, memo: Any, stopped: Any, log
 async def by_label(namespace: str, name: str, **_: Any) -> dict[tuple[str, str], Key]:
     """LLMDeployments by (namespace, the kubellm.io/llmdeployment label value their children carry)."""
     namespace = namespace or "default"
-    return {(namespace, render_mod.name_label_value(name)): (namespace, name)}
+    return {(namespace, naming.name_label_value(name)): (namespace, name)}
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL: kopf.PRESENT})
@@ -246,7 +253,7 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, logger: Any, **_: 
     memo.kubellm = OperatorState(
         kube=kube,
         service_monitor_available=available,
-        prometheus_url=getattr(memo, "prometheus_url", None) or render_mod.DEFAULT_PROMETHEUS_URL,
+        prometheus_url=getattr(memo, "prometheus_url", None) or autoscaling_mod.DEFAULT_PROMETHEUS_URL,
         activator_service=getattr(memo, "activator_service", None),
         activator_url=getattr(memo, "activator_url", None),
         observe_interval=OBSERVE_INTERVAL,
@@ -276,7 +283,7 @@ def run(
     standalone: bool,
     *,
     metrics_port: int = 0,
-    prometheus_url: str = render_mod.DEFAULT_PROMETHEUS_URL,
+    prometheus_url: str = autoscaling_mod.DEFAULT_PROMETHEUS_URL,
     activator_service: str | None = None,
     activator_url: str | None = None,
 ) -> None:

@@ -1,7 +1,7 @@
 """The children of an LLMDeployment as the operator writes and reads them through :class:`.kube.Kube`.
 
 :func:`apply_children` applies what :func:`.render.render` produced with server-side apply and deletes the
-owned children that are no longer rendered; :func:`read_children` reads what :func:`.status.observe` needs,
+owned children that are no longer rendered; :func:`read_children` reads what :func:`.observe.observe` needs,
 :func:`read_replicasets` what :func:`.rollout_guard.decide` needs besides.
 Children are found by the ``kubellm.io/llmdeployment`` label and kept only when they carry the
 LLMDeployment's owner reference. An object of a child's name that exists without that reference is never
@@ -16,9 +16,9 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kubellm.operator import api, multinode
-from kubellm.operator import render as render_mod
-from kubellm.operator.kube import ApiError, Kube, owned_by
+from kubellm.operator import api
+from kubellm.operator.control.kube import ApiError, Kube, owned_by
+from kubellm.operator.render import multinode, naming
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +61,9 @@ async def check_not_foreign(kube: Kube, ld: api.LLMDeployment, child: Mapping[st
         return
     raise ForeignObject(child["kind"], namespace, meta["name"], owners_of(found), ld.name)
 
-LABEL = render_mod.LABEL_LLMDEPLOYMENT
+LABEL = naming.LABEL_LLMDEPLOYMENT
 # Every kind the operator may own, so that a kind render stops producing is still found and deleted.
-MANAGED_KINDS: tuple[tuple[str, str], ...] = tuple(render_mod.CHILD_KINDS)
+MANAGED_KINDS: tuple[tuple[str, str], ...] = tuple(naming.CHILD_KINDS)
 # Kinds from add-ons (KEDA, the Prometheus operator, the Gateway API Inference Extension, LWS) whose permissions
 # the Helm chart grants only on request: a forbidden listing of them means "none of ours to clean up".
 # Per kind: (what installs its CRD, the chart value granting it, the spec change that does without it).
@@ -73,12 +73,12 @@ ADDONS: dict[str, tuple[str, str, str]] = {
     "PrometheusRule": ("the Prometheus operator", "rbac.prometheusRules", "monitoring.alerts.enabled: false"),
     "InferencePool": ("the Gateway API Inference Extension CRDs (v1.0 or later)", "rbac.inferencePools",
                       "gateway.inferencePool.enabled: false"),
-    multinode.KIND: (f"the LWS controller ({multinode.INSTALL_URL})", "rbac.leaderWorkerSets",
+    naming.LWS_KIND: (f"the LWS controller ({multinode.INSTALL_URL})", "rbac.leaderWorkerSets",
                      "parallelism.nodes: 1"),
 }  # fmt: skip
 OPTIONAL_KINDS = frozenset(ADDONS)
 # What runs the pods: a Deployment, or a LeaderWorkerSet for multi-node replicas.
-WORKLOAD_KINDS = frozenset({"Deployment", multinode.KIND})
+WORKLOAD_KINDS = frozenset({"Deployment", naming.LWS_KIND})
 
 
 def addon_hint(kind: str, error: ApiError) -> str | None:
@@ -102,17 +102,17 @@ def as_deployment(workload: Mapping[str, Any] | None) -> dict[str, Any] | None:
     leaders (as the LWS's scale subresource does), and the conditions carry over (LWS's Available, Progressing
     and UpdateInProgress; the status code looks for the Deployment reasons only).
     """
-    if workload is None or workload.get("kind") != multinode.KIND:
+    if workload is None or workload.get("kind") != naming.LWS_KIND:
         return dict(workload) if workload is not None else None
     spec, status = workload.get("spec") or {}, workload.get("status") or {}
     group = spec.get("leaderWorkerTemplate") or {}
     metadata = workload.get("metadata") or {}
     labels = ((group.get("leaderTemplate") or {}).get("metadata") or {}).get("labels") or {}
-    selector = {k: v for k, v in labels.items() if k in (render_mod.LABEL_NAME, render_mod.LABEL_INSTANCE,
-                                                         render_mod.LABEL_COMPONENT)}  # fmt: skip
+    selector = {k: v for k, v in labels.items() if k in (naming.LABEL_NAME, naming.LABEL_INSTANCE,
+                                                         naming.LABEL_COMPONENT)}  # fmt: skip
     out_spec: dict[str, Any] = {"template": group.get("leaderTemplate") or {}}
     if selector:
-        out_spec["selector"] = {"matchLabels": {**selector, multinode.WORKER_INDEX_LABEL: "0"}}
+        out_spec["selector"] = {"matchLabels": {**selector, naming.WORKER_INDEX_LABEL: "0"}}
     if "replicas" in spec:
         out_spec["replicas"] = spec["replicas"]
     out_status = {k: status[k] for k in ("replicas", "readyReplicas", "updatedReplicas", "conditions") if k in status}
@@ -128,7 +128,7 @@ def template_id(workload: Mapping[str, Any]) -> Any:
     """What identifies a workload's pod template: render's spec-hash annotation, else the template itself."""
     template = ((as_deployment(workload) or {}).get("spec") or {}).get("template") or {}
     annotations = (template.get("metadata") or {}).get("annotations") or {}
-    return annotations.get(render_mod.SPEC_HASH_ANNOTATION) or template
+    return annotations.get(naming.SPEC_HASH_ANNOTATION) or template
 
 
 REPLICAS_HANDOVER_MANAGER = "kubellm-operator-replicas-handover"
@@ -173,7 +173,7 @@ async def apply_children(
     existing: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
     for api_version, kind in kinds:
         try:
-            found = await kube.list(api_version, kind, namespace, {LABEL: render_mod.label_value(ld)})
+            found = await kube.list(api_version, kind, namespace, {LABEL: naming.label_value(ld)})
         except ApiError as e:
             if not (e.status == 403 and kind in OPTIONAL_KINDS):
                 raise
@@ -225,8 +225,8 @@ async def apply_children(
 
 async def read_deployment(kube: Kube, ld: api.LLMDeployment) -> dict[str, Any] | None:
     """The owned Deployment (the one render names when several carry the label), or None."""
-    namespace, name = ld.namespace or "default", render_mod.child_name(ld)
-    own = {LABEL: render_mod.label_value(ld)}
+    namespace, name = ld.namespace or "default", naming.child_name(ld)
+    own = {LABEL: naming.label_value(ld)}
     uid = ld.metadata.get("uid")
     deployments = [d for d in await kube.list("apps/v1", "Deployment", namespace, own) if owned_by(d, uid)]
     deployments.sort(key=lambda d: (d["metadata"]["name"] != name, d["metadata"]["name"]))
@@ -236,13 +236,13 @@ async def read_deployment(kube: Kube, ld: api.LLMDeployment) -> dict[str, Any] |
 async def read_workload(kube: Kube, ld: api.LLMDeployment) -> dict[str, Any] | None:
     """The owned workload the spec calls for: the Deployment (:func:`read_deployment`), or with
     parallelism.nodes > 1 the LeaderWorkerSet through :func:`as_deployment`; None when there is none."""
-    if not multinode.is_multi_node(ld):
+    if not naming.is_multi_node(ld):
         return await read_deployment(kube, ld)
-    namespace, name = ld.namespace or "default", multinode.lws_name(ld)
-    own = {LABEL: render_mod.label_value(ld)}
+    namespace, name = ld.namespace or "default", naming.lws_name(ld)
+    own = {LABEL: naming.label_value(ld)}
     uid = ld.metadata.get("uid")
     try:
-        found = [w for w in await kube.list(multinode.API_VERSION, multinode.KIND, namespace, own) if owned_by(w, uid)]
+        found = [w for w in await kube.list(naming.LWS_API_VERSION, naming.LWS_KIND, namespace, own) if owned_by(w, uid)]
     except ApiError as e:
         if e.status != 403:
             raise
@@ -256,8 +256,8 @@ async def read_children(
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[dict[str, Any]]]:
     """The owned workload the spec calls for (:func:`read_workload`), the autoscaler's HPA and the workload's
     pods (terminating ones, and a multi-node group's workers, included)."""
-    namespace, name = ld.namespace or "default", render_mod.child_name(ld)
-    own = {LABEL: render_mod.label_value(ld)}
+    namespace, name = ld.namespace or "default", naming.child_name(ld)
+    own = {LABEL: naming.label_value(ld)}
     deployment = await read_workload(kube, ld)
 
     hpa = None
@@ -269,8 +269,8 @@ async def read_children(
         if hpa is None and ld.spec.autoscaling.backend == "keda":
             hpa = await kube.get("autoscaling/v2", "HorizontalPodAutoscaler", namespace, f"keda-hpa-{name}")
 
-    if multinode.is_multi_node(ld):  # the workers too: a crash-looping or unschedulable one holds its group back
-        selector = render_mod.selector_labels(ld)
+    if naming.is_multi_node(ld):  # the workers too: a crash-looping or unschedulable one holds its group back
+        selector = naming.selector_labels(ld)
     else:
         selector = (deployment or {}).get("spec", {}).get("selector", {}).get("matchLabels") or own
     pods = await kube.list("v1", "Pod", namespace, selector)
@@ -280,14 +280,14 @@ async def read_children(
 async def read_inference_pool(kube: Kube, ld: api.LLMDeployment) -> dict[str, Any] | None:
     """The owned InferencePool; None when there is none yet, its CRD is absent or the operator may not list it
     (the reconcile reports those)."""
-    own = {LABEL: render_mod.label_value(ld)}
+    own = {LABEL: naming.label_value(ld)}
     try:
-        pools = await kube.list(render_mod.INFERENCE_POOL_API_VERSION, "InferencePool", ld.namespace or "default", own)
+        pools = await kube.list(naming.INFERENCE_POOL_API_VERSION, "InferencePool", ld.namespace or "default", own)
     except ApiError as e:
         if e.status != 403:
             raise
         return None
-    name = render_mod.child_name(ld)
+    name = naming.child_name(ld)
     return next((p for p in pools if owned_by(p, ld.metadata.get("uid")) and p["metadata"]["name"] == name), None)
 
 

@@ -2,7 +2,7 @@
 
 ``kubellm crd --reference`` prints it, ``-o PATH`` writes it, and ``make crds`` regenerates the committed
 copy (tests/operator/test_crd_reference.py fails when it drifts). Every field, type, default, bound,
-description and CEL rule comes from :func:`kubellm.operator.crd.build_crd`, which comes from the pydantic
+description and CEL rule comes from :func:`kubellm.operator.crd.schema.build_crd`, which comes from the pydantic
 models in :mod:`kubellm.operator.api`; the condition types come from :class:`api.ConditionType` and their
 one-line comments. Only headings and the notes on reading the tables are written here.
 """
@@ -19,11 +19,12 @@ import tokenize
 from collections.abc import Iterator
 from typing import Any
 
-from kubellm.operator import api, crd
+from kubellm.operator import api
+from kubellm.operator.crd import schema
 
 TITLE = "LLMDeployment API reference"
 GENERATED_NOTE = (
-    "<!-- Generated from operator/api.py by `kubellm crd --reference` (make crds); do not edit by hand. -->"
+    "<!-- Generated from operator/api/ by `kubellm crd --reference` (make crds); do not edit by hand. -->"
 )
 
 
@@ -238,7 +239,7 @@ def _printer_columns(columns: list[dict[str, Any]]) -> list[str]:
 
 def render_reference() -> str:
     """The whole Markdown reference (the text committed as docs/crd-reference.md)."""
-    definition = crd.build_crd()
+    definition = schema.build_crd()
     names = definition["spec"]["names"]
     (version,) = definition["spec"]["versions"]
     root = version["schema"]["openAPIV3Schema"]
@@ -250,7 +251,7 @@ def render_reference() -> str:
         "",
         GENERATED_NOTE,
         "",
-        "Generated from the pydantic models in `operator/api.py` (the source of truth) by "
+        "Generated from the pydantic models in `operator/api/` (the source of truth) by "
         "`kubellm crd --reference`; `make crds` regenerates it with the CRD, and a test fails when the two "
         "disagree. `kubectl explain llmdeployment.spec` prints the same descriptions from the installed CRD.",
         "",
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-o", "--output", help="write to this file instead of stdout")
     args = parser.parse_args(argv)
-    return crd.emit(render_reference(), args.output)
+    return schema.emit(render_reference(), args.output)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubellm.operator import api
-from kubellm.operator.status import Event
+from kubellm.operator.status.observe import Event
 
 CONDITIONS = ("Accepted", "ResolvedRefs")  # the pool's parent conditions, in the order a failure is named
 

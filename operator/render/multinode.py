@@ -4,7 +4,7 @@ LeaderWorkerSet (github.com/kubernetes-sigs/lws) in place of the Deployment.
 One replica is one LWS *group* of ``nodes`` pods that together hold one tensor-parallel group: the leader
 (worker index 0) runs ``kubellm serve --node-rank 0``, serves the API and hosts the ranks' rendezvous on
 ``parallelism.rendezvousPort``; worker ``k`` runs ``--node-rank k`` and only its ranks. Both templates are the
-Deployment path's pod template (:func:`.render.pod_template`) with these differences:
+Deployment path's pod template (:func:`.pods.pod_template`) with these differences:
 
 * Addresses come from the LWS controller, which injects ``LWS_LEADER_ADDRESS`` (the leader's stable DNS name,
   ``<lws>-<group>.<lws>.<namespace>``, through the headless Service named like the LWS) and ``LWS_WORKER_INDEX``
@@ -16,65 +16,34 @@ Deployment path's pod template (:func:`.render.pod_template`) with these differe
   ``LeaderReady`` would never start them.
 * The LWS is not named like the Service clients call: the LWS controller creates a headless Service with the
   LWS's own name (the leader address resolves through it) and silently adopts an existing one of that name.
-  :func:`lws_name` leaves room for what the StatefulSets derive from it (pod hostnames and
+  :func:`.naming.lws_name` leaves room for what the StatefulSets derive from it (pod hostnames and
   ``controller-revision-hash`` label values are limited to 63 characters).
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 from typing import Any
 
 from kubellm.operator import api
-from kubellm.operator import render as render_mod
+from kubellm.operator.render.naming import (
+    LWS_API_VERSION,
+    LWS_KIND,
+    SPEC_HASH_ANNOTATION,
+    child_metadata,
+    lws_name,
+)
+from kubellm.operator.render.pods import pod_template, spec_hash
 
-API_VERSION = "leaderworkerset.x-k8s.io/v1"
-KIND = "LeaderWorkerSet"
-# Labels and environment variables the LWS controller puts on every pod of a group.
-WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # "0" on leaders
+# Labels and environment variables the LWS controller puts on every pod of a group (the worker index label is
+# :data:`.naming.WORKER_INDEX_LABEL`).
 REVISION_LABEL = "leaderworkerset.sigs.k8s.io/template-revision-hash"
 LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
 WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
 RENDEZVOUS_PORT_NAME = "rendezvous"
 RESTART_POLICY = "RecreateGroupOnPodRestart"
 STARTUP_POLICY = "LeaderCreated"
-NAME_SUFFIX = "-group"
-# Worker StatefulSets are named <lws>-<group>, and their pods carry controller-revision-hash=<sts>-<10 hex>:
-# 46 + "-" + 5 group digits + "-" + 10 = 63.
-MAX_LWS_NAME_LENGTH = 46
 INSTALL_URL = "https://lws.sigs.k8s.io/docs/installation/"  # named by children.addon_hint when the CRD is missing
-
-
-def is_multi_node(ld: api.LLMDeployment) -> bool:
-    return ld.spec.parallelism.nodes > 1
-
-
-def lws_name(ld: api.LLMDeployment) -> str:
-    """``<child name>-group``, cut and suffixed with a hash of the full name when it would be too long."""
-    base = render_mod.child_name(ld)
-    name = base + NAME_SUFFIX
-    if len(name) <= MAX_LWS_NAME_LENGTH:
-        return name
-    digest = hashlib.sha256(base.encode()).hexdigest()[:8]
-    head = base[: MAX_LWS_NAME_LENGTH - len(NAME_SUFFIX) - len(digest) - 1].rstrip("-")
-    return f"{head}-{digest}{NAME_SUFFIX}"
-
-
-def leader_selector(ld: api.LLMDeployment) -> dict[str, str]:
-    """The labels that select the leader pods only: the Service's selector (workers serve no HTTP)."""
-    return {**render_mod.selector_labels(ld), WORKER_INDEX_LABEL: "0"}
-
-
-def validate(ld: api.LLMDeployment) -> None:
-    """What the LWS admission webhook refuses that a Deployment accepts: rollout percentages above 100%."""
-    for field in ("max_surge", "max_unavailable"):
-        value = getattr(ld.spec.rollout, field)
-        if isinstance(value, str) and value.endswith("%") and int(value[:-1]) > 100:
-            camel = "maxSurge" if field == "max_surge" else "maxUnavailable"
-            raise render_mod.InvalidSpec(
-                f"spec.rollout.{camel} {value}: a LeaderWorkerSet (parallelism.nodes > 1) takes at most 100%"
-            )
 
 
 def _node_args(ld: api.LLMDeployment, node_rank: str) -> list[str]:
@@ -98,16 +67,14 @@ def _group_template(ld: api.LLMDeployment, base: dict[str, Any], *, leader: bool
     for constraint in pod.get("topologySpreadConstraints", ()):
         constraint["matchLabelKeys"] = [REVISION_LABEL]  # LWS pods carry no pod-template-hash
     annotations = template["metadata"]["annotations"]
-    annotations[render_mod.SPEC_HASH_ANNOTATION] = render_mod.spec_hash(template)
+    annotations[SPEC_HASH_ANNOTATION] = spec_hash(template)
     return template
 
 
 def render_leader_worker_set(ld: api.LLMDeployment) -> dict[str, Any]:
     """The LeaderWorkerSet running ``kubellm serve`` over ``parallelism.nodes`` pods per replica."""
-    render_mod.validate(ld)
-    validate(ld)
     spec = ld.spec
-    base = render_mod.pod_template(ld)
+    base = pod_template(ld)
     lws_spec: dict[str, Any] = {}
     if not spec.autoscaling.enabled:  # else the HPA / KEDA owns replicas (the LWS has a scale subresource)
         lws_spec["replicas"] = spec.replicas
@@ -130,5 +97,5 @@ def render_leader_worker_set(ld: api.LLMDeployment) -> dict[str, Any]:
             "networkConfig": {"subdomainPolicy": "Shared"},  # LWS_LEADER_ADDRESS resolves through <lws>.<ns>
         }
     )
-    metadata = {**render_mod.child_metadata(ld), "name": lws_name(ld)}
-    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": lws_spec}
+    metadata = {**child_metadata(ld), "name": lws_name(ld)}
+    return {"apiVersion": LWS_API_VERSION, "kind": LWS_KIND, "metadata": metadata, "spec": lws_spec}

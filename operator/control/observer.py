@@ -2,7 +2,7 @@
 
 :func:`observe_once` is one pass of the observer daemon: read the LLMDeployment afresh, observe it only when
 its reconcile allows (:meth:`.tracking.Tracked.due`), read its children, compute the status
-(:func:`.status.observe`, or :func:`.status.invalid_spec_status`), patch the status subresource when it changed
+(:func:`.observe.observe`, or :func:`.observe.invalid_spec_status`), patch the status subresource when it changed
 and post the Events; on the way :func:`observe_inference_pool` copies what the gateways say about the
 InferencePool (:mod:`.gateway`) and :func:`guard_rollout` judges a rollout waiting for a GPU and steers the
 Deployment's strategy (:mod:`.rollout_guard`). :func:`report_invalid` and :func:`report_failure` write the InvalidSpec and
@@ -20,18 +20,21 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kubellm.operator import activation, api, gateway, metrics, multinode, rollout_guard
-from kubellm.operator import render as render_mod
-from kubellm.operator import status as status_mod
-from kubellm.operator.children import (
+from kubellm.operator import api, render
+from kubellm.operator.control import metrics
+from kubellm.operator.control.children import (
     LABEL,
     check_not_foreign,
     read_children,
     read_inference_pool,
     read_replicasets,
 )
-from kubellm.operator.kube import Kube, merge_patch_diff, owned_by
-from kubellm.operator.tracking import Key, OperatorState, key_of
+from kubellm.operator.control.kube import Kube, merge_patch_diff, owned_by
+from kubellm.operator.control.tracking import Key, OperatorState, key_of
+from kubellm.operator.render import activation, naming
+from kubellm.operator.render import deployment as deployment_mod
+from kubellm.operator.status import gateway, rollout_guard
+from kubellm.operator.status import observe as status_mod
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +132,7 @@ async def guard_rollout(
     """The rollout guard's verdict on the Deployment's rollout; with ``steer``, the Deployment is applied again
     when its strategy must follow the verdict (switched to replacing in place, or restored). The observer re-reads
     every OBSERVE_INTERVAL, so surgeTimeoutSeconds passing is noticed without any watch event."""
-    if multinode.is_multi_node(ld):  # it reads a Deployment's ReplicaSets; a LeaderWorkerSet rolls out groups
+    if naming.is_multi_node(ld):  # it reads a Deployment's ReplicaSets; a LeaderWorkerSet rolls out groups
         metrics.note_rollout_blocked((ld.namespace or "default", ld.name or ""), False)
         return None
     if deployment is None or ld.spec.gpu_count == 0 or rollout_guard.rollout_complete(deployment):
@@ -140,9 +143,10 @@ async def guard_rollout(
     metrics.note_rollout_blocked((ld.namespace or "default", ld.name or ""), verdict.blocked)
     if steer and rollout_guard.needs_apply(ld.spec.rollout, deployment, verdict):
         try:
-            manifest = render_mod.render_deployment(ld, replace_in_place=verdict.replace_in_place)
-        except render_mod.InvalidSpec:
+            render.validate(ld)
+        except render.InvalidSpec:
             return verdict  # the reconcile reports it
+        manifest = deployment_mod.render_deployment(ld, replace_in_place=verdict.replace_in_place)
         logger.info("Deployment %s/%s: %s", ld.namespace, manifest["metadata"]["name"],
                     "replacing pods in place" if verdict.replace_in_place else "restoring the spec's rollout strategy")  # fmt: skip
         await state.kube.apply(manifest)
@@ -160,17 +164,17 @@ async def route(
         return activation.routing(ld, ready, None)
     was_routed = (((previous or {}).get("autoscaling") or {}).get("activation") or {}).get("route") == (
         activation.ROUTE_ACTIVATOR)
-    if not (activation.scales_to_zero(ld) or was_routed):
+    if not (naming.scales_to_zero(ld) or was_routed):
         return None
     activator = None
-    if activation.scales_to_zero(ld):
+    if naming.scales_to_zero(ld):
         namespace, name = state.activator_service
         activator = activation.activator_endpoints(await state.kube.list(
             "discovery.k8s.io/v1", "EndpointSlice", namespace, {activation.SERVICE_NAME_LABEL: name}))
     routing, slices = activation.render_routing(ld, ready, activator)
     namespace, uid = ld.namespace or "default", ld.metadata.get("uid")
     existing = [s for s in await state.kube.list("discovery.k8s.io/v1", "EndpointSlice", namespace,
-                                                 {LABEL: render_mod.label_value(ld)}) if owned_by(s, uid)]
+                                                 {LABEL: naming.label_value(ld)}) if owned_by(s, uid)]
     current = {s["metadata"]["name"]: s for s in existing}
     for s in slices:
         now = current.get(s["metadata"]["name"]) or {}

@@ -1,69 +1,26 @@
-"""The LLMDeployment API (kubellm.io/v1alpha1): spec and status models, the single source of truth.
+"""The LLMDeployment spec: what a user writes, its defaults and its rules (``k8s_rules`` on each model).
 
-The CRD's OpenAPI schema is generated from these models (:mod:`kubellm.operator.crd`), so field
-docstrings are what ``kubectl explain llmdeployment.spec...`` prints; write them for users.
-
-Conventions:
-
-* JSON names are camelCase (``model_dump()`` and ``model_validate()`` use them; snake_case attribute
-  names are accepted on input too). Dump with :meth:`KubeModel.to_k8s` for API payloads: it leaves
-  out ``None`` fields, because Kubernetes expresses "unset" by absence, never by ``null``.
-* Spec models forbid unknown fields (``extra="forbid"``): the API server prunes unknown fields before
-  the operator sees an object, so an unknown field here means a typo in a file we were handed
-  directly (``kubellm render``, tests) or an operator older than its CRD; both should fail loudly.
-  Status models ignore unknown fields (a newer operator may have written more).
-* Cross-field checks are :class:`Rule` objects attached to the model they constrain (``k8s_rules``).
-  Each rule carries its CEL expression (emitted as ``x-kubernetes-validations`` in the CRD, enforced by
-  the API server) and a Python twin with the same message (enforced by ``model_validate``, so the
-  operator rejects the same specs on API servers without CEL and for objects it did not get through
-  the API server). A few checks CEL cannot express are Python-only (:func:`_python_only_checks`).
+The engine settings (``spec.dtype``, ``spec.quantization``, ``spec.engine.*``) are derived from the runtime's
+settings table (:mod:`kubellm.runtime.engine.settings`). A few checks CEL cannot express are Python-only
+(:func:`_python_only_checks`); :func:`validate_update` runs the transition rules an update must pass.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from decimal import Decimal, InvalidOperation
-from enum import StrEnum
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    WithJsonSchema,
-    create_model,
-    model_validator,
-)
-from pydantic.alias_generators import to_camel
-from pydantic_core import PydanticCustomError
+from pydantic import Field, create_model, model_validator
 
+from kubellm.operator.api.fields import FreeForm, IntOrPercent, Quantity, parse_quantity
+from kubellm.operator.api.rules import KubeModel, Rule, nested, raise_violations
 from kubellm.runtime.engine import settings as engine_settings
 from kubellm.runtime.engine.settings import ENGINE_SETTINGS, EngineSetting, setting
-
-# --------------------------------------------------------------------------------------------------
-# Identity of the API
-# --------------------------------------------------------------------------------------------------
-
-GROUP = "kubellm.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "LLMDeployment"
-LIST_KIND = "LLMDeploymentList"
-PLURAL = "llmdeployments"
-SINGULAR = "llmdeployment"
-SHORT_NAMES = ("llmd",)
-CATEGORIES = ("kubellm",)
-CRD_NAME = f"{PLURAL}.{GROUP}"
 
 # The runtime image a spec gets when it names none. Keep RUNTIME_VERSION equal to the project version
 # (tests/operator/test_api.py checks it); changing it changes the CRD default, so regenerate the CRD.
 RUNTIME_VERSION = "0.1.0"
 DEFAULT_IMAGE = f"ghcr.io/kubellm/runtime:{RUNTIME_VERSION}"
-
 RUNTIME_PORT = 8000  # the container port `kubellm serve` listens on; spec.service.port maps to it
 DEFAULT_RENDEZVOUS_PORT = 29500  # spec.parallelism.rendezvousPort: torch.distributed's usual MASTER_PORT
 # The runtime's deadline for the readiness probe's generation (ServerOptions.probe_timeout).
@@ -71,217 +28,8 @@ RUNTIME_PROBE_DEADLINE_SECONDS = 10
 QUEUE_DEPTH_METRIC = "kubellm:num_requests_waiting"  # per-pod gauge the autoscalers target
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # node label spec.resources.gpu.product selects on
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
-
 QUANTIZATIONS = engine_settings.QUANTIZATIONS  # spec.quantization's choices
 
-
-class ConditionType(StrEnum):
-    """The condition types the operator writes to ``status.conditions``."""
-
-    READY = "Ready"  # enough replicas pass the inference readiness probe to serve
-    PROGRESSING = "Progressing"  # a rollout or scale is under way
-    DEGRADED = "Degraded"  # something needs a human (crash loops, unschedulable, model load failures)
-    MODEL_LOADED = "ModelLoaded"  # at least one pod has the model in memory
-    SCALING_ACTIVE = "ScalingActive"  # the autoscaler is computing replica counts from the queue depth
-    DRAINING = "Draining"  # old pods are finishing in-flight requests
-    # kstatus's abnormal-true pair (Flux health checks, kpt, cli-utils): derived from the conditions above.
-    RECONCILING = "Reconciling"  # the operator is still working towards the spec (rollout, scale, loading)
-    STALLED = "Stalled"  # no progress without a change (invalid spec, crash loop, progress deadline)
-
-
-class ConditionStatus(StrEnum):
-    """The status of a condition: True, False or Unknown."""
-
-    TRUE = "True"
-    FALSE = "False"
-    UNKNOWN = "Unknown"
-
-
-# --------------------------------------------------------------------------------------------------
-# Validation rules: one definition, two enforcers (CEL in the API server, Python in the operator)
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A cross-field check, written once for both the API server and the operator.
-
-    ``rule`` is CEL with ``self`` bound to the object the rule is attached to (and ``oldSelf`` to its
-    previous value: such *transition* rules run on updates only). ``check`` is its Python twin on the
-    pydantic model: it returns True when the object is valid (a transition rule's check takes
-    ``(new, old)``). When the message depends on the object, ``message_expression`` (CEL) and
-    ``explain`` (Python) build it; ``message`` is then the fallback older API servers show.
-    Keep ``rule`` to core CEL (has, size, comparisons, ternary, in, matches, string()); the test suite
-    evaluates it with cel-python, which has no Kubernetes extension libraries.
-    """
-
-    rule: str
-    message: str
-    check: Callable[..., bool]
-    message_expression: str | None = None
-    explain: Callable[..., str] | None = None
-    field_path: str | None = None  # the field the API server blames, relative to the rule's object
-
-    @property
-    def transition(self) -> bool:
-        return "oldSelf" in self.rule
-
-    def violation(self, obj: Any, old: Any = None) -> str | None:
-        """The message when ``obj`` breaks this rule, else None (transition rules need ``old``)."""
-        if self.transition:
-            if old is None or self.check(obj, old):
-                return None
-        elif self.check(obj):
-            return None
-        return self.explain(obj) if self.explain else self.message
-
-    def to_crd(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"rule": self.rule, "message": self.message}
-        if self.message_expression:
-            out["messageExpression"] = self.message_expression
-        if self.field_path:
-            out["fieldPath"] = self.field_path
-        return out
-
-
-def _add_rules_to_schema(schema: dict[str, Any], cls: type) -> None:
-    rules = getattr(cls, "k8s_rules", ())
-    if rules:
-        schema["x-kubernetes-validations"] = [r.to_crd() for r in rules]
-
-
-def _raise_violations(messages: list[str]) -> None:
-    if messages:
-        text = messages[0] if len(messages) == 1 else "\n".join(f"- {m}" for m in messages)
-        raise PydanticCustomError("kubellm_rule", "{messages}", {"messages": text})
-
-
-class KubeModel(BaseModel):
-    """Base of every API model: camelCase JSON names, rules from ``k8s_rules`` enforced on validation."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,
-        validate_by_alias=True,
-        serialize_by_alias=True,
-        use_attribute_docstrings=True,
-        json_schema_extra=_add_rules_to_schema,
-        extra="forbid",
-    )
-    k8s_rules: ClassVar[tuple[Rule, ...]] = ()
-
-    @model_validator(mode="after")
-    def _check_k8s_rules(self) -> KubeModel:
-        _raise_violations([m for r in self.k8s_rules if (m := r.violation(self)) is not None])
-        return self
-
-    def to_k8s(self) -> dict[str, Any]:
-        """The JSON object the API server would hold: camelCase names, unset (None) fields left out."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
-
-
-class _Status(KubeModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-def _sub(factory: type[KubeModel]) -> Any:
-    """A nested object that is always present: defaulted to ``{}`` so the API server fills in its defaults."""
-    return Field(default_factory=factory, json_schema_extra={"default": {}})
-
-
-# --------------------------------------------------------------------------------------------------
-# Scalar types
-# --------------------------------------------------------------------------------------------------
-
-# Kubernetes resource.Quantity without a sign, as the API server's own regex writes it.
-QUANTITY_PATTERN = (  # fmt: skip
-    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
-PERCENT_PATTERN = r"^[0-9]+%$"
-_QUANTITY_SUFFIXES = {
-    "": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6,
-    "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-    "Pi": 2**50, "Ei": 2**60,
-}  # fmt: skip
-
-
-def parse_quantity(value: int | str) -> Decimal:
-    """A Kubernetes quantity (``2``, ``"500m"``, ``"16Gi"``, ``"1e3"``) as a Decimal in base units."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"quantity {value} is negative")
-        return Decimal(value)
-    text = str(value)
-    if not re.fullmatch(QUANTITY_PATTERN, text):
-        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 500m, 2, 16Gi, 1.5G)")
-    m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", text)
-    try:
-        if m and m.group(2) in _QUANTITY_SUFFIXES:
-            return Decimal(m.group(1)) * Decimal(_QUANTITY_SUFFIXES[m.group(2)])
-        return Decimal(text)  # exponent form, 1e3
-    except InvalidOperation as e:  # pragma: no cover - the pattern rules these out
-        raise ValueError(f"{text!r} is not a Kubernetes quantity") from e
-
-
-def _quantity(value: int | str) -> int | str:
-    parse_quantity(value)
-    return value
-
-
-def _int_or_percent(value: int | str) -> int | str:
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"must be >= 0, got {value}")
-    elif not re.fullmatch(PERCENT_PATTERN, value):
-        raise ValueError(f"must be a non-negative integer or a percentage like '25%', got {value!r}")
-    return value
-
-
-Quantity = Annotated[
-    int | str,
-    AfterValidator(_quantity),
-    WithJsonSchema(
-        {
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-            "x-kubernetes-int-or-string": True,
-            "pattern": QUANTITY_PATTERN,
-            "minimum": 0,
-        }
-    ),
-]
-IntOrPercent = Annotated[
-    int | str,
-    AfterValidator(_int_or_percent),
-    WithJsonSchema(
-        {
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-            "x-kubernetes-int-or-string": True,
-            "pattern": PERCENT_PATTERN,
-            "minimum": 0,
-        }
-    ),
-]
-def _sorted_keys(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _sorted_keys(value[k]) for k in sorted(value)}
-    if isinstance(value, list):
-        return [_sorted_keys(v) for v in value]
-    return value
-
-
-# A core/v1 object kept verbatim (affinity, env valueFrom): the API server keeps its fields unpruned
-# and the pod's own validation checks them. Keys are sorted, so rendered manifests do not depend on the key
-# order of the input (GitOps diffs of `kubellm render` stay stable).
-FreeForm = Annotated[
-    dict[str, Any],
-    AfterValidator(_sorted_keys),
-    WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
-]
-
-
-# --------------------------------------------------------------------------------------------------
-# Spec
-# --------------------------------------------------------------------------------------------------
 
 # hf://org/name | pvc://claim[/path] | file:///abs/path | a known model name (smollm2). No backslashes,
 # so the same text is a valid CEL string literal and a Python regex.
@@ -528,7 +276,7 @@ class ResourcesSpec(KubeModel):
     QoS, predictable out-of-memory behaviour) unless resources.limits says otherwise. GPUs are always
     requested and limited alike."""
 
-    gpu: GPUSpec = _sub(GPUSpec)
+    gpu: GPUSpec = nested(GPUSpec)
     """GPUs per pod."""
 
     cpu: Quantity | None = None
@@ -799,7 +547,7 @@ class MonitoringSpec(KubeModel):
     """Auto: create a ServiceMonitor when the monitoring.coreos.com CRDs are installed; Enabled: always
     (fail visibly without them); Disabled: never."""
 
-    alerts: AlertsSpec = _sub(AlertsSpec)
+    alerts: AlertsSpec = nested(AlertsSpec)
     """Prometheus alerts on this LLMDeployment (a PrometheusRule)."""
 
 
@@ -837,7 +585,7 @@ class InferencePoolSpec(KubeModel):
 class GatewaySpec(KubeModel):
     """Gateway API integration."""
 
-    inference_pool: InferencePoolSpec = _sub(InferencePoolSpec)
+    inference_pool: InferencePoolSpec = nested(InferencePoolSpec)
     """Model-aware load balancing through the Gateway API Inference Extension."""
 
 
@@ -851,26 +599,26 @@ class LLMDeploymentSpec(KubeModel):
 
     quantization: Quantization = _setting_field(setting("quantization"))[1]
 
-    parallelism: ParallelismSpec = _sub(ParallelismSpec)
+    parallelism: ParallelismSpec = nested(ParallelismSpec)
     """Model sharding."""
 
-    engine: EngineSpec = _sub(EngineSpec)
+    engine: EngineSpec = nested(EngineSpec)
     """Engine settings."""
 
-    resources: ResourcesSpec = _sub(ResourcesSpec)
+    resources: ResourcesSpec = nested(ResourcesSpec)
     """Compute resources of each pod."""
 
     replicas: int = Field(default=1, ge=0)
     """Pods serving the model (the scale subresource's spec.replicas). With autoscaling enabled the
     autoscaler sizes the Deployment and this field is not applied; leave it out of manifests then."""
 
-    autoscaling: AutoscalingSpec = _sub(AutoscalingSpec)
+    autoscaling: AutoscalingSpec = nested(AutoscalingSpec)
     """Queue-depth autoscaling."""
 
-    rollout: RolloutSpec = _sub(RolloutSpec)
+    rollout: RolloutSpec = nested(RolloutSpec)
     """Rolling update behaviour."""
 
-    probes: ProbesSpec = _sub(ProbesSpec)
+    probes: ProbesSpec = nested(ProbesSpec)
     """Startup and readiness probing."""
 
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=1024)
@@ -906,16 +654,16 @@ class LLMDeploymentSpec(KubeModel):
     pod_annotations: dict[str, str] | None = None
     """Extra annotations on the pods."""
 
-    service: ServiceSpec = _sub(ServiceSpec)
+    service: ServiceSpec = nested(ServiceSpec)
     """The Service in front of the pods."""
 
-    auth: AuthSpec = _sub(AuthSpec)
+    auth: AuthSpec = nested(AuthSpec)
     """API keys for the OpenAI API."""
 
-    monitoring: MonitoringSpec = _sub(MonitoringSpec)
+    monitoring: MonitoringSpec = nested(MonitoringSpec)
     """Prometheus integration."""
 
-    gateway: GatewaySpec = _sub(GatewaySpec)
+    gateway: GatewaySpec = nested(GatewaySpec)
     """Gateway API integration (InferencePool)."""
 
     k8s_rules: ClassVar[tuple[Rule, ...]] = (
@@ -992,7 +740,7 @@ class LLMDeploymentSpec(KubeModel):
 
     @model_validator(mode="after")
     def _python_only(self) -> LLMDeploymentSpec:
-        _raise_violations(_python_only_checks(self))
+        raise_violations(_python_only_checks(self))
         return self
 
     @property
@@ -1065,233 +813,3 @@ def all_rules() -> dict[str, tuple[Rule, ...]]:
         LLMDeploymentSpec,
     )
     return {m.__name__: m.k8s_rules for m in models}
-
-
-# --------------------------------------------------------------------------------------------------
-# Status
-# --------------------------------------------------------------------------------------------------
-
-
-def parse_time(value: Any) -> datetime | None:
-    """A Kubernetes timestamp (``2024-05-01T12:00:00Z``) as an aware datetime; None if absent or unparsable."""
-    if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=UTC)
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
-
-def utc_now() -> datetime:
-    """Now, in UTC, to the second (condition times; status.py uses it too)."""
-    return datetime.now(UTC).replace(microsecond=0)
-
-
-class Condition(_Status):
-    """An observation of one aspect of the deployment (the metav1.Condition shape)."""
-
-    type: str = Field(max_length=316, pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$")  # fmt: skip
-    """Ready, Progressing, Degraded, ModelLoaded, ScalingActive, Draining, Reconciling or Stalled."""
-
-    status: ConditionStatus
-    """True, False or Unknown."""
-
-    reason: str = Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
-    """Why the condition has this status, in CamelCase (also the STATUS column for Ready)."""
-
-    message: str = Field(default="", max_length=32768)
-    """Details for humans."""
-
-    last_transition_time: datetime
-    """When the status last changed."""
-
-    observed_generation: int | None = Field(default=None, ge=0)
-    """The metadata.generation the condition was computed from."""
-
-
-class ActivationStatus(_Status):
-    """Where the Service of a deployment that scales to zero sends requests (docs/autoscaling.md)."""
-
-    route: Literal["Pods", "Activator"]
-    """Pods: the Service's own endpoints (the ready pods). Activator: no pod is ready, so an EndpointSlice of
-    the operator adds the activator's pods, which hold requests, wake the deployment and forward them."""
-
-    activator_endpoints: int = Field(default=0, ge=0)
-    """Ready activator pods the Service routes to (0 unless route is Activator)."""
-
-    last_activation_time: datetime | None = None
-    """When the deployment last left zero replicas."""
-
-    message: str = ""
-    """Why the route is what it is, e.g. that no activator is ready."""
-
-
-class AutoscalingStatus(_Status):
-    """What the autoscaler sees and does."""
-
-    current_queue_depth: float | None = Field(default=None, ge=0)
-    """Requests waiting per pod, averaged over the ready pods (the QUEUE column)."""
-
-    target_queue_depth: int | None = Field(default=None, ge=1)
-    """The target it scales towards (spec.autoscaling.targetQueueDepth)."""
-
-    current_replicas: int | None = Field(default=None, ge=0)
-    """Replicas now."""
-
-    desired_replicas: int | None = Field(default=None, ge=0)
-    """Replicas the autoscaler last asked for."""
-
-    last_scale_time: datetime | None = None
-    """When the autoscaler last changed the replica count."""
-
-    blocked_reason: str | None = None
-    """Why the autoscaler cannot act (e.g. the custom-metrics API is missing); empty when it can."""
-
-    scaled_to_zero_since: datetime | None = None
-    """When the deployment last reached zero replicas; absent while it has any."""
-
-    activation: ActivationStatus | None = None
-    """Scale from zero (minReplicas 0): where the Service sends requests and the last wake-up."""
-
-
-class PoolParentStatus(_Status):
-    """How one parent of the InferencePool (a Gateway) takes it, copied from the pool's status.parents."""
-
-    parent: str
-    """Kind, namespace and name of the parent, e.g. Gateway ml/inference-gateway."""
-
-    accepted: bool | None = None
-    """Its Accepted condition: whether the gateway routes to the pool (unset while Unknown)."""
-
-    resolved_refs: bool | None = None
-    """Its ResolvedRefs condition: whether the gateway found the endpoint picker (unset while Unknown)."""
-
-    reason: str | None = None
-    """Reason of the first of those two that is False."""
-
-    message: str | None = None
-    """Message of the first of those two that is False."""
-
-
-class InferencePoolStatus(_Status):
-    """The InferencePool as the gateways report it (with spec.gateway.inferencePool.enabled)."""
-
-    name: str | None = None
-    """The InferencePool's name (an HTTPRoute's backendRef)."""
-
-    parents: list[PoolParentStatus] | None = Field(
-        default=None, max_length=32, json_schema_extra={"x-kubernetes-list-type": "atomic"}
-    )
-    """The gateways that use the pool; empty until an HTTPRoute attached to a Gateway names it."""
-
-
-class LLMDeploymentStatus(_Status):
-    """The observed state of an LLMDeployment, written by the operator."""
-
-    observed_generation: int | None = Field(default=None, ge=0)
-    """The metadata.generation this status describes."""
-
-    replicas: int | None = Field(default=None, ge=0)
-    """Pods that exist (the scale subresource's status.replicas)."""
-
-    ready_replicas: int | None = Field(default=None, ge=0)
-    """Pods that pass the inference readiness probe."""
-
-    updated_replicas: int | None = Field(default=None, ge=0)
-    """Pods running the current spec."""
-
-    ready_text: str | None = None
-    """Ready pods over desired pods, e.g. 1/2 (the READY column)."""
-
-    selector: str | None = None
-    """Label selector of the pods, as a string (the scale subresource's selector, used by autoscalers)."""
-
-    endpoint: str | None = None
-    """In-cluster base URL of the OpenAI-compatible API: http://<service>.<namespace>.svc:<port>/v1."""
-
-    autoscaling: AutoscalingStatus | None = None
-    """Autoscaler state (when spec.autoscaling.enabled)."""
-
-    inference_pool: InferencePoolStatus | None = None
-    """The InferencePool and the gateways that take it (when spec.gateway.inferencePool.enabled)."""
-
-    conditions: list[Condition] | None = Field(
-        default=None,
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    )
-    """Ready, Progressing, Degraded, ModelLoaded, ScalingActive, Draining, and kstatus's Reconciling and Stalled."""
-
-    def get_condition(self, type: str) -> Condition | None:
-        return next((c for c in self.conditions or () if c.type == type), None)
-
-    def is_condition_true(self, type: str) -> bool:
-        c = self.get_condition(type)
-        return c is not None and c.status == ConditionStatus.TRUE
-
-    def set_condition(
-        self,
-        type: str,
-        status: ConditionStatus | str | bool,
-        reason: str,
-        message: str = "",
-        observed_generation: int | None = None,
-        now: datetime | None = None,
-    ) -> bool:
-        """Add or update a condition, like apimachinery's meta.SetStatusCondition.
-
-        ``lastTransitionTime`` moves only when the status changes. ``status`` may be a bool. Returns whether
-        anything changed (so callers can skip a no-op status patch).
-        """
-        if isinstance(status, bool):
-            status = ConditionStatus.TRUE if status else ConditionStatus.FALSE
-        status = ConditionStatus(status)
-        existing = self.get_condition(type)
-        if existing is None:
-            self.conditions = [*(self.conditions or ()), Condition(
-                type=type, status=status, reason=reason, message=message,
-                last_transition_time=now or utc_now(), observed_generation=observed_generation,
-            )]  # fmt: skip
-            return True
-        before = existing.model_dump()
-        if existing.status != status:
-            existing.status = status
-            existing.last_transition_time = now or utc_now()
-        existing.reason, existing.message, existing.observed_generation = reason, message, observed_generation
-        return existing.model_dump() != before
-
-    def remove_condition(self, type: str) -> bool:
-        before = len(self.conditions or ())
-        self.conditions = [c for c in self.conditions or () if c.type != type] or None
-        return len(self.conditions or ()) != before
-
-
-def ready_text(ready: int, desired: int) -> str:
-    """The READY column: ``"1/2"``."""
-    return f"{ready}/{desired}"
-
-
-# --------------------------------------------------------------------------------------------------
-# The object
-# --------------------------------------------------------------------------------------------------
-
-
-class LLMDeployment(KubeModel):
-    """LLMDeployment serves one LLM with the kubellm runtime: pods, a Service, probes that run a real
-    inference, draining rollouts and queue-depth autoscaling."""
-
-    api_version: Literal["kubellm.io/v1alpha1"] = API_VERSION
-    kind: Literal["LLMDeployment"] = KIND
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    spec: LLMDeploymentSpec
-    status: LLMDeploymentStatus | None = None
-
-    @property
-    def name(self) -> str | None:
-        return self.metadata.get("name")
-
-    @property
-    def namespace(self) -> str | None:
-        return self.metadata.get("namespace")

@@ -1,6 +1,6 @@
 """The Kubernetes API permissions the operator needs, written down once: what the Helm chart's RBAC grants.
 
-Every request the operator sends (its own :class:`~kubellm.operator.kube.Kube` client and kopf's watches,
+Every request the operator sends (its own :class:`~kubellm.operator.control.kube.Kube` client and kopf's watches,
 patches and Events) must be allowed by these grants, and every grant must be used by some request.
 ``tests/operator/test_operator_rbac.py`` checks both directions against the requests the operator really
 makes to an emulated API server; ``tests/delivery/test_chart.py`` checks that the chart's Roles and

@@ -65,8 +65,7 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import ValidationError
 
-from kubellm.operator import activation, rollout_guard
-from kubellm.operator import render as render_mod
+from kubellm.operator import render
 from kubellm.operator.api import (
     QUEUE_DEPTH_METRIC,
     AutoscalingStatus,
@@ -79,10 +78,14 @@ from kubellm.operator.api import (
     ready_text,
     utc_now,
 )
+from kubellm.operator.render import activation, naming
+from kubellm.operator.render import autoscaling as autoscaling_mod
+from kubellm.operator.render import deployment as deployment_mod
+from kubellm.operator.status import rollout_guard
 
-LLMDEPLOYMENT_LABEL = render_mod.LABEL_LLMDEPLOYMENT  # kubellm.io/llmdeployment on every child and pod
+LLMDEPLOYMENT_LABEL = naming.LABEL_LLMDEPLOYMENT  # kubellm.io/llmdeployment on every child and pod
 # The queue-depth metric as the HPA names it: through prometheus-adapter (render's HPA), or the raw gauge.
-QUEUE_DEPTH_METRIC_NAMES = (render_mod.HPA_METRIC_NAME, QUEUE_DEPTH_METRIC)
+QUEUE_DEPTH_METRIC_NAMES = (autoscaling_mod.HPA_METRIC_NAME, QUEUE_DEPTH_METRIC)
 
 # Waiting reasons that do not fix themselves, most severe first (the first one found names Degraded).
 DEGRADING_WAITING_REASONS = (
@@ -243,18 +246,18 @@ def label_selector(deployment: Mapping[str, Any] | None, ld: LLMDeployment) -> s
     if isinstance(match_labels, Mapping) and match_labels:
         return ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
     try:
-        return render_mod.label_selector(ld)
-    except render_mod.InvalidSpec:
+        return naming.label_selector(ld)
+    except render.InvalidSpec:
         return f"{LLMDEPLOYMENT_LABEL}={ld.name}"
 
 
 def endpoint(ld: LLMDeployment, service_name: str | None = None) -> str:
     """The in-cluster base URL of the OpenAI API: ``http://<service>.<namespace>.svc:<port>/v1``; the
-    Service is the one render names (:func:`render.child_name`) unless ``service_name`` says otherwise."""
+    Service is the one render names (:func:`.naming.child_name`) unless ``service_name`` says otherwise."""
     if service_name is None:
         try:
-            service_name = render_mod.child_name(ld)
-        except render_mod.InvalidSpec:
+            service_name = naming.child_name(ld)
+        except render.InvalidSpec:
             service_name = ld.name
     return f"http://{service_name}.{ld.namespace or 'default'}.svc:{ld.spec.service.port}/v1"
 
@@ -570,7 +573,7 @@ def guarded_progressing(ld: LLMDeployment, rollout: Rollout, verdict: rollout_gu
     since = verdict.since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if verdict.since else "now"
     waited = f"pod {verdict.pod} of the new revision has waited for {verdict.resource} since {since}"
     if verdict.replace_in_place is not None:
-        strategy = rollout_guard.in_place_strategy(ld.spec.rollout)
+        strategy = deployment_mod.in_place_strategy(ld.spec.rollout)
         message = (
             f"no spare {verdict.resource} for a surge pod: replacing pods in place (maxSurge 0, maxUnavailable "
             f"{strategy['maxUnavailable']}) until the rollout completes; {rollout.updated}/{rollout.desired} "
@@ -782,10 +785,10 @@ def observe(
         progressing = guarded
         if reconcile_error is None:
             events += guard_events(previous, progressing)
-    if status.autoscaling is not None and activation.scales_to_zero(ld):
+    if status.autoscaling is not None and naming.scales_to_zero(ld):
         events += [Event(*e) for e in activation.scale_to_zero_status(
             status.autoscaling, previous.autoscaling, rollout.desired, routing,
-            idle_seconds=activation.idle_seconds(ld), now=now)]  # fmt: skip
+            idle_seconds=autoscaling_mod.idle_seconds(ld), now=now)]  # fmt: skip
     conditions = {
         ConditionType.READY: ready_condition(rollout, rolling, problem),
         ConditionType.PROGRESSING: progressing,

@@ -23,7 +23,7 @@ import urllib3
 from kubernetes.dynamic import DynamicClient, LazyDiscoverer
 from kubernetes.dynamic.exceptions import DynamicApiError, ResourceNotFoundError
 
-from kubellm.operator import metrics
+from kubellm.operator.control import metrics
 
 REQUEST_TIMEOUT = (10.0, 60.0)  # seconds: connect, read
 REDISCOVER_AFTER = 30.0  # seconds: how soon a kind the server did not serve is looked for again

@@ -11,10 +11,11 @@ pending, a pod unschedulable for another reason (taints, CPU, memory) or one the
 for (preemption under way) blocks nothing: those are reported as Unschedulable, as before.
 
 With ``rollout.onNoSpareGPU: ReplaceInPlace`` the verdict names the pod template (its ``kubellm.io/spec-hash``)
-whose rollout switches to ``maxSurge: 0`` (:func:`in_place_strategy`). Render takes that as an input
-(``render_deployment(ld, replace_in_place=...)``) and marks the Deployment with :data:`IN_PLACE_ANNOTATION`, so
-the switch outlives an operator restart (:func:`carried_in_place`) and ends by itself with that template: once
-the rollout completes, or when a new template starts a new rollout, render writes the spec's strategy again.
+whose rollout switches to ``maxSurge: 0`` (:func:`kubellm.operator.render.deployment.in_place_strategy`).
+Render takes that as an input (``render_deployment(ld, replace_in_place=...)``) and marks the Deployment with
+``IN_PLACE_ANNOTATION``, so the switch outlives an operator restart (:func:`carried_in_place`) and ends by
+itself with that template: once the rollout completes, or when a new template starts a new rollout, render
+writes the spec's strategy again.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ from datetime import datetime
 from typing import Any
 
 from kubellm.operator import api
+from kubellm.operator.render.deployment import IN_PLACE_ANNOTATION, in_place_strategy, spec_strategy
+from kubellm.operator.render.naming import SPEC_HASH_ANNOTATION
 
-# On the Deployment (written by render, the operator's field manager owns it): the kubellm.io/spec-hash of the
-# pod template whose rollout replaces pods in place. Server-side apply drops it once render stops writing it.
-IN_PLACE_ANNOTATION = f"{api.GROUP}/replacing-in-place"
-SPEC_HASH_ANNOTATION = f"{api.GROUP}/spec-hash"  # render.SPEC_HASH_ANNOTATION (render imports this module)
 REVISION_ANNOTATION = "deployment.kubernetes.io/revision"
 TEMPLATE_HASH_LABEL = "pod-template-hash"
 
@@ -179,17 +178,6 @@ def decide(
     if blocked and replacing:
         in_place = spec_hash
     return Verdict(blocked=blocked, pod=name, since=since, message=message, resource=resource, replace_in_place=in_place)
-
-
-def in_place_strategy(rollout: api.RolloutSpec) -> dict[str, Any]:
-    """The rollingUpdate of a rollout that replaces in place: no surge; the spec's maxUnavailable, 1 when it is 0."""
-    unavailable = rollout.max_unavailable if str(rollout.max_unavailable) not in ("0", "0%") else 1
-    return {"maxSurge": 0, "maxUnavailable": unavailable}
-
-
-def spec_strategy(rollout: api.RolloutSpec) -> dict[str, Any]:
-    """The rollingUpdate the spec asks for."""
-    return {"maxSurge": rollout.max_surge, "maxUnavailable": rollout.max_unavailable}
 
 
 def needs_apply(rollout: api.RolloutSpec, deployment: Mapping[str, Any] | None, verdict: Verdict) -> bool:

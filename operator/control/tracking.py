@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubellm.operator import render as render_mod
-from kubellm.operator.kube import Kube
+from kubellm.operator.control.kube import Kube
+from kubellm.operator.render import autoscaling as autoscaling_mod
 
 Key = tuple[str, str]  # (namespace, name)
 
@@ -66,7 +66,7 @@ class OperatorState:
 
     kube: Kube
     service_monitor_available: bool = False
-    prometheus_url: str = render_mod.DEFAULT_PROMETHEUS_URL  # what KEDA triggers query
+    prometheus_url: str = autoscaling_mod.DEFAULT_PROMETHEUS_URL  # what KEDA triggers query
     activator_service: Key | None = None  # (namespace, name) of the activator's Service; None: no activator
     activator_url: str | None = None  # the activator's admin base URL, which KEDA triggers poll
     observe_interval: float = 15.0  # seconds between observations without a child event

@@ -3,8 +3,8 @@
 Pure functions of (spec, observed state); :mod:`.observer` applies what they return. The mechanism and the
 alternatives it was chosen over are in docs/autoscaling.md, "Scale from zero".
 
-* A deployment scales to zero when ``autoscaling.minReplicas`` is 0 (:func:`scales_to_zero`). It then gets a
-  second Service, ``<name>-pods`` (:func:`render_pods_service`, rendered with the other children): the
+* A deployment scales to zero when ``autoscaling.minReplicas`` is 0 (:func:`.naming.scales_to_zero`). It then gets a
+  second Service, ``<name>-pods`` (:func:`.service.render_pods_service`, rendered with the other children): the
   activator forwards held requests there, never through the client-facing Service, which may be routed to
   the activator itself.
 * The client-facing Service is never changed (same name, same ClusterIP, same selector). While it has no
@@ -27,17 +27,14 @@ from datetime import datetime
 from typing import Any
 
 from kubellm.operator import api
-from kubellm.operator import render as render_mod
+from kubellm.operator.render.naming import PORT_NAME, child_metadata, child_name, scales_to_zero
 
-PODS_SERVICE_SUFFIX = "-pods"  # the activator's default upstream (activator.DEFAULT_UPSTREAM) names it so
-PODS_SERVICE_COMPONENT = "activator-upstream"
 SLICE_SUFFIX = "-activator"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # the Service an EndpointSlice belongs to
 SLICE_MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
 # Not the Kubernetes controller's value (endpointslice-controller.k8s.io), so that controller leaves it alone.
 SLICE_MANAGER = "kubellm-operator.kubellm.io"
 ACTIVATOR_PORT_NAME = "http"  # the port of the activator's Service that receives the held requests
-
 ROUTE_PODS = "Pods"
 ROUTE_ACTIVATOR = "Activator"
 
@@ -60,44 +57,8 @@ class Routing:
     message: str
 
 
-def scales_to_zero(ld: api.LLMDeployment) -> bool:
-    auto = ld.spec.autoscaling
-    return auto.enabled and auto.min_replicas == 0
-
-
-def pods_service_name(ld: api.LLMDeployment) -> str:
-    return render_mod.child_name(ld) + PODS_SERVICE_SUFFIX
-
-
 def slice_name(ld: api.LLMDeployment) -> str:
-    return render_mod.child_name(ld) + SLICE_SUFFIX
-
-
-def check_name(ld: api.LLMDeployment) -> None:
-    """The activator reaches the pods through ``<name>-pods``, a DNS-1035 label of at most 63 characters."""
-    name = pods_service_name(ld)
-    if len(name) > render_mod.MAX_NAME_LENGTH:
-        raise render_mod.InvalidSpec(
-            f"autoscaling.minReplicas 0 needs a Service {name!r} for the activator to reach the pods, which is "
-            f"longer than {render_mod.MAX_NAME_LENGTH} characters: shorten metadata.name to at most "
-            f"{render_mod.MAX_NAME_LENGTH - len(PODS_SERVICE_SUFFIX)} characters"
-        )
-
-
-def render_pods_service(ld: api.LLMDeployment) -> dict[str, Any] | None:
-    """``<name>-pods``: the pods alone, on the client-facing Service's port (None unless it scales to zero).
-
-    The activator forwards to ``http://<name>-pods.<namespace>.svc:<port>``, the port the client called."""
-    if not scales_to_zero(ld):
-        return None
-    check_name(ld)
-    service = render_mod.render_service(ld)
-    service["metadata"]["name"] = pods_service_name(ld)
-    # Not the runtime component's labels: the ServiceMonitor selects Services by those and would scrape every
-    # pod twice, doubling the sums the autoscalers read.
-    service["metadata"]["labels"][render_mod.LABEL_COMPONENT] = PODS_SERVICE_COMPONENT
-    service["spec"]["type"] = "ClusterIP"  # only the activator calls it
-    return service
+    return child_name(ld) + SLICE_SUFFIX
 
 
 def activator_endpoints(slices: Iterable[Mapping[str, Any]]) -> ActivatorEndpoints | None:
@@ -145,11 +106,11 @@ def render_activator_slice(ld: api.LLMDeployment, activator: ActivatorEndpoints)
     """The discovery.k8s.io/v1 EndpointSlice that adds the activator's pods to the LLMDeployment's Service.
 
     Its port is named like the Service's port (``http``), which is how a Service port finds its endpoints."""
-    meta = render_mod.child_metadata(ld)
+    meta = child_metadata(ld)
     meta["name"] = slice_name(ld)
     meta["labels"] = {
         **meta["labels"],
-        SERVICE_NAME_LABEL: render_mod.child_name(ld),
+        SERVICE_NAME_LABEL: child_name(ld),
         SLICE_MANAGED_BY_LABEL: SLICE_MANAGER,
     }
     return {
@@ -157,7 +118,7 @@ def render_activator_slice(ld: api.LLMDeployment, activator: ActivatorEndpoints)
         "kind": "EndpointSlice",
         "metadata": meta,
         "addressType": activator.address_type,
-        "ports": [{"name": render_mod.PORT_NAME, "port": activator.port, "protocol": "TCP", "appProtocol": "http"}],
+        "ports": [{"name": PORT_NAME, "port": activator.port, "protocol": "TCP", "appProtocol": "http"}],
         "endpoints": [{"addresses": [a], "conditions": {"ready": True}} for a in activator.addresses],
     }
 
@@ -202,10 +163,3 @@ def scale_to_zero_status(
             last_activation_time=last_activation, message=route.message,
         )  # fmt: skip
     return events
-
-
-def idle_seconds(ld: api.LLMDeployment) -> int:
-    """How long a deployment that scales to zero must be idle before its last pod goes (KEDA's cooldownPeriod)."""
-    auto = ld.spec.autoscaling
-    after = auto.scale_to_zero_after_seconds
-    return after if after is not None else auto.scale_down_stabilization_seconds

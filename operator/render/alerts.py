@@ -9,9 +9,9 @@ fixed durations are the chart's defaults (:data:`FOR`).
 Every expression is narrowed to this LLMDeployment's series:
 
 * runtime series by ``namespace`` and ``kubellm_io_llmdeployment`` (the pod label kubellm.io/llmdeployment,
-  copied by the ServiceMonitor :func:`.render.render_service_monitor` renders);
+  copied by the ServiceMonitor :func:`.service_monitor.render_service_monitor` renders);
 * kube-state-metrics series by namespace and object name (the Deployment and HPA are named
-  :func:`.render.child_name`, KEDA's HPA ``keda-hpa-<name>``), pods by joining on the runtime's ``up``;
+  :func:`.naming.child_name`, KEDA's HPA ``keda-hpa-<name>``), pods by joining on the runtime's ``up``;
 * the operator's ``kubellm_operator_reconcile_failing`` by its ``llmdeployment_namespace`` and
   ``llmdeployment`` labels.
 """
@@ -20,7 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubellm.operator import api, render
+from kubellm.operator import api
+from kubellm.operator.render.naming import (
+    PROMETHEUS_LLMDEPLOYMENT_LABEL,
+    child_metadata,
+    child_name,
+    label_value,
+)
 
 API_VERSION = "monitoring.coreos.com/v1"
 KIND = "PrometheusRule"
@@ -43,7 +49,7 @@ RATE_WINDOW = "5m"
 
 def runtime_matchers(ld: api.LLMDeployment) -> str:
     """Label matchers of this LLMDeployment's runtime series (as the ServiceMonitor's scrape labels them)."""
-    return f'namespace="{_namespace(ld)}", {render.PROMETHEUS_LLMDEPLOYMENT_LABEL}="{render.label_value(ld)}"'
+    return f'namespace="{_namespace(ld)}", {PROMETHEUS_LLMDEPLOYMENT_LABEL}="{label_value(ld)}"'
 
 
 def _namespace(ld: api.LLMDeployment) -> str:
@@ -73,7 +79,7 @@ def no_ready_replicas(ld: api.LLMDeployment) -> dict[str, Any] | None:
     kube-state-metrics series, so none then). At zero replicas (scaled to zero) it does not fire."""
     if ld.spec.parallelism.nodes > 1:
         return None
-    sel = f'namespace="{_namespace(ld)}", deployment="{render.child_name(ld)}"'
+    sel = f'namespace="{_namespace(ld)}", deployment="{child_name(ld)}"'
     expr = f"kube_deployment_spec_replicas{{{sel}}} > 0\nand on (namespace, deployment)\n" \
            f"kube_deployment_status_replicas_available{{{sel}}} == 0"  # fmt: skip
     return _rule(
@@ -109,7 +115,7 @@ def queue_above_target_at_max(ld: api.LLMDeployment) -> dict[str, Any] | None:
     autoscaling = ld.spec.autoscaling
     if not autoscaling.enabled:
         return None
-    name = render.child_name(ld)
+    name = child_name(ld)
     hpa = f'namespace="{_namespace(ld)}", horizontalpodautoscaler=~"{name}|keda-hpa-{name}"'
     expr = (
         f"avg({api.QUEUE_DEPTH_METRIC}{{{runtime_matchers(ld)}}}) > {autoscaling.target_queue_depth}\n"
@@ -205,19 +211,18 @@ def render_prometheus_rule(ld: api.LLMDeployment) -> dict[str, Any] | None:
     """The monitoring.coreos.com/v1 PrometheusRule of ``ld`` (an owned child named like it), or None unless
     monitoring.alerts.enabled. Every alert is labelled with severity, namespace, kubellm_io_llmdeployment and
     then monitoring.alerts.labels (which may replace any of them)."""
-    render.validate(ld)
     spec = ld.spec.monitoring.alerts
     if not spec.enabled:
         return None
     # The chart's alerts carry namespace and kubellm_io_llmdeployment from their series; these say them outright
     # (most of these expressions aggregate them away), so one Alertmanager route serves both.
-    identity = {"namespace": _namespace(ld), render.PROMETHEUS_LLMDEPLOYMENT_LABEL: render.label_value(ld)}
+    identity = {"namespace": _namespace(ld), PROMETHEUS_LLMDEPLOYMENT_LABEL: label_value(ld)}
     rules = [r for build in RULES if (r := build(ld)) is not None]
     for rule in rules:
         rule["labels"] = {**rule["labels"], **identity, **(spec.labels or {})}
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": render.child_metadata(ld),
+        "metadata": child_metadata(ld),
         "spec": {"groups": [{"name": GROUP, "rules": rules}]},
     }

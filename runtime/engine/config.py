@@ -1,4 +1,4 @@
-"""Engine configuration: one dataclass, filled from CLI flags or keyword arguments."""
+"""Engine configuration: one dataclass, its fields the settings table's rows (plus a few engine-only ones)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import torch
 from kubellm.runtime.engine.settings import (
     ATTENTION_BACKENDS,
     CPU_INT4_ACTIVATIONS,
+    ENGINE_SETTINGS,
     LAYER_OPS,
     PREPACK_WEIGHTS,
     SPECULATIVE_METHODS,
-    default,
+    EngineSetting,
 )
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -42,45 +43,41 @@ def parse_size(value: str | int) -> int:
     return int(float(m.group(1)) * scale)
 
 
-@dataclass
+def with_settings(table: tuple[EngineSetting, ...]):
+    """Class decorator: one dataclass field per row of ``table``, after the class's own fields, typed by the
+    row's ``type`` (``| None`` when its default is None) and defaulting to the row's ``default``; then the class
+    is made a dataclass. A name both declared in the class and in the table is refused (one declaration)."""
+
+    def add_fields(cls: type) -> type:
+        annotations = cls.__dict__.get("__annotations__", {})
+        cls.__annotations__ = annotations
+        for s in table:
+            if s.name in annotations:
+                raise TypeError(f"{cls.__name__}.{s.name} is declared both in the class and in the settings table")
+            annotations[s.name] = s.type | None if s.default is None else s.type
+            setattr(cls, s.name, s.default)
+        return dataclass(cls)
+
+    return add_fields
+
+
+@with_settings(ENGINE_SETTINGS)
 class EngineConfig:
     """Everything the engine needs besides the checkpoint itself.
+
+    Fields: the engine-only ones below, then one per row of ``ENGINE_SETTINGS`` (runtime/engine/settings.py:
+    name, type, default and meaning), added by :func:`with_settings`. ``__post_init__`` resolves ``auto``
+    device and dtype, turns ``dtype`` into a ``torch.dtype`` and ``kv_cache_memory`` into bytes, and checks the rest.
 
     KV-cache size: ``num_kv_blocks`` if given; else ``kv_cache_memory`` bytes; else
     ``kv_cache_memory_fraction`` of the device memory still free after the weights are loaded
     (on CPU at most 4 GiB by default, the way vLLM's CPU build sizes it).
     """
 
+    # Engine-only: not user settings (no CLI flag, no CRD field).
     model: str
-    dtype: str | torch.dtype = default("dtype")  # auto: bfloat16 on CUDA and on CPUs with AMX/avx512-bf16, else float32
-    device: str = default("device")
-    max_model_len: int | None = default("max_model_len")  # default: the checkpoint's max_position_embeddings
-    max_num_seqs: int = default("max_num_seqs")
-    max_num_batched_tokens: int = default("max_num_batched_tokens")
-    block_size: int = default("block_size")
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | str | None = default("kv_cache_memory")
-    kv_cache_memory_fraction: float = default("kv_cache_memory_fraction")
-    enable_prefix_caching: bool = default("enable_prefix_caching")
+    num_kv_blocks: int | None = None  # a fixed KV-cache size (tests, tools): overrides the memory budget
     enable_chunked_prefill: bool = True
-    # Kernels (runtime/layers/kernel_choice.py decides what auto means here): each setting chooses only what it names.
-    attention_backend: str = default("attention_backend")  # auto | torch | cpu (native CPU kernels) | triton
-    layer_ops: str = default("layer_ops")  # auto | native (fused CPU RMSNorm/rotary/SiLU-and-mul) | triton | torch
-    prepack_weights: str = default("prepack_weights")  # auto | native | onednn | on | off: dense linear weights packed once
-    cpu_int4_activations: str = default("cpu_int4_activations")  # auto | bf16 | int8: the native int4 GEMM's activations
-    quantization: str = default("quantization")  # none | int8 (weight-only, per output channel; runtime/quantization/weight_only.py)
-    tensor_parallel_size: int = default("tensor_parallel_size")  # processes (ranks) each holding 1/N of every layer (runtime/distributed/parallel.py)
-    nnodes: int = default("nnodes")  # nodes (pods) the ranks span, tensor_parallel_size / nnodes on each
-    node_rank: int = default("node_rank")  # this node: 0 serves; the others only run their ranks
-    dist_init_addr: str | None = default("dist_init_addr")  # HOST:PORT of node 0's rendezvous (nnodes > 1)
-    num_threads: int | None = default("num_threads")  # CPU intra-op threads; default: all cores torch sees
-    speculative_ngram: int = default("speculative_ngram")  # prompt-lookup speculation: longest n-gram matched (0 = off; runtime/spec_decode/speculative.py)
-    speculative_model: str | None = default("speculative_model")  # draft-model speculation: the draft's path (runtime/spec_decode/draft_model.py)
-    speculative_method: str = default("speculative_method")  # draft_model | eagle: what speculative_model is (runtime/spec_decode/eagle.py)
-    num_speculative_tokens: int = default("num_speculative_tokens")  # draft tokens verified per step, with speculation on
-    cuda_graphs: bool = default("cuda_graphs")  # decode steps replayed from CUDA graphs (CUDA only; runtime/engine/cuda_graphs.py)
-    cuda_graph_max_batch_size: int = default("cuda_graph_max_batch_size")  # largest captured decode batch (rows)
-    seed: int = default("seed")
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from kubellm.runtime.engine.config import available_memory_bytes, cgroup_memory_headroom, parse_size
+from kubellm.runtime.engine.config import (
+    EngineConfig,
+    available_memory_bytes,
+    cgroup_memory_headroom,
+    parse_size,
+    with_settings,
+)
+from kubellm.runtime.engine.settings import ENGINE_SETTINGS, SETTINGS_BY_NAME, EngineSetting
 
 
 def write(root, name, text):
@@ -71,3 +80,38 @@ def test_attention_backend_defaults_from_the_environment(monkeypatch, capsys):
         main(["serve", "--model", "/nonexistent"])
     assert exit_info.value.code == 2
     assert "KUBELLM_ATTENTION_BACKEND='cuda-graphs': use one of auto, torch, cpu, triton" in capsys.readouterr().err
+
+
+def test_every_settings_row_is_an_engine_config_field_of_its_type_and_default():
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for s in ENGINE_SETTINGS:
+        assert s.name in fields, f"settings row {s.name} is no EngineConfig field"
+        assert fields[s.name].default == s.default, s.name
+        assert fields[s.name].type == (s.type | None if s.default is None else s.type), s.name
+    engine_only = [name for name in fields if name not in SETTINGS_BY_NAME]
+    assert engine_only == ["model", "num_kv_blocks", "enable_chunked_prefill"]  # declared by hand, first
+
+
+def test_a_new_settings_row_is_all_it_takes_to_get_a_config_field():
+    row = EngineSetting("new_knob", int, 7, flag="--new-knob", help="a setting this test adds")
+
+    @with_settings(ENGINE_SETTINGS + (row,))
+    class Config:
+        model: str
+
+    assert [f.name for f in dataclasses.fields(Config)] == ["model", *(s.name for s in ENGINE_SETTINGS), "new_knob"]
+    assert Config(model="m").new_knob == 7
+    assert Config(model="m", new_knob=3).new_knob == 3
+    # Added to EngineConfig itself, the row is a field and the checks of __post_init__ still run.
+    extended = with_settings((row,))(type("Extended", (EngineConfig,), {}))
+    assert extended(model="m", device="cpu", new_knob=5).new_knob == 5
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        extended(model="m", device="cpu", max_num_seqs=0)
+
+
+def test_a_field_declared_by_hand_and_in_the_table_is_refused():
+    with pytest.raises(TypeError, match="Twice.seed is declared both in the class and in the settings table"):
+
+        @with_settings(ENGINE_SETTINGS)
+        class Twice:
+            seed: int = 1

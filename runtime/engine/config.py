@@ -96,6 +96,9 @@ class EngineConfig:
         if self.speculative_ngram and self.speculative_model:
             raise ValueError("speculative decoding takes one proposer: --speculative-ngram or --speculative-model, "
                              "not both")
+        if self.speculative_model and self.tensor_parallel_size > 1:
+            raise ValueError("--speculative-model with --tensor-parallel-size > 1 is not supported; use "
+                             "--speculative-ngram, or serve without tensor parallelism")
         if self.speculative_method == "eagle" and not self.speculative_model:
             raise ValueError("--speculative-method eagle needs --speculative-model PATH: the EAGLE head's folder")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:

@@ -30,9 +30,9 @@ from kubellm.runtime.quantization.weight_only import check_checkpoint, log_weigh
 from kubellm.runtime.sampling.params import InvalidSamplingParams, SamplingParams
 from kubellm.runtime.sampling.sampler import Sampler, TokenLogprobs
 from kubellm.runtime.sampling.structured_output import StructuredOutputs
-from kubellm.runtime.spec_decode.draft_model import DraftModelProposer, load_draft_model
-from kubellm.runtime.spec_decode.eagle import EagleProposer, load_eagle_head
-from kubellm.runtime.spec_decode.speculative import NgramProposer, SpeculationStats, Speculator
+from kubellm.runtime.spec_decode.factory import make_proposer
+from kubellm.runtime.spec_decode.proposer import SpeculationStats
+from kubellm.runtime.spec_decode.speculator import Speculator
 from kubellm.runtime.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kubellm.runtime.text.tokenizer import Tokenizer
 
@@ -126,15 +126,6 @@ class LLMEngine:
         check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, config.tensor_parallel_size)
         self.kernels = kernel_choice.for_engine(config, cfg, config.tensor_parallel_size)  # every rank's
         self.tp = Group(device=config.device)
-        draft = None
-        eagle = config.speculative_model and config.speculative_method == "eagle"
-        if config.speculative_model:
-            if config.tensor_parallel_size > 1:
-                raise ValueError("--speculative-model with --tensor-parallel-size > 1 is not supported; use "
-                                 "--speculative-ngram, or serve without tensor parallelism")
-            if not eagle:
-                draft = load_draft_model(config.speculative_model, self.tokenizer, config, self.max_model_len,
-                                         config.device, progress)
         if config.tensor_parallel_size > 1:
             self.tp = parallel.start(config, self.max_model_len, self.kernels)
         try:
@@ -143,14 +134,10 @@ class LLMEngine:
                                                    keep_packed=keeps_gguf_packed(config.quantization))
             quantize_model(model, config.quantization, self.kernels)  # before the KV cache is sized from what is left
             self.weight_bytes = log_weight_bytes(model)
-            head = None
-            if eagle:  # built on the served model: it borrows its embedding and LM head
-                head = load_eagle_head(config.speculative_model, model, self.model_config, config.dtype,
-                                       self.tp.device, self.max_model_len)
-            # A draft's (or an EAGLE head's) pool has as many blocks as the main one: each block's cost is both.
-            side_block_bytes = (draft.kv_block_bytes(config.block_size, config.dtype) if draft else
-                                kv_block_bytes(head[1], config.block_size, config.dtype) if head else 0)
-            num_blocks = self._num_kv_blocks(side_block_bytes)
+            proposer = make_proposer(config, model, self.model_config, self.tokenizer, self.max_model_len,
+                                     self.kernels, self.tp.device, progress)  # None without speculative decoding
+            # A proposer's own pool has as many blocks as the main one: each block's cost is both.
+            num_blocks = self._num_kv_blocks(proposer.kv_block_bytes() if proposer else 0)
             if self.tp.size > 1:  # every rank's pool has rank 0's block count: one scheduler serves them all
                 self.tp.broadcast(num_blocks)
             graph_plan = cuda_graphs.plan(config, model, self.max_model_len)  # + a scratch block for padding rows
@@ -161,27 +148,16 @@ class LLMEngine:
         except BaseException:
             self.tp.shutdown()
             raise
+        reads_hidden = proposer is not None and proposer.reads_hidden_states
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          recompute_last_hit_block=head is not None)
+                                          recompute_last_hit_block=reads_hidden)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill)
         self.speculator = None
-        if config.speculative_ngram:
-            proposer = NgramProposer(config.speculative_ngram, config.num_speculative_tokens,
-                                     min_ngram=min(2, config.speculative_ngram))
+        if proposer is not None:
+            proposer.allocate(num_blocks)
             self.speculator = Speculator(proposer, self.block_manager, self.max_model_len)
-        elif draft is not None:
-            proposer = DraftModelProposer(draft, num_blocks, config.block_size, config.dtype, self.tp.device,
-                                          config.num_speculative_tokens, self.model_config.vocab_size,
-                                          config.max_num_batched_tokens, config.enable_prefix_caching)
-            self.speculator = Speculator(proposer, self.block_manager, self.max_model_len)
-        elif head is not None:
-            proposer = EagleProposer(head[0], head[1], model, num_blocks, config.block_size, config.dtype,
-                                     self.tp.device, config.num_speculative_tokens, self.model_config.vocab_size,
-                                     config.max_num_seqs, self.kernels, self.max_model_len)
-            self.speculator = Speculator(proposer, self.block_manager, self.max_model_len)
-            self.runner.keep_hidden = True
-        self.eagle = proposer if head is not None else None
+            self.runner.keep_hidden = reads_hidden
         self.requests: dict[str, _Request] = {}
         tp_note = f", tensor parallel x{self.tp.size} (per rank)" if self.tp.size > 1 else ""
         log.info("engine ready: %s, dtype=%s, max_model_len=%d, %d KV blocks of %d tokens (%.0f MiB%s)",
@@ -347,8 +323,8 @@ class LLMEngine:
             have += entries[len(have) - first :]
         new_tokens, new_logprobs = self._per_sequence(batch, tokens, logprobs)
         updated = self.scheduler.postprocess(batch, [t[-1] for t in new_tokens])  # sampled entries, in order
-        if self.eagle is not None:  # before stops end sequences: their blocks may enter the prefix cache
-            self.eagle.observe(batch, *self.runner.last_hidden)
+        if self.speculator is not None:  # before stops end sequences: their blocks may enter the prefix cache
+            self.speculator.observe(batch, self.runner.last_hidden)
         if timer is not None:
             timer.mark(step_timer.DETOKENIZE)
         outs = [self._process_tokens(seq, t, lp) for seq, t, lp in zip(updated, new_tokens, new_logprobs, strict=True)]

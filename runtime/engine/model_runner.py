@@ -27,7 +27,7 @@ from kubellm.runtime.layers.moe import pack_experts
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaForCausalLM, use_fused_decode, use_native_ops
 from kubellm.runtime.sampling.sampler import token_logprobs
-from kubellm.runtime.spec_decode.speculative import verify_sampled_drafts
+from kubellm.runtime.spec_decode.verification import verify_sampled_drafts
 
 if TYPE_CHECKING:
     from kubellm.runtime.engine.cuda_graphs import DecodeGraphs

@@ -4,7 +4,7 @@ The draft runs in the engine's process with its own :class:`ModelRunner` and its
 its own :class:`BlockManager` (a second manager rather than a second pool of the main one: the draft's blocks
 have another size in bytes, and the scheduler's accounting of the main pool stays what it is without a draft).
 The pool has as many blocks as the main one, so whatever fits the main cache fits the draft's; its memory is
-taken out of the KV-cache budget before the main pool is sized.
+taken out of the KV-cache budget before the main pool is sized (``kv_block_bytes``, then ``allocate``).
 
 Per decoding sequence the proposer keeps a *shadow* sequence in the draft cache. Each step it:
 
@@ -21,7 +21,7 @@ Per decoding sequence the proposer keeps a *shadow* sequence in the draft cache.
 Greedy requests draft the draft's argmax (verification then accepts a draft iff it is the model's argmax, so
 output is decoding without speculation). Sampled requests draw each draft from ``q``, the draft's
 distribution after the request's temperature, top-k, top-p and min-p, and hand ``q`` on: verification applies
-the rejection rule (``speculative.verify_sampled_drafts``), so the output distribution is the model's.
+the rejection rule (``verification.verify_sampled_drafts``), so the output distribution is the model's.
 
 EAGLE heads (drafting from the served model's hidden states) are in ``runtime/spec_decode/eagle.py``.
 """
@@ -43,7 +43,7 @@ from kubellm.runtime.layers import kernel_choice
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.loader import build_model, read_checkpoint
 from kubellm.runtime.sampling.sampler import Sampler
-from kubellm.runtime.spec_decode.speculative import BackingOffProposer, Draft, draw_drafts
+from kubellm.runtime.spec_decode.proposer import Draft, Proposer, draw_drafts
 from kubellm.runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("kubellm.draft")
@@ -61,9 +61,6 @@ class DraftModel:
     model: torch.nn.Module
     config: ModelConfig
     kernels: kernel_choice.KernelChoice
-
-    def kv_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        return kv_block_bytes(self.config, block_size, dtype)
 
 
 def check_same_vocabulary(draft: Tokenizer, target: Tokenizer, draft_source: str) -> None:
@@ -102,20 +99,30 @@ class _Shadow:
     verified: int  # tokens of the real sequence known verified at the last sync
 
 
-class DraftModelProposer(BackingOffProposer):
+class DraftModelProposer(Proposer):
     """Proposes ``k`` tokens per sequence with a draft model, all sequences batched in each of ``k`` forwards."""
 
-    def __init__(self, draft: DraftModel, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
+    def __init__(self, draft: DraftModel, block_size: int, dtype: torch.dtype, device: str,
                  num_speculative_tokens: int, vocab_size: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, give_up_after: int = 2):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        self.runner = ModelRunner(draft.model, draft.config, num_blocks, block_size, dtype, device, Sampler(()),
-                                  draft.kernels)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.draft, self.block_size, self.dtype, self.device = draft, block_size, dtype, device
+        self.enable_prefix_caching = enable_prefix_caching
         self.k, self.vocab_size, self.token_budget = num_speculative_tokens, vocab_size, max_num_batched_tokens
         super().__init__(give_up_after)
+        self.runner: ModelRunner | None = None  # the draft's KV pool and its manager: allocate()
+        self.block_manager: BlockManager | None = None
         self._shadows: dict[int, _Shadow] = {}
+
+    def kv_block_bytes(self) -> int:
+        return kv_block_bytes(self.draft.config, self.block_size, self.dtype)
+
+    def allocate(self, num_blocks: int) -> None:
+        d = self.draft
+        self.runner = ModelRunner(d.model, d.config, num_blocks, self.block_size, self.dtype, self.device,
+                                  Sampler(()), d.kernels)
+        self.block_manager = BlockManager(num_blocks, self.block_size, self.enable_prefix_caching)
 
     def forget(self, seq: Sequence) -> None:
         super().forget(seq)

@@ -29,7 +29,7 @@ pairs overwrite them), in the sequence's own blocks or in scratch blocks after t
 Drafts for the next step are made right after this step's pairs: the catch-up forward's last row drafts the
 first token, ``k - 1`` single-row forwards the rest. Greedy requests draft the argmax; sampled requests draw
 from the head's distribution ``q`` under the request's sampling parameters and hand ``q`` to verification,
-which applies the rejection rule (``speculative.verify_sampled_drafts``), so the output distribution is the
+which applies the rejection rule (``verification.verify_sampled_drafts``), so the output distribution is the
 served model's.
 """
 
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from kubellm.runtime.distributed.tp_group import Group
-from kubellm.runtime.engine.model_runner import ModelRunner, chunk_starts
+from kubellm.runtime.engine.model_runner import ModelRunner, chunk_starts, kv_block_bytes
 from kubellm.runtime.engine.scheduler import ScheduledSeq
 from kubellm.runtime.engine.sequence import Sequence
 from kubellm.runtime.layers.kernel_choice import KernelChoice
@@ -53,7 +53,7 @@ from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
 from kubellm.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
 from kubellm.runtime.sampling.sampler import Sampler
-from kubellm.runtime.spec_decode.speculative import BackingOffProposer, Draft, draw_drafts, speculable
+from kubellm.runtime.spec_decode.proposer import Draft, Proposer, draft_room, draw_drafts, speculable
 
 log = logging.getLogger("kubellm.eagle")
 
@@ -205,28 +205,40 @@ class _HeadView:
         return len(self.token_ids)
 
 
-class EagleProposer(BackingOffProposer):
+class EagleProposer(Proposer):
     """Keeps the head's KV pool in step with the served model's and drafts ``k`` tokens per decoding sequence.
 
     The engine calls :meth:`observe` after each step's postprocess (the served model's hidden states in hand)
-    and :meth:`propose` (through the Speculator) before the next schedule."""
+    and :meth:`propose` (through the Speculator) before the next schedule. The pool is indexed by the served
+    model's block ids, so a prefix-cache hit must recompute the last block of the hit (``reads_hidden_states``
+    tells the engine's block manager so)."""
 
-    def __init__(self, head: EagleHead, head_cfg: ModelConfig, target: LlamaForCausalLM, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: str, num_speculative_tokens: int, vocab_size: int,
-                 max_num_seqs: int, kernels: KernelChoice, max_model_len: int, give_up_after: int = 2):
+    reads_hidden_states = True
+
+    def __init__(self, head: EagleHead, head_cfg: ModelConfig, target: LlamaForCausalLM, block_size: int,
+                 dtype: torch.dtype, device: str, num_speculative_tokens: int, vocab_size: int, max_num_seqs: int,
+                 kernels: KernelChoice, max_model_len: int, give_up_after: int = 2):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        self.k, self.vocab_size, self.block_size, self.num_blocks = (num_speculative_tokens, vocab_size, block_size,
-                                                                     num_blocks)
-        self.max_model_len = max_model_len
+        self.k, self.vocab_size, self.block_size = num_speculative_tokens, vocab_size, block_size
+        self.head_cfg, self.dtype, self.device, self.kernels = head_cfg, dtype, device, kernels
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         # Chained drafts past a sequence's blocks go to scratch blocks after the pool's end, a fixed set per row.
         self.scratch_per_row = max(1, -(-(num_speculative_tokens - 1) // block_size))
-        scratch = max_num_seqs * self.scratch_per_row
         self.head, self.target = head, target
-        self.runner = ModelRunner(head, head_cfg, num_blocks + scratch, block_size, dtype, device, Sampler(()),
-                                  kernels)
+        self.num_blocks = 0
+        self.runner: ModelRunner | None = None  # the head's KV pool: allocate()
         super().__init__(give_up_after)
         self._drafts: dict[int, Draft] = {}
+
+    def kv_block_bytes(self) -> int:
+        return kv_block_bytes(self.head_cfg, self.block_size, self.dtype)
+
+    def allocate(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        scratch = self.max_num_seqs * self.scratch_per_row
+        self.runner = ModelRunner(self.head, self.head_cfg, num_blocks + scratch, self.block_size, self.dtype,
+                                  self.device, Sampler(()), self.kernels)
 
     def forget(self, seq: Sequence) -> None:
         super().forget(seq)
@@ -256,7 +268,8 @@ class EagleProposer(BackingOffProposer):
             computed = seq.num_computed_tokens  # already advanced by postprocess
             views.append(ScheduledSeq(_HeadView(seq.token_ids[1 : computed + 1], seq.block_table, computed - n), n))
             rows.append(torch.arange(starts[i], starts[i] + n))
-            if len(seq) == computed + 1 and speculable(seq) and self._room(seq) > 0 and not self.backoff.paused(seq):
+            decodes_next = len(seq) == computed + 1 and speculable(seq)
+            if decodes_next and draft_room(seq, self.max_model_len) > 0 and not self.backoff.paused(seq):
                 drafting.append(i)
         if not views:
             return
@@ -271,7 +284,8 @@ class EagleProposer(BackingOffProposer):
             return
         seqs = [batch[i].seq for i in drafting]
         params = [seq.sampling_params for seq in seqs]
-        wanted = [min(self.k, self._room(seq)) for seq in seqs]  # chained positions stay inside the context
+        # Chained positions stay inside the context.
+        wanted = [min(self.k, draft_room(seq, self.max_model_len)) for seq in seqs]
         sel = torch.tensor([last_rows[i] for i in drafting], device=out.device)
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -298,13 +312,6 @@ class EagleProposer(BackingOffProposer):
             sel = torch.tensor(last_rows, device=out.device)
         for seq, t, p in zip(seqs, tokens, probs, strict=True):
             self._drafts[seq.seq_id] = Draft(t, torch.stack(p) if p else None)
-
-    def _room(self, seq: Sequence) -> int:
-        """Draft tokens ``seq`` can still take (its context length and max_tokens, as the Speculator counts)."""
-        room = self.max_model_len - len(seq) - 1
-        if seq.sampling_params.max_tokens is not None:
-            room = min(room, seq.sampling_params.max_tokens - seq.num_output_tokens - 1)
-        return room
 
     def _chain_view(self, seq: Sequence, row: int) -> _HeadView:
         """The view chained drafts run on: the sequence's blocks, then this row's scratch blocks as needed."""

@@ -15,9 +15,10 @@ from kubellm.runtime.engine.llm_engine import LLM
 from kubellm.runtime.engine.sequence import Sequence
 from kubellm.runtime.sampling.params import SamplingParams
 from kubellm.runtime.sampling.sampler import Sampler
-from kubellm.runtime.spec_decode import speculative
-from kubellm.runtime.spec_decode.draft_model import DraftVocabularyMismatch
-from kubellm.runtime.spec_decode.speculative import rejection_sample, sampling_probs
+from kubellm.runtime.spec_decode import verification
+from kubellm.runtime.spec_decode.draft_model import DraftModelProposer, DraftVocabularyMismatch
+from kubellm.runtime.spec_decode.proposer import SpeculationStats
+from kubellm.runtime.spec_decode.verification import rejection_sample, sampling_probs
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,7 @@ def test_greedy_output_is_decoding_without_speculation_whatever_the_draft(draft,
         assert stats.num_accepted_tokens < 0.2 * stats.num_draft_tokens
         assert stats.num_drafts < 0.5 * sum(len(o.token_ids) for o in plain)  # it backed off
     assert spec.engine.block_manager.num_used_blocks == 0
+    assert isinstance(spec.engine.speculator.proposer, DraftModelProposer)
     assert spec.engine.speculator.proposer.block_manager.num_used_blocks == 0  # the draft's pool too
 
 
@@ -95,6 +97,11 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start_up(tiny_llama, tiny_
 def test_ngram_and_draft_model_speculation_are_exclusive():
     with pytest.raises(ValueError, match="--speculative-ngram or --speculative-model, not both"):
         EngineConfig(model="m", speculative_ngram=3, speculative_model="draft")
+
+
+def test_a_draft_model_with_tensor_parallelism_is_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="--speculative-model with --tensor-parallel-size > 1 is not supported"):
+        EngineConfig(model="m", device="cpu", speculative_model="draft", tensor_parallel_size=2)
 
 
 # ---- the rejection rule ------------------------------------------------------------------------------------
@@ -148,7 +155,7 @@ def test_draft_distributions_are_what_the_sampler_draws_from(params):
 
 
 # ---- end to end, sampled -----------------------------------------------------------------------------------
-def _sampled_runs(cycle_model, draft) -> tuple[list, list, speculative.SpeculationStats]:
+def _sampled_runs(cycle_model, draft) -> tuple[list, list, SpeculationStats]:
     params = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
     kw = dict(num_kv_blocks=2400, max_num_seqs=64, max_num_batched_tokens=512)
     outs = []
@@ -175,6 +182,6 @@ def test_sampling_with_a_draft_model_has_the_models_distribution(cycle_model, sh
 
 
 def test_the_end_to_end_check_catches_a_wrongly_sampled_residual(cycle_model, sharp_cycle_draft, monkeypatch):
-    monkeypatch.setattr(speculative, "rejection_sample", _residual_from_p)
+    monkeypatch.setattr(verification, "rejection_sample", _residual_from_p)
     plain, spec, _ = _sampled_runs(cycle_model, sharp_cycle_draft)
     assert _largest_chi2_ratio(plain, spec) > 1

@@ -13,7 +13,7 @@ from test_draft_model import _largest_chi2_ratio
 from kubellm.runtime.engine.config import EngineConfig
 from kubellm.runtime.engine.llm_engine import LLM
 from kubellm.runtime.sampling.params import SamplingParams
-from kubellm.runtime.spec_decode.eagle import EagleHeadError
+from kubellm.runtime.spec_decode.eagle import EagleHeadError, EagleProposer
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,7 @@ def test_greedy_output_is_decoding_without_speculation_whatever_the_head(which, 
     stats = engine.stats().speculation
     assert stats.num_drafts > 0
     assert engine.block_manager.prefix_hits > 0 and engine.scheduler.num_preemptions > 0
+    assert isinstance(engine.speculator.proposer, EagleProposer) and engine.block_manager.recompute_last_hit_block
     if which == "echo":
         assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens
     else:
@@ -73,7 +74,7 @@ def test_greedy_output_is_decoding_without_speculation_whatever_the_head(which, 
 def _drafts_by_history(llm: LLM, prompts, params, run: int = 0) -> dict[tuple[int, int], list[int]]:
     """Every draft the head made, keyed by (prompt index, sequence length when drafted); back-off off so it
     drafts at every step."""
-    proposer = llm.engine.eagle
+    proposer = llm.engine.speculator.proposer
     proposer.backoff.give_up_after = 10**9
     seen: dict[tuple[int, int], list[int]] = {}
     propose = proposer.propose

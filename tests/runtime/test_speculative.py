@@ -10,10 +10,13 @@ import pytest
 import torch
 from speculation_checks import CHI2_999, CYCLE, CYCLE_PROMPT, chi2, cycle_checkpoint, run_lengths
 
+from kubellm.runtime.engine.config import EngineConfig
 from kubellm.runtime.engine.llm_engine import LLM
 from kubellm.runtime.engine.sequence import Sequence
 from kubellm.runtime.sampling.params import SamplingParams
-from kubellm.runtime.spec_decode.speculative import NgramProposer, accept, find_ngram_continuation
+from kubellm.runtime.spec_decode.factory import make_proposer
+from kubellm.runtime.spec_decode.ngram import NgramProposer, find_ngram_continuation
+from kubellm.runtime.spec_decode.verification import accept
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +43,19 @@ def test_acceptance_keeps_the_matching_prefix_and_the_first_correction():
     assert accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted, plus the next token
     assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
     assert accept([5, 6, 7], [4, 6, 7, 8]) == [4]
+
+
+def test_the_factory_builds_no_proposer_without_speculation_and_prompt_lookup_for_ngram():
+    """The n-gram proposer needs no model: the served model's parts are not even looked at."""
+    def make(**settings):
+        return make_proposer(EngineConfig(model="m", device="cpu", **settings), target=None, target_config=None,
+                             tokenizer=None, max_model_len=64, kernels=None, device="cpu")
+
+    assert make() is None
+    proposer = make(speculative_ngram=3, num_speculative_tokens=5)
+    assert isinstance(proposer, NgramProposer)
+    assert (proposer.max_ngram, proposer.min_ngram, proposer.k) == (3, 2, 5)
+    assert proposer.kv_block_bytes() == 0 and not proposer.reads_hidden_states  # no pool, no hidden states
 
 
 def test_a_sequence_whose_drafts_keep_failing_backs_off_longer_each_time():

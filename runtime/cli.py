@@ -223,15 +223,25 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return 0
 
 
+def activator_settings(args: argparse.Namespace):
+    """The activator's ``Limits`` and upstream template from its flags; a flag left out takes the activator's
+    own default (the parser leaves them None, so that building it does not import the operator)."""
+    from kubellm.operator.activator import DEFAULT_UPSTREAM, Limits
+
+    given = {"hold_timeout": args.hold_timeout, "max_held": args.max_held, "max_held_total": args.max_held_total,
+             "max_buffered": None if args.max_buffered_mib is None else args.max_buffered_mib * 2**20}
+    limits = Limits(**{name: value for name, value in given.items() if value is not None})
+    return limits, args.upstream or DEFAULT_UPSTREAM
+
+
 def cmd_activator(args: argparse.Namespace) -> int:
-    from kubellm.operator.activator import Limits, run
+    from kubellm.operator.activator import run
 
     if bool(args.namespaces) == bool(args.all_namespaces):
         raise ValueError("pass --namespace NS (repeatable) or --all-namespaces")
-    limits = Limits(hold_timeout=args.hold_timeout, max_held=args.max_held, max_held_total=args.max_held_total,
-                    max_buffered=args.max_buffered_mib * 2**20)  # fmt: skip
+    limits, upstream = activator_settings(args)
     run(args.host, args.port, namespaces=None if args.all_namespaces else args.namespaces, limits=limits,
-        upstream_template=args.upstream, admin_port=args.admin_port if args.admin_port > 0 else None,
+        upstream_template=upstream, admin_port=args.admin_port if args.admin_port > 0 else None,
         refresh_interval=args.refresh_interval)  # fmt: skip
     return 0
 
@@ -334,8 +344,8 @@ def _add_operator(sub, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def _add_activator(sub, parents: list[argparse.ArgumentParser]) -> None:
-    from kubellm.operator.activator import DEFAULT_UPSTREAM, Limits
-
+    # Defaults stay None here and come from the activator's Limits in activator_settings: every command builds
+    # this parser, and `kubellm serve` must not import the operator.
     a = sub.add_parser("activator", parents=parents, help="hold requests for deployments scaled to zero and wake them",
                        description="A reverse proxy that the Service of an LLMDeployment scaled to zero points at: "
                                    "it holds each request, scales the Deployment from 0 to 1, and forwards the held "
@@ -350,17 +360,17 @@ def _add_activator(sub, parents: list[argparse.ArgumentParser]) -> None:
     a.add_argument("--admin-port", type=int, default=9090,
                    help="port of /healthz, /metrics and /activity/NAMESPACE/NAME (the counts KEDA reads); 0: none "
                         "(default 9090)")
-    a.add_argument("--upstream", default=DEFAULT_UPSTREAM,
+    a.add_argument("--upstream",
                    help="URL of a deployment's pods, formatted with {service} (its <name>-pods Service), "
                         "{namespace} and {port} (its spec.service.port), all from the LLMDeployment, never from the "
-                        f"request (default {DEFAULT_UPSTREAM})")
-    a.add_argument("--hold-timeout", type=float, default=Limits.hold_timeout,
+                        "request (default http://{service}.{namespace}.svc:{port})")
+    a.add_argument("--hold-timeout", type=float,
                    help="seconds a request may wait for its deployment to start before it gets 503 (default 300)")
-    a.add_argument("--max-held", type=int, default=Limits.max_held,
+    a.add_argument("--max-held", type=int,
                    help="requests held per deployment at most; more get 503 at once (default 1000)")
-    a.add_argument("--max-held-total", type=int, default=Limits.max_held_total,
+    a.add_argument("--max-held-total", type=int,
                    help="requests held for all deployments together at most (default 2000)")
-    a.add_argument("--max-buffered-mib", type=int, default=Limits.max_buffered // 2**20,
+    a.add_argument("--max-buffered-mib", type=int,
                    help="MiB of request bodies held in memory at once at most; more get 503 (default 64). One body "
                         "is at most 8 MiB, as in `kubellm serve`")
     a.add_argument("--refresh-interval", type=float, default=5.0,

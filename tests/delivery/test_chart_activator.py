@@ -30,7 +30,7 @@ from test_chart import (  # noqa: F401  (helm is a fixture)
 
 from kubellm.operator.control import rbac
 from kubellm.operator.render import activation
-from kubellm.runtime.cli import build_parser
+from kubellm.runtime.cli import activator_settings, build_parser
 
 ON = {"activator": {"enabled": True}}
 CASES: dict[str, dict[str, Any]] = {
@@ -137,10 +137,11 @@ def test_activator_runs_the_operator_image_with_the_values(rendered, case):
 
 def test_defaults_agree_with_the_activator_cli():
     defaults = build_parser().parse_args(["activator"])
-    assert VALUES["activator"]["holdTimeoutSeconds"] == defaults.hold_timeout
-    assert VALUES["activator"]["maxHeld"] == defaults.max_held
-    assert VALUES["activator"]["maxHeldTotal"] == defaults.max_held_total
-    assert VALUES["activator"]["maxBufferedMiB"] == defaults.max_buffered_mib
+    limits, _ = activator_settings(defaults)  # a limit flag left out takes the activator's own default
+    assert VALUES["activator"]["holdTimeoutSeconds"] == limits.hold_timeout
+    assert VALUES["activator"]["maxHeld"] == limits.max_held
+    assert VALUES["activator"]["maxHeldTotal"] == limits.max_held_total
+    assert VALUES["activator"]["maxBufferedMiB"] == limits.max_buffered // 2**20
     assert VALUES["activator"]["adminPort"] == defaults.admin_port
 
 

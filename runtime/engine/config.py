@@ -68,7 +68,7 @@ class EngineConfig:
     layer_ops: str = default("layer_ops")  # auto | native (fused CPU RMSNorm/rotary/SiLU-and-mul) | triton | torch
     prepack_weights: str = default("prepack_weights")  # auto | native | onednn | on | off: dense linear weights packed once
     cpu_int4_activations: str = default("cpu_int4_activations")  # auto | bf16 | int8: the native int4 GEMM's activations
-    quantization: str = default("quantization")  # none | int8 (weight-only, per output channel; runtime/quantization/weight_only.py)
+    quantization: str = default("quantization")  # runtime/quantization/registry.py METHODS (one module per format)
     tensor_parallel_size: int = default("tensor_parallel_size")  # processes (ranks) each holding 1/N of every layer (runtime/distributed/parallel.py)
     nnodes: int = default("nnodes")  # nodes (pods) the ranks span, tensor_parallel_size / nnodes on each
     node_rank: int = default("node_rank")  # this node: 0 serves; the others only run their ranks
@@ -108,7 +108,7 @@ class EngineConfig:
                               ("cpu_int4_activations", CPU_INT4_ACTIVATIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: unknown {getattr(self, name)!r}; use {', '.join(choices)}")
-        from kubellm.runtime.quantization.weight_only import check_method
+        from kubellm.runtime.quantization.registry import check_method
 
         check_method(self.quantization)
         if self.tensor_parallel_size < 1:

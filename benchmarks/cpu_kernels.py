@@ -30,7 +30,7 @@ from kubellm.kernels import cpu_prefill_attention as pa
 from kubellm.runtime.engine import host_malloc
 from kubellm.runtime.layers.linear import PackedLinear, can_pack
 from kubellm.runtime.layers.rotary import RotaryEmbedding
-from kubellm.runtime.quantization.weight_only import quantize_int8
+from kubellm.runtime.quantization.int8 import quantize_int8
 
 H, KVH, D, HIDDEN, INTER = 9, 3, 64, 576, 1536  # SmolLM2-135M
 

@@ -41,8 +41,9 @@ from gpu_check_report import Check, Section, Table
 from kubellm.kernels import triton_fp8_gemm, triton_grouped_gemm, triton_int8_gemm, triton_layer_ops
 from kubellm.kernels import triton_paged_attention as decode
 from kubellm.kernels import triton_prefill_attention as prefill
-from kubellm.runtime.quantization.prequantized import QuantizedWeight
-from kubellm.runtime.quantization.weight_only import int4_group, quantize_int4, quantize_int8
+from kubellm.runtime.layers.quantized_weight import QuantizedWeight
+from kubellm.runtime.quantization.int4 import int4_group, quantize_int4
+from kubellm.runtime.quantization.int8 import quantize_int8
 
 # (atol, rtol) per activation dtype: float32 to accumulation-order noise; bf16/fp16 to a few ulps of the
 # output's own rounding (the kernels write their dtype, the reference stays float32).

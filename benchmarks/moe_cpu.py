@@ -67,9 +67,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from kubellm.kernels import cpu_int4_gemm, cpu_moe
     from kubellm.runtime.distributed.tp_group import Group
+    from kubellm.runtime.layers.layer_ops import use_native_ops
     from kubellm.runtime.layers.linear import pack_linears
     from kubellm.runtime.layers.moe import FusedMoE, pack_experts
-    from kubellm.runtime.models.llama import use_native_ops
 
     if not cpu_moe.available() or (args.int4 or args.int8) and not cpu_int4_gemm.available():
         print("the native MoE kernel is not available here (needs AVX512-BF16)", file=sys.stderr)
@@ -148,7 +148,7 @@ def _int4_experts(bf16_moe, group: int, float_zeros: bool):
     from kubellm.runtime.distributed.tp_group import Group
     from kubellm.runtime.layers.moe import FusedMoE
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.quantization.prequantized import QuantizedWeight
+    from kubellm.runtime.layers.quantized_weight import QuantizedWeight
 
     hidden, inter = bf16_moe.gate.in_features, bf16_moe.inter
     with torch.device("meta"):  # its bf16 experts are replaced below: allocate none
@@ -184,7 +184,7 @@ def _int8_experts(bf16_moe, form: str):
     from kubellm.runtime.distributed.tp_group import Group
     from kubellm.runtime.layers.moe import FusedMoE, pack_experts
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.quantization.prequantized import QuantizedWeight
+    from kubellm.runtime.layers.quantized_weight import QuantizedWeight
 
     low, high, zero, group, scale_dtype = INT8_FORMS[form]
     hidden, inter = bf16_moe.gate.in_features, bf16_moe.inter

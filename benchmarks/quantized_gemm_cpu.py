@@ -129,7 +129,7 @@ def dequantizing_for(n: int, k: int) -> list:
     """What 4-bit (group 32, zero points) and 8-bit (group 32, symmetric: Q8_0) layers ran on CPUs without the
     native kernels: QuantizedLinear's ``dequantize`` path (the float32 weight rebuilt on every call)."""
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.quantization.prequantized import QuantizedWeight
+    from kubellm.runtime.layers.quantized_weight import QuantizedWeight
 
     scales = torch.rand(n, k // 32) * 0.01
     int4 = QuantizedWeight(torch.randint(0, 16, (n, k)), scales, torch.randint(0, 16, (n, k // 32)).float(), 32)

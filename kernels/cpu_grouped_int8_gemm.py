@@ -8,7 +8,7 @@ symmetric), ``bias`` ``[N]`` float32, ``y`` ``[M, N]`` bfloat16. ``group`` is an
 
 What reads into it: GPTQ 8-bit and compressed-tensors W8A16 (unsigned values ``u`` with zero ``z``: pass
 ``q = u - 128`` and ``zeros = z - 128``), GGUF Q8_0 (group 32, no zeros), Q6_K (group 16, no zeros) and Q5_K
-(group 32, zeros) through :mod:`kubellm.kernels.gguf_blocks`. Act-order (``g_idx``) checkpoints need their
+(group 32, zeros) through :mod:`kubellm.runtime.quantization.gguf`. Act-order (``g_idx``) checkpoints need their
 inputs sorted by group first (permute ``q``'s columns once, ``x``'s per call).
 
 The kernel wants the weight packed once by :func:`pack` (``[ceil(N/16), K/2, 16, 2]`` int8, the last block

@@ -4,7 +4,7 @@
 ``y = sum over groups of s * (x_g @ q_g.T - z * sum(x_g))`` (+ bias), i.e. ``x @ ((q - z) * s).T`` with ``x``
 ``[M, K]`` bfloat16, ``q`` ``[N, K]`` unsigned 4-bit values (0..15; a symmetric format uses z = 8), ``scales``
 and ``zeros`` ``[K / group, N]`` float32, ``y`` ``[M, N]`` bfloat16. The form every 4-bit format reads into
-(runtime/quantization/prequantized.py: AWQ, GPTQ, compressed-tensors W4A16). The kernel wants the weight packed once by
+(runtime/quantization/: AWQ, GPTQ, compressed-tensors W4A16). The kernel wants the weight packed once by
 :func:`pack` (``[N/16, K/4, 16, 2]`` uint8; ``N % 16 == 0``, ``K`` divisible by the group size, a multiple of
 4). Which paths a build has depends on the ISA it was compiled for: AVX512-BF16 builds run both activation
 kinds below on bfloat16 ``x``; AVX2 builds (x86-64-v3, and any build without AVX512-BF16) only

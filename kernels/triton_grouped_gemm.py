@@ -5,7 +5,7 @@ compressed-tensors W4A16/W8A16, GGUF's 4/8-bit forms).
 Math: ``y = x @ ((q - z) * s).T (+ bias)`` where, for output ``n`` and input ``k`` of group ``g(k)``,
 ``q[n, k]`` is an unsigned ``BITS``-bit value, ``z = zeros[g, n]`` and ``s = scales[g, n]``.
 
-Layouts (what :func:`pack` writes from a ``QuantizedWeight`` of runtime/quantization/prequantized.py):
+Layouts (what :func:`pack` writes from a ``QuantizedWeight`` of runtime/layers/quantized_weight.py):
 
 * ``packed`` int32 ``[K * BITS / 32, N]``: word ``[j, n]`` holds inputs ``k = j * P .. j * P + P - 1`` of output
   ``n`` (``P = 32 / BITS`` values per word), input ``j * P + i`` in bits ``i * BITS .. i * BITS + BITS - 1``
@@ -92,7 +92,7 @@ def packable(bits: int, out_features: int, in_features: int, group_size: int) ->
 
 
 def pack(weight, bits: int) -> GroupedWeight:
-    """A ``QuantizedWeight`` (runtime/quantization/prequantized.py: ``values`` ``[N, K]``, ``scales``/``zeros``
+    """A ``QuantizedWeight`` (runtime/layers/quantized_weight.py: ``values`` ``[N, K]``, ``scales``/``zeros``
     ``[N, groups]``, ``group_size``, ``g_idx``; or a GGUF ``BlockForm``, which has no ``g_idx``) in this
     kernel's layout. Values may be unsigned (0..2^bits-1) or signed (-2^(bits-1)..2^(bits-1)-1, stored offset
     by 2^(bits-1), zeros too). Act-order ``g_idx`` is sorted into contiguous groups (``perm``); it must give

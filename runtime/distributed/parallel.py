@@ -41,7 +41,7 @@ from kubellm.runtime.engine.model_runner import ModelRunner
 from kubellm.runtime.layers import kernel_choice
 from kubellm.runtime.layers.kernel_choice import KernelChoice
 from kubellm.runtime.models.loader import build_model, keeps_gguf_packed, read_checkpoint
-from kubellm.runtime.quantization.weight_only import quantize_model
+from kubellm.runtime.quantization.registry import quantize_model
 from kubellm.runtime.sampling.sampler import Sampler
 
 __all__ = ["Group", "check_divisible", "start", "run_node", "worker_main", "build_rank_runner"]

@@ -108,7 +108,7 @@ class EngineConfig:
                               ("cpu_int4_activations", CPU_INT4_ACTIVATIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: unknown {getattr(self, name)!r}; use {', '.join(choices)}")
-        from kubellm.runtime.quantization.weight_only import check_method
+        from kubellm.runtime.quantization.registry import check_method
 
         check_method(self.quantization)
         if self.tensor_parallel_size < 1:

@@ -26,7 +26,7 @@ from kubellm.runtime.engine.sequence import FinishReason, Sequence
 from kubellm.runtime.layers import kernel_choice
 from kubellm.runtime.models.config import ModelConfig, text_tower_config
 from kubellm.runtime.models.loader import build_model, keeps_gguf_packed, read_checkpoint
-from kubellm.runtime.quantization.weight_only import check_checkpoint, log_weight_bytes, quantize_model
+from kubellm.runtime.quantization.registry import check_checkpoint, log_weight_bytes, quantize_model
 from kubellm.runtime.sampling.params import InvalidSamplingParams, SamplingParams
 from kubellm.runtime.sampling.sampler import Sampler, TokenLogprobs
 from kubellm.runtime.sampling.structured_output import StructuredOutputs

@@ -22,10 +22,11 @@ from kubellm.runtime.layers.attention import (
     attention_backend,
 )
 from kubellm.runtime.layers.kernel_choice import KernelChoice
+from kubellm.runtime.layers.layer_ops import use_native_ops
 from kubellm.runtime.layers.linear import pack_linears
 from kubellm.runtime.layers.moe import pack_experts
 from kubellm.runtime.models.config import ModelConfig
-from kubellm.runtime.models.llama import LlamaForCausalLM, use_fused_decode, use_native_ops
+from kubellm.runtime.models.llama import LlamaForCausalLM, use_fused_decode
 from kubellm.runtime.sampling.sampler import token_logprobs
 from kubellm.runtime.spec_decode.verification import verify_sampled_drafts
 

@@ -23,7 +23,7 @@ What ``auto`` picks:
   pack; ``torch`` (torch's int8 GEMM for small steps) for the other CPU cases; ``triton`` on CUDA once its
   check passed; else ``dequantize`` per call.
 * grouped 4-bit and 8-bit GEMMs (the forms pre-quantized checkpoints read into: per-group scales and zero
-  points; GGUF blocks through kernels/gguf_blocks.py; the 4-bit one also serves ``--quantization int4``): ``native`` (``cpu_int4_gemm``, ``cpu_grouped_int8_gemm``)
+  points; GGUF blocks through runtime/quantization/gguf.py; the 4-bit one also serves ``--quantization int4``): ``native`` (``cpu_int4_gemm``, ``cpu_grouped_int8_gemm``)
   on CPU where the build has them for the activations' dtype, for layers they can pack: AVX512-BF16 builds take
   bfloat16, AVX2 builds (x86-64-v3 CPUs such as AMD EPYC before Zen 4) bfloat16 and float32, the dtype
   ``--dtype auto`` picks there, and only int8 activations for the 4-bit one; ``triton``

@@ -23,7 +23,7 @@ import logging
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_bf16_gemm, cpu_extension
+from kubellm.kernels import cpu_bf16_gemm, cpu_decode_layer, cpu_extension
 
 log = logging.getLogger("kubellm.linear")
 
@@ -86,6 +86,10 @@ class NativeLinear(nn.Module):
         out = cpu_bf16_gemm.bf16_linear(x.reshape(-1, self.in_features), self.packed_weight, self.out_features,
                                         self.bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def fused_decode_linear(self) -> tuple:
+        """This layer's arguments of the fused decode layer (runtime/layers/fused_decode.py)."""
+        return cpu_decode_layer.BF16, self.packed_weight, None, None, 0, False, self.bias
 
 
 def can_pack(device: str | torch.device, dtype: torch.dtype) -> bool:

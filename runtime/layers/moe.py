@@ -2,7 +2,7 @@
 
 Each expert is a pair of linear layers (``gate_up_proj`` [2 * inter, hidden], gate rows first; ``down_proj``
 [hidden, inter]), so the CPU prepacking and weight-only quantization of linear layers apply to experts too,
-and a checkpoint quantized elsewhere swaps them for ``QuantizedLinear`` layers (models/quantized_loading.py).
+and a checkpoint quantized elsewhere swaps them for ``QuantizedLinear`` layers (runtime/quantization/loading.py).
 They run as one GEMM per expert over the tokens routed to it, gathered by a sort: no Python loop over
 tokens, and only experts that received tokens are visited (a decode step of one sequence touches top_k of them).
 With tensor parallelism every rank holds every expert's slice of the intermediate dimension: each expert's
@@ -25,13 +25,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_layer_ops, cpu_moe
+from kubellm.kernels import cpu_moe
 from kubellm.runtime.distributed.tp_group import Group
+from kubellm.runtime.layers.layer_ops import CPU_OPS
 from kubellm.runtime.layers.linear import NativeLinear
 from kubellm.runtime.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-from kubellm.runtime.models.config import ModelConfig
-from kubellm.runtime.models.llama import LlamaMLP
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +57,7 @@ class FusedMoE(nn.Module):
     """The experts of one layer and its router (``gate``)."""
 
     native = False  # SiLU-and-mul through the fused kernel of ops (set with native by use_native_ops)
-    ops = cpu_layer_ops
+    ops = CPU_OPS
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool, tp: Group):
         super().__init__()
@@ -199,10 +198,3 @@ def pack_experts(model: nn.Module) -> int:
         packed += 1
     return packed
 
-
-def moe_mlp(cfg: ModelConfig, tp: Group, layer: int) -> nn.Module:
-    """The MLP of ``layer``: experts where the config makes the layer sparse, else the dense MLP."""
-    moe = cfg.moe
-    if moe is None or layer not in moe.sparse_layers:
-        return LlamaMLP(cfg, tp)
-    return FusedMoE(cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize, tp)

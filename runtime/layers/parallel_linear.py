@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from kubellm.runtime.distributed.tp_group import Group
-from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.quantization.prequantized import QuantizedWeight
+from kubellm.runtime.layers.checkpoint_error import CheckpointError
+from kubellm.runtime.layers.quantized_weight import QuantizedWeight
 
 ShardId = int | str | None
 

@@ -1,6 +1,6 @@
 """A linear layer that computes from weights quantized elsewhere (AWQ, GPTQ, compressed-tensors, FP8, GGUF).
 
-It takes the one form every reader returns (``runtime/quantization/prequantized.py``'s :class:`QuantizedWeight`:
+It takes the one form every format's reader returns (runtime/layers/quantized_weight.py's :class:`QuantizedWeight`:
 values ``[out, in]``, scales and zero points per (output, group of inputs), an optional input → group map)
 and keeps it in what its GEMM reads, chosen per layer (``KernelChoice.grouped_path``):
 
@@ -42,8 +42,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_fp8_gemm, cpu_grouped_int8_gemm, cpu_int4_gemm, int4_weights
-from kubellm.runtime.quantization.prequantized import QuantizedWeight
+from kubellm.kernels import cpu_decode_layer, cpu_fp8_gemm, cpu_grouped_int8_gemm, cpu_int4_gemm
+from kubellm.runtime.layers.quantized_weight import QuantizedWeight
 
 PATHS = ("native", "triton", "dequantize")
 # AVX2 builds quantize a 4-bit layer's activations to int8 only for steps of at most this many rows (decode):
@@ -113,7 +113,7 @@ class QuantizedLinear(nn.Module):
         else:
             packed = bits == 4 and not self.float_values and self.in_features % 2 == 0
             self.nibbles = packed
-            self.register_buffer("qweight", int4_weights.pack_int4(values) if packed else values.contiguous())
+            self.register_buffer("qweight", _pack_nibbles(values) if packed else values.contiguous())
             self.register_buffer("scales", scales.contiguous())  # [out, groups]
             self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
 
@@ -167,31 +167,19 @@ class QuantizedLinear(nn.Module):
                                        None if self.bias is None else self.bias.to(rows.dtype))
         return out.view(*x.shape[:-1], self.out_features)
 
-    def int4_gemm_args(self) -> tuple | None:
-        """``(qweight, scales, zeros, group_size, int8_activations)`` when :meth:`forward` on bfloat16 rows is
-        exactly ``cpu_int4_gemm.int4_gemm(rows, *these, bias=self.bias)`` (the native 4-bit path, inputs in
-        their stored order: no act-order gather), else None. The fused decode layer calls it so (models/llama.py)."""
-        if not self._native_in_order() or self.bits != 4 or self.float_values:
+    def fused_decode_linear(self) -> tuple | None:
+        """This layer's arguments of the fused decode layer (runtime/layers/fused_decode.py): ``(kind, qweight,
+        scales, zeros, group_size, int8_activations, bias)``, exactly what :meth:`forward` hands its native kernel
+        on bfloat16 rows (``cpu_int4_gemm.int4_gemm``, ``cpu_fp8_gemm.fp8_gemm``,
+        ``cpu_grouped_int8_gemm.grouped_int8_gemm``), or None off the native path or with an act-order gather."""
+        if self.path != "native" or self.perm is not None or self.g_idx is not None:
             return None
-        return self.qweight, self.scales, self.zeros, self.group_size, self.int8_activations
-
-    def fp8_gemm_args(self) -> tuple | None:
-        """``(qweight, scales, group_size)`` when :meth:`forward` on bfloat16 rows is exactly
-        ``cpu_fp8_gemm.fp8_gemm(rows, *these, bias=self.bias)`` (native FP8, no act-order gather), else None."""
-        if not self._native_in_order() or not self.float_values:
-            return None
-        return self.qweight, self.scales, self.group_size
-
-    def grouped_int8_gemm_args(self) -> tuple | None:
-        """``(qweight, scales, zeros, group_size)`` when :meth:`forward` on bfloat16 rows is exactly
-        ``cpu_grouped_int8_gemm.grouped_int8_gemm(rows, *these, bias=self.bias)`` (native 5..8-bit, no act-order
-        gather), else None."""
-        if not self._native_in_order() or self.float_values or self.bits == 4:
-            return None
-        return self.qweight, self.scales, self.zeros, self.group_size
-
-    def _native_in_order(self) -> bool:
-        return self.path == "native" and self.perm is None and self.g_idx is None
+        if self.float_values:
+            return cpu_decode_layer.FP8, self.qweight, self.scales, None, self.group_size, False, self.bias
+        if self.bits == 4:
+            return (cpu_decode_layer.INT4, self.qweight, self.scales, self.zeros, self.group_size,
+                    self.int8_activations, self.bias)
+        return cpu_decode_layer.GROUPED_INT8, self.qweight, self.scales, self.zeros, self.group_size, False, self.bias
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[out, in]`` weight in the layer's own input order (after the act-order sort, if any)."""
@@ -314,6 +302,13 @@ def _narrow(t: torch.Tensor) -> torch.Tensor:
     return half if torch.equal(half.float(), t) else t
 
 
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` integers in ``[-8, 7]`` or ``0..15`` (K even; their low four bits) → ``[N, K/2]`` uint8: input
+    ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in its high one (the dequantize path's compact form)."""
+    q = q.to(torch.int16)
+    return ((q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)).to(torch.uint8)
+
+
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """``int4_weights.pack_int4``'s bytes back to unsigned 0..15."""
+    """:func:`_pack_nibbles`' bytes back to unsigned 0..15."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)

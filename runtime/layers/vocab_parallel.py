@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from kubellm.runtime.distributed.tp_group import Group
-from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.quantization.prequantized import QuantizedWeight
+from kubellm.runtime.layers.checkpoint_error import CheckpointError
+from kubellm.runtime.layers.quantized_weight import QuantizedWeight
 
 PAD = 64  # rows per rank are a multiple of this, so every rank's GEMM has whole 64-row tiles
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import tokenizers
 import torch
 
+from kubellm.runtime.layers.checkpoint_error import CheckpointError
 
-class CheckpointError(ValueError):
-    """The checkpoint is malformed, incomplete or of an unsupported architecture; the message says which."""
+__all__ = ["Checkpoint", "CheckpointError"]
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Checkpoint:
     tokenizer_config: dict = field(default_factory=dict)
     generation_config: dict = field(default_factory=dict)
     source: str = ""  # path it was read from, for error messages and logs
-    # GGUF: tensors() with the decoder linears' quantized blocks as kernels/gguf_blocks.BlockForm instead of
+    # GGUF: tensors() with the decoder linears' quantized blocks as runtime/quantization/gguf.BlockForm instead of
     # dequantized (None: the format has no such form); the loader keeps them packed.
     packed_tensors: Callable[[], Iterator[tuple[str, object]]] | None = None
     # packed_tensors() yields the token embedding packed too (kept so by runtime/layers/quantized_embedding.py).

@@ -11,7 +11,7 @@ the runtime never needs to know which format a model came in:
 * tokenizer metadata -> a ``tokenizers.Tokenizer`` plus a ``tokenizer_config.json``-style dict.
 
 ``packed_tensors()`` yields the same names with the decoder linears kept in their blocks
-(``kernels/gguf_blocks.BlockForm``, q/k rows unpermuted) when every one of them is Q8_0, Q4_0, Q4_1, Q4_K, Q5_K
+(``runtime/quantization/gguf.BlockForm``, q/k rows unpermuted) when every one of them is Q8_0, Q4_0, Q4_1, Q4_K, Q5_K
 or Q6_K, a mixture of experts' stacked experts included (each expert's slice of the blocks becomes its own
 BlockForm, as ``tensors()`` splits them), and the token embedding too when it is of one of those types
 (``Checkpoint.packed_embedding``); the loader (runtime/quantization/loading.py) keeps them packed. Routers
@@ -35,6 +35,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from kubellm.runtime.quantization import gguf as gguf_quant
 
 from .checkpoint import Checkpoint, CheckpointError
 
@@ -175,46 +177,38 @@ _EMBEDDING = "token_embd.weight"  # kept packed too, where its type has a packed
 
 
 def _packable_type(tensor) -> bool:
-    from kubellm.kernels import gguf_blocks
-
-    return tensor.tensor_type.name in gguf_blocks.BLOCKS
+    return tensor.tensor_type.name in gguf_quant.BLOCKS
 
 
 def _all_linears_packable(reader) -> bool:
-    """Whether every decoder linear, experts included, is in a type kernels/gguf_blocks.py reads (a file with
+    """Whether every decoder linear, experts included, is in a type runtime/quantization/gguf.py reads (a file with
     some in F16 or an unread type is dequantized whole)."""
-    from kubellm.kernels import gguf_blocks
-
     linears = _PACKED_LINEARS.union(_EXPERT_TENSORS)
     types = [t.tensor_type.name for t in reader.tensors
              if (m := _LAYER_NAME.fullmatch(t.name)) and m[2] in linears and m[3] == "weight"]
-    return bool(types) and all(t in gguf_blocks.BLOCKS for t in types)
+    return bool(types) and all(t in gguf_quant.BLOCKS for t in types)
 
 
 def _expert_blocks(tensor) -> Iterator:
     """A stacked expert tensor (``[experts, out, row bytes]`` as the reader maps it) as one BlockForm per expert,
     cut along the expert axis in its blocks (no dequantization), read one expert at a time."""
-    from kubellm.kernels import gguf_blocks
-
     in_features = int(tensor.shape[0])
     for raw in tensor.data:
-        yield gguf_blocks.unpack(tensor.tensor_type.name, torch.from_numpy(np.array(raw)), in_features)
+        yield gguf_quant.unpack(tensor.tensor_type.name, torch.from_numpy(np.array(raw)), in_features)
 
 
 def _blocks(tensor, arch: _Arch, config: dict):
-    """A decoder linear or the token embedding in a type kernels/gguf_blocks.py reads, as its BlockForm (q/k rows
+    """A decoder linear or the token embedding in a type runtime/quantization/gguf.py reads, as its BlockForm (q/k rows
     back in HF order); None for anything else (dequantized as usual)."""
-    from kubellm.kernels import gguf_blocks
-
     m = _LAYER_NAME.fullmatch(tensor.name)
     linear = m is not None and m[2] in _PACKED_LINEARS and m[3] == "weight"
     if not (linear or tensor.name == _EMBEDDING) or not _packable_type(tensor):
         return None
     in_features = int(tensor.shape[0])
-    form = gguf_blocks.unpack(tensor.tensor_type.name, torch.from_numpy(np.array(tensor.data)), in_features)
+    form = gguf_quant.unpack(tensor.tensor_type.name, torch.from_numpy(np.array(tensor.data)), in_features)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(m[2] if m else "")
     if arch.rope_permuted and heads:
-        form = gguf_blocks.BlockForm(*(None if t is None else _unpermute_rope_rows(t, heads)
+        form = gguf_quant.BlockForm(*(None if t is None else _unpermute_rope_rows(t, heads)
                                        for t in (form.values, form.scales, form.zeros)), form.group_size, form.kernel)
     return form
 

@@ -16,16 +16,16 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kubellm.kernels import cpu_decode_layer, cpu_layer_ops
-from kubellm.kernels.cpu_decode_layer import decode_layer_, decode_layer_q_
 from kubellm.runtime.distributed.tp_group import Group
+from kubellm.runtime.layers import fused_decode
 from kubellm.runtime.layers.attention import (
     Attention,
     AttentionMetadata,
     LayerOptions,
     NativeCpuAttentionBackend,
 )
-from kubellm.runtime.layers.linear import NativeLinear
+from kubellm.runtime.layers.layer_ops import CPU_OPS, RMSNorm, on_cpu_ops
+from kubellm.runtime.layers.moe import FusedMoE
 from kubellm.runtime.layers.parallel_linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -33,47 +33,17 @@ from kubellm.runtime.layers.parallel_linear import (
     ShardId,
     replicated_loader,
 )
-from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.layers.rotary import RotaryEmbedding
 from kubellm.runtime.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.config import ModelConfig
-from kubellm.runtime.quantization.weight_only import Int8Linear
-
-
-class RMSNorm(nn.Module):
-    """Normalises in float32 like the Hugging Face implementation, then scales in the model dtype.
-
-    With ``residual``, first folds ``x`` into the residual stream: returns ``(norm(residual + x), residual + x)``.
-    ``native`` (set by :func:`use_native_ops`) runs the fused kernel of ``ops`` (the CPU module, or the Triton one
-    on CUDA), which does both in place.
-    """
-
-    native = False
-    ops = cpu_layer_ops  # the fused kernels' module when native
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            if self.native:
-                return self.ops.rms_norm(x, self.weight, self.eps)
-            return cpu_layer_ops.reference_rms_norm(x, self.weight, self.eps)
-        if self.native:
-            self.ops.add_rms_norm_(x, residual, self.weight, self.eps)
-            return x, residual
-        residual = residual + x
-        return cpu_layer_ops.reference_rms_norm(residual, self.weight, self.eps), residual
 
 
 class LlamaAttention(nn.Module):
     """With tensor parallelism this rank's share of the heads; o_proj's partial sums are all-reduced."""
 
     native = False  # rotary embedding through the in-place kernel of ops
-    ops = cpu_layer_ops
+    ops = CPU_OPS
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: Group):
         super().__init__()
@@ -116,31 +86,9 @@ class LlamaAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
-def fused_linear(m: nn.Module) -> tuple | None:
-    """What the fused decode layer takes for linear ``m``: ``(kind, weight, scales, zeros, group_size,
-    int8_activations, bias)`` (kernels/cpu_decode_layer.py's kinds), exactly what ``m``'s forward hands its native
-    kernel on bfloat16 rows (a NativeLinear's packed weight, a QuantizedLinear's or Int8Linear's ``*_gemm_args``),
-    else None: the module tree runs it (other paths, act-order gathers)."""
-    if isinstance(m, NativeLinear):
-        return cpu_decode_layer.BF16, m.packed_weight, None, None, 0, False, m.bias
-    if isinstance(m, Int8Linear):
-        args = m.int8_gemm_args()
-        return None if args is None else (cpu_decode_layer.INT8, args[0], args[1], None, 0, False, args[2])
-    if not isinstance(m, QuantizedLinear):
-        return None
-    if (args := m.int4_gemm_args()) is not None:
-        return cpu_decode_layer.INT4, *args, m.bias
-    if (args := m.fp8_gemm_args()) is not None:
-        weight, scales, group = args
-        return cpu_decode_layer.FP8, weight, scales, None, group, False, m.bias
-    if (args := m.grouped_int8_gemm_args()) is not None:
-        return cpu_decode_layer.GROUPED_INT8, *args, False, m.bias
-    return None
-
-
 class LlamaMLP(nn.Module):
     native = False  # SiLU-and-mul through the fused kernel of ops
-    ops = cpu_layer_ops
+    ops = CPU_OPS
 
     def __init__(self, cfg: ModelConfig, tp: Group):
         super().__init__()
@@ -151,16 +99,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def fused_decode_args(self) -> tuple | None:
-        """This MLP's arguments of the fused decode layer (gate_up, down, intermediate, router, top_k,
-        renormalize; the linears as :func:`fused_linear` gives them), or None unless it is this plain MLP on
+        """This MLP's arguments of the fused decode layer (runtime/layers/fused_decode.py's
+        :func:`~kubellm.runtime.layers.fused_decode.dense_mlp_args`), or None unless it is this plain MLP on
         native linears without biases and the native SiLU-and-mul."""
-        linears = (self.gate_up_proj, self.down_proj)
-        if type(self) is not LlamaMLP or not self.native or self.ops is not cpu_layer_ops or self.tp.size > 1:
+        if type(self) is not LlamaMLP or not on_cpu_ops(self) or self.tp.size > 1:
             return None
-        gate_up, down = (fused_linear(m) for m in linears)
-        if gate_up is None or down is None or gate_up[-1] is not None or down[-1] is not None:
-            return None
-        return gate_up, down, self.intermediate, None, 0, False
+        return fused_decode.dense_mlp_args(self.gate_up_proj, self.down_proj, self.intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -172,6 +116,15 @@ class LlamaMLP(nn.Module):
 
 def dense_mlp(cfg: ModelConfig, tp: Group, layer: int) -> nn.Module:
     return LlamaMLP(cfg, tp)
+
+
+def moe_mlp(cfg: ModelConfig, tp: Group, layer: int) -> nn.Module:
+    """The MLP of ``layer`` in a mixture-of-experts family: experts where the config makes the layer sparse, else
+    the dense MLP."""
+    moe = cfg.moe
+    if moe is None or layer not in moe.sparse_layers:
+        return LlamaMLP(cfg, tp)
+    return FusedMoE(cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize, tp)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -194,43 +147,25 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def fused_decode_args(self) -> tuple | None:
-        """``(fn, args)``: this layer's constant arguments (norms, weights, rotary tables, cache, attention shape,
-        q/k norms, experts) of ``fn``, :func:`kubellm.kernels.cpu_decode_layer.decode_layer_` (bf16 linears) or
-        its ``decode_layer_q_`` (each linear on its native GEMM, bf16, 4-bit, FP8 or 8-bit, mixed as they come; a
-        dense MLP), or None unless it is a Llama layer running entirely on the native CPU kernels whose attention
-        (Llama's, Qwen3's q/k norms) and MLP (dense, or packed experts) each give their part (other families add
-        norms, scales or layer types)."""
+        """``(fn, args)`` of the fused decode layer (runtime/layers/fused_decode.py's
+        :func:`~kubellm.runtime.layers.fused_decode.decode_layer_call`), or None unless it is a Llama layer running
+        entirely on the native CPU kernels whose attention (Llama's, Qwen3's q/k norms) and MLP (dense, or packed
+        experts) each give their part (other families add norms, scales or layer types)."""
         attn = self.self_attn
         qk_norms = attn.fused_qk_norms() if isinstance(attn, LlamaAttention) else None
         mlp = getattr(self.mlp, "fused_decode_args", lambda: None)()
-        qkv, o = (fused_linear(getattr(attn, name, None)) for name in ("qkv_proj", "o_proj"))
+        qkv, o = (fused_decode.fused_linear(getattr(attn, name, None)) for name in ("qkv_proj", "o_proj"))
+        norms = (self.input_layernorm, self.post_attention_layernorm)
         if (type(self) is not LlamaDecoderLayer or qk_norms is None or mlp is None or attn.tp.size > 1
-                or qkv is None or o is None or o[-1] is not None or not attn.native
-                or attn.ops is not cpu_layer_ops
-                or not all(type(n) is RMSNorm and n.native and n.ops is cpu_layer_ops
-                           for n in (self.input_layernorm, self.post_attention_layernorm))
+                or qkv is None or o is None or o[-1] is not None or not on_cpu_ops(attn, *norms)
+                or not all(type(n) is RMSNorm for n in norms)
                 or not isinstance(attn.attn.backend, NativeCpuAttentionBackend)
                 or attn.attn.k_cache.dtype != torch.bfloat16):
             return None
-        gate_up, down, intermediate, router, top_k, renormalize = mlp
         opts = attn.attn.opts
-        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps)
         rest = (attn.rotary.cos, attn.rotary.sin, attn.attn.k_cache, attn.attn.v_cache, attn.num_heads,
                 attn.num_kv_heads, attn.attn.backend.scale, opts.window or 0, opts.softcap or 0.0, *qk_norms)
-        qkv_bias = qkv[-1]
-        if router is not None:  # packed bf16 experts: their kernel runs in decode_layer_ only
-            if qkv[0] != cpu_decode_layer.BF16 or o[0] != cpu_decode_layer.BF16:
-                return None
-            return decode_layer_, (*norms, qkv[1], qkv_bias, o[1], gate_up, down, intermediate, *rest, router,
-                                   top_k, renormalize)
-        linears = (qkv, o, gate_up, down)
-        if all(lin[0] == cpu_decode_layer.BF16 for lin in linears):
-            return decode_layer_, (*norms, qkv[1], qkv_bias, o[1], gate_up[1], down[1], intermediate, *rest, None,
-                                   0, False)
-        kinds, weights, scales, zeros, group_sizes, int8_activations, _ = (list(c) for c in zip(*linears,
-                                                                                               strict=True))
-        return decode_layer_q_, (*norms, kinds, weights, scales, zeros, group_sizes, int8_activations, qkv_bias,
-                                 intermediate, *rest)
+        return fused_decode.decode_layer_call((norms[0].weight, norms[1].weight, norms[0].eps), qkv, o, mlp, rest)
 
 
 class LlamaModel(nn.Module):
@@ -355,11 +290,3 @@ def use_fused_decode(model: nn.Module) -> bool:
     body.fused_layers = args if args and all(a is not None for a in args) else None
     return body.fused_layers is not None
 
-
-def use_native_ops(model: nn.Module, enabled: bool, ops_module=cpu_layer_ops) -> None:
-    """Route RMSNorm, rotary and SiLU-and-mul through the fused kernels of ``ops_module`` (kernels/cpu_layer_ops.py,
-    or kernels/triton_layer_ops.py on CUDA: same functions) or back to the references: every module whose class
-    declares a ``native`` switch."""
-    for module in model.modules():
-        if isinstance(getattr(type(module), "native", None), bool):
-            module.native, module.ops = enabled, ops_module

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from kubellm.runtime.layers.moe import moe_mlp
-from kubellm.runtime.models.llama import LlamaForCausalLM
+from kubellm.runtime.models.llama import LlamaForCausalLM, moe_mlp
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kubellm.runtime.models.llama import LlamaAttention, LlamaForCausalLM, RMSNorm
+from kubellm.runtime.layers.layer_ops import RMSNorm
+from kubellm.runtime.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):

@@ -4,8 +4,7 @@ the layers ``decoder_sparse_step``/``mlp_only_layers`` select; router weights re
 
 from __future__ import annotations
 
-from kubellm.runtime.layers.moe import moe_mlp
-from kubellm.runtime.models.llama import LlamaForCausalLM
+from kubellm.runtime.models.llama import LlamaForCausalLM, moe_mlp
 from kubellm.runtime.models.qwen3 import Qwen3Attention
 
 

@@ -13,7 +13,7 @@ concatenated along the outputs, which is exact since groups run along the inputs
 layer the checkpoint left incomplete.
 
 GGUF files come the same way (``prepare(..., gguf=True)``, the checkpoint's ``packed_tensors()``): each
-linear's ``weight`` is a ``kernels/gguf_blocks.BlockForm``, 4-bit or 8-bit per its type; fused parts of
+linear's ``weight`` is a ``runtime/quantization/gguf.BlockForm``, 4-bit or 8-bit per its type; fused parts of
 different types join in the 8-bit form at the smaller group. With ``packed_embedding`` the token embedding
 arrives as one too: it becomes a :class:`QuantizedLinear` ``[vocab, hidden]`` behind a
 :class:`QuantizedEmbedding`, and with tied embeddings that same layer is the LM head.
@@ -57,12 +57,14 @@ import torch
 from torch import nn
 
 from kubellm.runtime.layers import kernel_choice
+from kubellm.runtime.layers.checkpoint_error import CheckpointError
 from kubellm.runtime.layers.kernel_choice import KernelChoice
 from kubellm.runtime.layers.quantized_embedding import QuantizedEmbedding
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.quantization import prequantized
-from kubellm.runtime.quantization.prequantized import QuantizedWeight, QuantSpec
+from kubellm.runtime.layers.quantized_weight import QuantizedWeight
+from kubellm.runtime.quantization import registry
+from kubellm.runtime.quantization.base import QuantizationFormat
+from kubellm.runtime.quantization.gguf import GGUF
 
 log = logging.getLogger("kubellm.loader")
 
@@ -103,19 +105,6 @@ class _Target:
     tied_head: bool = False  # ... and as the LM head too
 
 
-def _required(spec: QuantSpec) -> set[str]:
-    if spec.method == "awq":
-        return {"qweight", "qzeros", "scales"}
-    if spec.method == "gptq":
-        return {"qweight", "qzeros", "scales"} | ({"g_idx"} if spec.act_order else set())
-    if spec.method == "gguf":
-        return {"weight"}  # a kernels/gguf_blocks.BlockForm
-    if spec.method == "compressed-tensors":
-        return ({"weight_packed", "weight_scale", "weight_shape"} | (set() if spec.symmetric else
-                {"weight_zero_point"}) | ({"weight_g_idx"} if spec.act_order else set()))
-    return {"weight", "weight_scale"}  # fp8 (weight_scale_inv is filed as weight_scale)
-
-
 def _ignored_patterns(config: dict) -> list[str]:
     qc = config.get("quantization_config") or config.get("compression_config") or {}
     return list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignore") or [])
@@ -131,9 +120,6 @@ def _is_ignored(prefix: str, patterns: list[str]) -> bool:
     return False
 
 
-GGUF = QuantSpec("gguf", 4, 32, symmetric=False)  # per tensor in fact: each BlockForm says its kernel and group
-
-
 def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None, source: str = "",
             gguf: bool = False, packed_embedding: bool = False) -> QuantizedLoading | None:
     """For a checkpoint whose config.json declares a quantization (or a GGUF file's blocks, ``gguf``): swap
@@ -141,8 +127,8 @@ def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None,
     for a checkpoint that is not quantized. ``packed_embedding`` (GGUF): the token embedding too, and the LM
     head where it is tied to it."""
     where = f" in {source}" if source else ""
-    spec = GGUF if gguf else prequantized.detect(config, where)
-    if spec is None:
+    fmt = GGUF() if gguf else registry.detect(config, where)
+    if fmt is None:
         return None
     patterns = _ignored_patterns(config)
     targets: list[_Target] = []
@@ -170,7 +156,7 @@ def prepare(model: nn.Module, config: dict, kernels: KernelChoice | None = None,
         setattr(model.get_submodule(parent), leaf, _Pending(m.in_features, m.out_features, m.bias is not None))
     if gguf and packed_embedding:
         targets.append(_packed_embedding(model, bool(config.get("tie_word_embeddings"))))
-    return QuantizedLoading(spec, targets, kernels, source)
+    return QuantizedLoading(fmt, targets, kernels, source)
 
 
 def _packed_embedding(model: nn.Module, tied: bool) -> _Target:
@@ -215,9 +201,9 @@ def _expert_alternatives(model: nn.Module, path: str, patterns: list[str], where
 class QuantizedLoading:
     """Collects the quantized tensors from the checkpoint stream and installs each layer once complete."""
 
-    def __init__(self, spec: QuantSpec, targets: list[_Target], kernels: KernelChoice | None, source: str):
-        self.spec, self.kernels, self.source = spec, kernels, source
-        self.required = _required(spec)
+    def __init__(self, fmt: QuantizationFormat, targets: list[_Target], kernels: KernelChoice | None, source: str):
+        self.fmt, self.kernels, self.source = fmt, kernels, source
+        self.required = fmt.tensor_names()
         self.pending = {t.module: t for t in targets}
         self.by_prefix = {p: t for t in targets for alt in t.alternatives for p in alt}
         self.model: nn.Module | None = None
@@ -247,15 +233,14 @@ class QuantizedLoading:
             return False
         if suffix == "weight_scale_inv":
             suffix = "weight_scale"
-        if suffix == "weight" and not self.spec.float_weights and self.spec.method != "gguf":
+        if suffix == "weight" and suffix not in self.required:  # formats that store weight_packed, qweight...
             raise CheckpointError(f"{name}{self._where()} is not quantized, but the checkpoint's "
-                                  f"quantization_config ({self.spec.method}) says its layer is")
-        if suffix in _DROPPED or suffix in ("g_idx", "weight_g_idx") and not self.spec.act_order:
+                                  f"quantization_config ({self.fmt.name}) says its layer is")
+        if suffix in _DROPPED or suffix in ("g_idx", "weight_g_idx") and not self.fmt.act_order:
             return True
-        if self.spec.method == "gguf" and suffix == "weight" and isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"{name}{self._where()} is stored in a GGUF type without a packed form here")
+        self.fmt.check_tensor(name, tensor, self._where())
         if suffix not in self.required and suffix != "bias":
-            raise CheckpointError(f"unexpected tensor {name!r} for a {self.spec.method} layer{self._where()}")
+            raise CheckpointError(f"unexpected tensor {name!r} for a {self.fmt.name} layer{self._where()}")
         target.got.setdefault(prefix, {})[suffix] = tensor
         self._build_if_complete(target)
         return True
@@ -266,11 +251,10 @@ class QuantizedLoading:
             names = sorted(self.pending) + sorted(self.routers)
             raise CheckpointError(f"{self.source or 'checkpoint'} is missing quantized tensors of {len(names)} "
                                   f"layers, e.g. {', '.join(names[:3])} (expected {', '.join(sorted(self.required))})")
-        log.info("%d layers loaded pre-quantized (%s, %d-bit%s)", self.built, self.spec.method,
-                 self.spec.bits, ", act-order" if self.spec.act_order else "")
+        log.info("%d layers loaded pre-quantized (%s)", self.built, self.fmt.describe())
         if self.routers_dequantized:
             log.info("%d mixture-of-experts routers stored quantized (%s) were dequantized at load and are served in "
-                     "%s", self.routers_dequantized, self.spec.method, str(self.dtype).removeprefix("torch."))
+                     "%s", self.routers_dequantized, self.fmt.name, str(self.dtype).removeprefix("torch."))
 
     def pop_dequantized(self) -> list[tuple[str, torch.Tensor]]:
         """The float tensors (``....gate.weight``, float32) of the quantized routers completed since the last call,
@@ -287,7 +271,7 @@ class QuantizedLoading:
         reader (the same math as the quantized layers') joins :attr:`dequantized`. A router takes no kernel: it
         is ``experts x hidden``, and the expert choice should not differ from the stored weights' by more than
         one rounding to the model dtype."""
-        if suffix in ("g_idx", "weight_g_idx") and not self.spec.act_order:
+        if suffix in ("g_idx", "weight_g_idx") and not self.fmt.act_order:
             return
         parts = self.routers.setdefault(prefix, {})
         parts["weight_scale" if suffix == "weight_scale_inv" else suffix] = tensor
@@ -356,46 +340,18 @@ class QuantizedLoading:
     def _path(self, weight: QuantizedWeight, bits: int, device: torch.device) -> str:
         out_features, in_features = weight.values.shape
         if self.kernels is None:  # alone (tests, tools): auto for the device, probed once
-            self.kernels = kernel_choice.for_quantized_layer(device, self.dtype, self.spec.method)
+            self.kernels = kernel_choice.for_quantized_layer(device, self.dtype, self.fmt.name)
         kernels = self.kernels
-        if self.spec.float_weights:
+        if self.fmt.float_weights:
             return kernels.fp8_path(in_features, weight.group_size)
         return kernels.grouped_path(bits, out_features, in_features, weight.group_size)
 
     def _read(self, t: dict[str, torch.Tensor], prefix: str) -> tuple[QuantizedWeight, int]:
         """One part's stored tensors in the readers' form, and the bits of its values."""
-        s = self.spec
         try:
-            if s.method == "gguf":
-                form = t["weight"]
-                return (QuantizedWeight(form.values, form.scales, form.zeros, form.group_size),
-                        4 if form.kernel == "int4" else 8)
-            if s.method == "awq":
-                return prequantized.read_awq(t["qweight"], t["qzeros"], t["scales"], s.group_size), s.bits
-            if s.method == "gptq":
-                return prequantized.read_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), s.bits,
-                                              s.group_size), s.bits
-            if s.method == "compressed-tensors":
-                return prequantized.read_compressed(t["weight_packed"], t["weight_scale"], t["weight_shape"].tolist(),
-                                                    s.bits, s.group_size, t.get("weight_zero_point"),
-                                                    t.get("weight_g_idx")), s.bits
-            return fp8_weight(t["weight"], t["weight_scale"], s.block), s.bits
+            return self.fmt.read(t)
         except (RuntimeError, IndexError, ValueError) as e:
-            raise CheckpointError(f"cannot read the {s.method} tensors of {prefix}{self._where()}: {e}") from e
-
-
-def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> QuantizedWeight:
-    """FP8 e4m3 ``weight [out, in]`` and its scale (per tensor, per output channel, or per block of
-    ``block`` = (rows, columns)) as a :class:`QuantizedWeight`: one scale per (output, group of ``columns``
-    inputs) for blocks, per output otherwise, so fused parts concatenate whatever their sizes."""
-    out_features = weight.shape[0]
-    s = scale.float()
-    if block is not None:
-        rows, cols = block
-        return QuantizedWeight(weight, s.repeat_interleave(rows, 0)[:out_features].contiguous(), None, cols)
-    if s.numel() == 1:
-        s = s.reshape(1, 1).expand(out_features, 1)
-    return QuantizedWeight(weight, s.reshape(out_features, 1).contiguous(), None, -1)
+            raise CheckpointError(f"cannot read the {self.fmt.name} tensors of {prefix}{self._where()}: {e}") from e
 
 
 def _concatenate(parts: list[QuantizedWeight], module: str, where: str) -> QuantizedWeight:

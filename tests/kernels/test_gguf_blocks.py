@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm, gguf_blocks
+from kubellm.kernels import cpu_grouped_int8_gemm, cpu_int4_gemm
+from kubellm.runtime.quantization import gguf as gguf_blocks
 
 # Where each type's block starts with fp16 fields (offset of each), so random bytes get finite, sane scales.
 _F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}

@@ -1,6 +1,6 @@
 """kernels/triton_fp8_gemm.py (the CUDA GEMM of FP8 checkpoints) through Triton's interpreter on tiny shapes:
 the in-kernel e4m3 decode bit for bit against ``torch.float8_e4m3fn`` over all 256 codes, and the GEMM against
-``x @ dequantize_fp8(...).T`` (runtime/quantization/prequantized.py) for per-tensor, per-channel and block scales, with
+``x @ dequantize_fp8(...).T`` (runtime/quantization/fp8.py) for per-tensor, per-channel and block scales, with
 bias, partial tiles and a partial last scale block; a transposed block-scale grid fails the same comparison.
 
 Tolerances: float32 activations 1e-4 absolute + 1e-5 relative (accumulation order); bf16 and fp16 outputs
@@ -14,7 +14,7 @@ import torch
 
 from kubellm.kernels import triton_check
 from kubellm.kernels import triton_fp8_gemm as tf
-from kubellm.runtime.quantization.prequantized import dequantize_fp8
+from kubellm.runtime.quantization.fp8 import dequantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 2**-7},

@@ -1,5 +1,5 @@
 """kernels/triton_grouped_gemm.py (the CUDA GEMM of pre-quantized 4/8-bit checkpoints) through Triton's
-interpreter on tiny shapes: the kernel against ``x @ QuantizedWeight.dequantize().T`` (runtime/quantization/prequantized.py,
+interpreter on tiny shapes: the kernel against ``x @ QuantizedWeight.dequantize().T`` (runtime/layers/quantized_weight.py,
 independent of the packing), over 4 and 8 bits, groups 32/64/128 and per channel, asymmetric and symmetric
 zero points, act-order ``g_idx``, bias, partial row/column tiles and strided rows; GPTQ's qweight words and
 every GGUF block type's form multiply as their readers say; the packed words pinned; a wrong nibble order or
@@ -19,9 +19,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from test_gguf_blocks import _random_blocks
 
-from kubellm.kernels import gguf_blocks, triton_check
+from kubellm.kernels import triton_check
 from kubellm.kernels import triton_grouped_gemm as tg
-from kubellm.runtime.quantization.prequantized import QuantizedWeight
+from kubellm.runtime.layers.quantized_weight import QuantizedWeight
+from kubellm.runtime.quantization import gguf as gguf_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 2**-7}}
@@ -223,9 +224,9 @@ def test_the_packed_words_hold_consecutive_inputs_low_bits_first():
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_gptq_checkpoints_qweight_words_are_the_packed_words_and_multiply_as_read(bits):
-    """GPTQ v1 words read by runtime/prequantized.read_gptq (zeros stored minus one) pack back to the very same
+    """GPTQ v1 words read by runtime/quantization/gptq.read_gptq (zeros stored minus one) pack back to the very same
     int32 words, and the kernel on them equals the reader's dequantized weight."""
-    from kubellm.runtime.quantization.prequantized import read_gptq
+    from kubellm.runtime.quantization.gptq import read_gptq
 
     gen = torch.Generator().manual_seed(bits)
     k, n, group = 128, 32, 32
@@ -240,7 +241,7 @@ def test_a_gptq_checkpoints_qweight_words_are_the_packed_words_and_multiply_as_r
 
 @pytest.mark.parametrize("type_name", list(gguf_blocks.BLOCKS))
 def test_each_gguf_form_multiplies_as_gguf_dequantizes_it(type_name):
-    """GGUF blocks read by kernels/gguf_blocks.py (float zeros for the affine types, signed Q8_0/Q6_K values,
+    """GGUF blocks read by runtime/quantization/gguf.py (float zeros for the affine types, signed Q8_0/Q6_K values,
     Q6_K's group 16) through this kernel equal gguf's own dequantization of the same bytes."""
     n, k = 40, 256
     raw = _random_blocks(type_name, n, k, seed=7)

@@ -321,13 +321,14 @@ def test_fused_decode_layers_give_the_module_trees_logits_bit_for_bit(arch, tiny
     logits are the same bits as with ``KUBELLM_FUSED_DECODE=0``; Qwen2's qkv bias, Mistral's window, Qwen3's q/k
     norms, the packed experts of Qwen3-MoE (with its dense layer 1) and Mixtral, and Phi-3's longrope tables
     (served past the pre-trained length: the long factors) included."""
+    from kubellm.runtime.layers import fused_decode
     from kubellm.runtime.models import llama
 
     model_dir = (tiny_checkpoint_factory("mistral", dtype=torch.bfloat16, sliding_window=12) if arch == "mistral_window"
                  else tiny_checkpoint_factory(arch, dtype=torch.bfloat16))
     prompts = _prompts()[:4]
     rows, tokens, calls = {}, {}, []
-    monkeypatch.setattr(llama, "decode_layer_", lambda *a: calls.append(1) or decode_layer_(*a))
+    monkeypatch.setattr(fused_decode, "decode_layer_", lambda *a: calls.append(1) or decode_layer_(*a))
     for fused in ("1", "0"):
         monkeypatch.setenv(llama.FUSED_DECODE_ENV, fused)
         calls.clear()

@@ -14,9 +14,10 @@ from test_gguf import Q, byte_level_metadata, tiny_config, tiny_model, train_byt
 from test_prequantized_loading import SHAPE, write_quantized
 
 from kubellm.kernels import cpu_decode_layer
+from kubellm.runtime.layers import fused_decode
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
 from kubellm.runtime.models import llama
-from kubellm.runtime.quantization.weight_only import Int8Linear
+from kubellm.runtime.quantization.int8 import Int8Linear
 from kubellm.runtime.sampling.params import SamplingParams
 
 # int8 activations need VNNI, which every AVX512-BF16 CPU has (tests/conftest.py)
@@ -39,7 +40,7 @@ def _fused_vs_tree(model_dir, monkeypatch, activations: str, fused_expected: boo
         calls.append(tuple(a[9]))  # kinds
         return cpu_decode_layer.decode_layer_q_(*a)
 
-    monkeypatch.setattr(llama, "decode_layer_q_", spy)
+    monkeypatch.setattr(fused_decode, "decode_layer_q_", spy)
     runs = {}
     for fused in ("1", "0"):
         monkeypatch.setenv(llama.FUSED_DECODE_ENV, fused)

@@ -13,7 +13,7 @@ from test_gguf import Q, byte_level_metadata, tiny_config, tiny_model, train_byt
 from test_prequantized_loading import SHAPE, write_quantized
 
 from kubellm.kernels.cpu_decode_layer import FP8, GROUPED_INT8, INT4, INT8
-from kubellm.runtime.quantization.weight_only import Int8Linear
+from kubellm.runtime.quantization.int8 import Int8Linear
 
 pytestmark = pytest.mark.usefixtures("native_int4", "native_fp8", "native_grouped_int8", "native_int8",
                                      "native_bf16_gemm")

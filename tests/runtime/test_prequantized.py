@@ -1,4 +1,4 @@
-"""Published quantized-checkpoint layouts (runtime/quantization/prequantized.py): each reader against an independent writer
+"""Published quantized-checkpoint layouts (runtime/quantization/awq.py, gptq.py, compressed_tensors.py, fp8.py): each reader against an independent writer
 of the same layout: compressed-tensors' own packer and compressor, and small writers here that follow the
 AWQ and GPTQ v1 layouts as their projects document them."""
 
@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.quantization import prequantized as pq
+from kubellm.runtime.quantization.awq import AWQ, AWQ_ORDER, read_awq
+from kubellm.runtime.quantization.compressed_tensors import CompressedTensors, read_compressed
+from kubellm.runtime.quantization.fp8 import FP8, dequantize_fp8
+from kubellm.runtime.quantization.gptq import GPTQ, read_gptq
+from kubellm.runtime.quantization.registry import detect
 
 OUT, IN = 24, 256
 
@@ -44,9 +48,9 @@ def test_awq_reads_back_its_interleaved_nibbles():
     q, scale, zero = _quantize(w, 4, 128, symmetric=False)
     # AWQ: [in, out] with each word's nibble i holding column AWQ_ORDER[i] of its eight.
     def awq_pack(m: torch.Tensor) -> torch.Tensor:  # m [r, c] → [r, c / 8]
-        return _pack_cols(m.view(m.shape[0], -1, 8)[:, :, list(pq.AWQ_ORDER)].reshape(m.shape[0], -1), 4)
+        return _pack_cols(m.view(m.shape[0], -1, 8)[:, :, list(AWQ_ORDER)].reshape(m.shape[0], -1), 4)
 
-    qw = pq.read_awq(awq_pack(q.t().contiguous()), awq_pack(zero.t().contiguous()), scale.t().contiguous(), 128)
+    qw = read_awq(awq_pack(q.t().contiguous()), awq_pack(zero.t().contiguous()), scale.t().contiguous(), 128)
     assert torch.equal(qw.values, q) and torch.equal(qw.zeros, zero)
     expected = ((q - zero.repeat_interleave(128, 1)) * scale.repeat_interleave(128, 1)).float()
     torch.testing.assert_close(qw.dequantize(), expected)
@@ -71,7 +75,7 @@ def test_gptq_v1_with_its_zero_convention_and_act_order(bits, symmetric, act_ord
         q, scale, zero = _quantize(w, bits, group, symmetric)
     qweight = _pack_rows(q.t().contiguous(), bits)  # [in * bits / 32, out]
     qzeros = _pack_cols((zero - 1).t().contiguous(), bits)  # v1: zero - 1, [groups, out * bits / 32]
-    qw = pq.read_gptq(qweight, qzeros, scale.t().contiguous(), g_idx, bits, group)
+    qw = read_gptq(qweight, qzeros, scale.t().contiguous(), g_idx, bits, group)
     assert torch.equal(qw.values, q) and torch.equal(qw.zeros, zero)
     assert (qw.g_idx is None) == (not act_order)
     g = g_idx.long()
@@ -97,7 +101,7 @@ def test_compressed_tensors_pack_quantized_equals_the_library(strategy, symmetri
     state = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
     packed = PackedQuantizationCompressor.compress(state, scheme)
     theirs = PackedQuantizationCompressor.decompress(packed, scheme)["weight"]
-    qw = pq.read_compressed(packed["weight_packed"], packed["weight_scale"], packed["weight_shape"], bits,
+    qw = read_compressed(packed["weight_packed"], packed["weight_scale"], packed["weight_shape"], bits,
                             128 if strategy == "group" else -1, packed.get("weight_zero_point"))
     torch.testing.assert_close(qw.dequantize(), theirs.float(), atol=1e-6, rtol=0)
 
@@ -112,26 +116,26 @@ def test_fp8_scales_per_tensor_channel_and_block(layout):
         scale = torch.tensor(0.7) if layout == "tensor" else torch.rand(w.shape[0], 1) + 0.5
         full = scale
     stored = (w / full).to(torch.float8_e4m3fn)
-    out = pq.dequantize_fp8(stored, scale, (128, 128) if layout == "block" else None)
+    out = dequantize_fp8(stored, scale, (128, 128) if layout == "block" else None)
     torch.testing.assert_close(out, stored.float() * full)
     torch.testing.assert_close(out, w, rtol=0.07, atol=1e-2)  # e4m3 keeps 3 mantissa bits
 
 
 @pytest.mark.parametrize(("config", "expected"), [
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-     pq.QuantSpec("awq", 4, 128, symmetric=False)),
+     AWQ(4, 128, symmetric=False)),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True},
-     pq.QuantSpec("gptq", 4, 128, symmetric=True, act_order=True)),
+     GPTQ(4, 128, symmetric=True, act_order=True)),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]},
-     pq.QuantSpec("fp8", 8, -1, True, float_weights=True, block=(128, 128))),
+     FP8(8, -1, True, block=(128, 128))),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                            "group_size": 128}}}},
-     pq.QuantSpec("compressed-tensors", 4, 128, symmetric=True)),
+     CompressedTensors(4, 128, symmetric=True)),
 ])  # fmt: skip
 def test_detect_reads_quantization_config(config, expected):
-    assert pq.detect({"quantization_config": config}) == expected
-    assert pq.detect({}) is None
+    assert detect({"quantization_config": config}) == expected
+    assert detect({}) is None
 
 
 @pytest.mark.parametrize(("config", "message"), [
@@ -143,4 +147,4 @@ def test_detect_reads_quantization_config(config, expected):
 ])  # fmt: skip
 def test_detect_refuses_what_is_not_supported_by_name(config, message):
     with pytest.raises(CheckpointError, match=message):
-        pq.detect({"quantization_config": config})
+        detect({"quantization_config": config})

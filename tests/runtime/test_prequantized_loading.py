@@ -20,10 +20,12 @@ from test_engine_parity import LogitRecorder, _engine, _prompts, _run_and_compar
 from test_prequantized import _pack_cols, _pack_rows, _quantize
 
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear, contiguous_order
+from kubellm.runtime.layers.quantized_weight import QuantizedWeight
 from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.quantization import prequantized as pq
-from kubellm.runtime.quantization.loading import fp8_weight
-from kubellm.runtime.quantization.prequantized import QuantizedWeight
+from kubellm.runtime.quantization.awq import AWQ_ORDER, read_awq
+from kubellm.runtime.quantization.compressed_tensors import read_compressed
+from kubellm.runtime.quantization.fp8 import fp8_weight
+from kubellm.runtime.quantization.gptq import read_gptq
 from kubellm.runtime.sampling.params import SamplingParams
 from tiny_checkpoints import load_hf_model
 
@@ -45,11 +47,11 @@ def _awq(name, w, group, layer_perm):
     q, scale, zero = _quantize(w, 4, group, symmetric=False)
 
     def pack(m):  # [r, c] -> [r, c / 8], word nibble i holding column AWQ_ORDER[i] of its eight
-        return _pack_cols(m.view(m.shape[0], -1, 8)[:, :, list(pq.AWQ_ORDER)].reshape(m.shape[0], -1), 4)
+        return _pack_cols(m.view(m.shape[0], -1, 8)[:, :, list(AWQ_ORDER)].reshape(m.shape[0], -1), 4)
 
     stored = {"qweight": pack(q.t().contiguous()), "qzeros": pack(zero.t().contiguous()),
               "scales": scale.t().contiguous().half()}
-    return stored, pq.read_awq(stored["qweight"], stored["qzeros"], stored["scales"], group)
+    return stored, read_awq(stored["qweight"], stored["qzeros"], stored["scales"], group)
 
 
 def _gptq(bits, symmetric, act_order):
@@ -67,7 +69,7 @@ def _gptq(bits, symmetric, act_order):
             q, scale, zero = _quantize(w, bits, group, symmetric)
         stored = {"qweight": _pack_rows(q.t().contiguous(), bits), "qzeros": _pack_cols((zero - 1).t().contiguous(), bits),
                   "scales": scale.t().contiguous().half(), "g_idx": g_idx}
-        return stored, pq.read_gptq(stored["qweight"], stored["qzeros"], stored["scales"], stored["g_idx"], bits,
+        return stored, read_gptq(stored["qweight"], stored["qzeros"], stored["scales"], stored["g_idx"], bits,
                                     group)
     return write
 
@@ -85,7 +87,7 @@ def _compressed(bits, strategy):
         scheme = QuantizationScheme(targets=["Linear"], weights=args)
         stored = dict(PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale,
                                                              "weight_zero_point": zp}, scheme))
-        return stored, pq.read_compressed(stored["weight_packed"], stored["weight_scale"], stored["weight_shape"],
+        return stored, read_compressed(stored["weight_packed"], stored["weight_scale"], stored["weight_shape"],
                                           bits, group if strategy == "group" else -1)
     return write
 

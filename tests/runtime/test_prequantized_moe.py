@@ -25,8 +25,8 @@ from kubellm.runtime.distributed.tp_group import Group
 from kubellm.runtime.layers.linear import pack_linears
 from kubellm.runtime.layers.moe import FusedMoE, pack_experts
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+from kubellm.runtime.layers.quantized_weight import QuantizedWeight
 from kubellm.runtime.models.checkpoint import CheckpointError
-from kubellm.runtime.quantization.prequantized import QuantizedWeight
 
 # Experts 128 wide (groups of 128 on down_proj's inputs; native int4 wants outputs in multiples of 16).
 SHAPE = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, head_dim=32)

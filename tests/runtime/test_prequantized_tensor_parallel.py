@@ -26,14 +26,15 @@ from test_engine_parity import (
 )
 from test_prequantized_loading import write_quantized
 
-from kubellm.kernels import cpu_moe, gguf_blocks
+from kubellm.kernels import cpu_moe
 from kubellm.runtime.distributed.tp_group import Group
 from kubellm.runtime.layers.moe import FusedMoE, route
 from kubellm.runtime.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
+from kubellm.runtime.layers.quantized_weight import QuantizedWeight
 from kubellm.runtime.models.checkpoint import CheckpointError
 from kubellm.runtime.models.loader import build_model, read_checkpoint
-from kubellm.runtime.quantization.prequantized import QuantizedWeight
+from kubellm.runtime.quantization import gguf as gguf_blocks
 from kubellm.runtime.sampling.params import SamplingParams
 
 TP_SHAPE = dict(hidden_size=128, intermediate_size=512, head_dim=32, num_attention_heads=8)

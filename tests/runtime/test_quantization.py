@@ -14,14 +14,8 @@ from torch import nn
 
 from kubellm.kernels import cpu_int8_gemm
 from kubellm.runtime.engine.config import EngineConfig
-from kubellm.runtime.quantization.weight_only import (
-    Int8Linear,
-    dequantize_int8,
-    int4_group,
-    int4_layer,
-    quantize_int4,
-    quantize_int8,
-)
+from kubellm.runtime.quantization.int4 import int4_group, int4_layer, quantize_int4
+from kubellm.runtime.quantization.int8 import Int8Linear, dequantize_int8, quantize_int8
 
 LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                  "w1", "w2", "w3")  # Mixtral's experts; routers (mlp.gate, block_sparse_moe.gate) stay
@@ -157,6 +151,15 @@ def test_unknown_method_and_a_bad_tensor_parallel_size_are_refused():
         EngineConfig(model="x", device="cpu", tensor_parallel_size=0)
 
 
+
+def test_the_settings_table_offers_every_named_format_and_only_those():
+    from kubellm.runtime.engine.settings import QUANTIZATIONS
+    from kubellm.runtime.quantization.registry import FORMATS, METHODS
+
+    assert QUANTIZATIONS == METHODS
+    assert {f.name for f in FORMATS.values() if not f.flag_choice} == {"compressed-tensors"}  # detected, not named
+
+
 # ------------------------------------------------------------------------------------------------------ int4
 
 
@@ -266,7 +269,7 @@ def test_int4_on_bf16_cpu_runs_the_native_int4_kernel_on_the_same_weights(native
     """Where cpu_int4_gemm loads, --quantization int4 computes with it on quantize_int4's weights."""
     from kubellm.runtime.layers.kernel_choice import KernelChoice
     from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-    from kubellm.runtime.quantization.weight_only import quantize_model
+    from kubellm.runtime.quantization.registry import quantize_model
 
     gen = torch.Generator().manual_seed(5)
     linear = nn.Linear(256, 48, bias=True).to(torch.bfloat16)

@@ -8,7 +8,7 @@ import torch
 
 from kubellm.runtime.layers.quantized_embedding import QuantizedEmbedding
 from kubellm.runtime.layers.quantized_linear import QuantizedLinear
-from kubellm.runtime.quantization.prequantized import QuantizedWeight
+from kubellm.runtime.layers.quantized_weight import QuantizedWeight
 
 
 def _table(bits: int, path: str, n: int = 40, k: int = 64, group: int = 32) -> QuantizedLinear:

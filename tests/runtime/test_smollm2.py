@@ -76,7 +76,7 @@ def test_demo_answers_the_capital_of_france(smollm2_gguf, dtype, quantization):
     assert out.finish_reason == "stop"
     if quantization == "int8":
         from kubellm.kernels import cpu_int8_gemm
-        from kubellm.runtime.quantization.weight_only import Int8Linear
+        from kubellm.runtime.quantization.int8 import Int8Linear
 
         paths = {m.path for m in llm.engine.runner.model.modules() if isinstance(m, Int8Linear)}
         native = dtype == "bfloat16" and cpu_int8_gemm.available()

@@ -1,10 +1,11 @@
-"""GGUF (llama.cpp) quantized blocks read into the form kubellm's quantized GEMMs take: integer values, float
-scales and zero points per group, with ``w = (values - zeros) * scales``. Pure torch, no ``gguf`` import.
+"""GGUF files (llama.cpp): their quantized blocks read into the form kubellm's quantized GEMMs take (integer
+values, float scales and zero points per group, ``w = (values - zeros) * scales``), and the format the loader
+asks about them. Pure torch, no ``gguf`` import (runtime/models/gguf.py reads the file).
 
 :func:`unpack` takes one tensor's raw bytes as a GGUF file stores them, ``[N, K / block * block_bytes]``
 uint8 (``GGUFReader``'s ``tensor.data`` for a quantized type, a row per output channel), and returns a
 :class:`BlockForm`: ``values`` ``[N, K]``, ``scales`` and ``zeros`` ``[N, K / group]`` float32 (the
-orientation of ``runtime/quantization/prequantized.py``'s ``QuantizedWeight``; the CPU kernels want them transposed to
+orientation of runtime/layers/quantized_weight.py's ``QuantizedWeight``; the CPU kernels want them transposed to
 ``[K / group, N]``), and which kernel takes it:
 
 =====  ===========================================  ======  =====  ==============================================
@@ -31,7 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCKS", "BlockForm", "dequantize", "unpack"]
+from kubellm.runtime.layers.checkpoint_error import CheckpointError
+from kubellm.runtime.layers.quantized_weight import QuantizedWeight
+from kubellm.runtime.quantization.base import QuantizationFormat
 
 QK_K = 256
 # type -> (weights per block, bytes per block)
@@ -152,3 +155,26 @@ def _q6_k(b: torch.Tensor) -> BlockForm:
 
 
 _UNPACK = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+@dataclass(frozen=True)
+class GGUF(QuantizationFormat):
+    """A GGUF file's packed linears (``weight``: a :class:`BlockForm` each, from the checkpoint's
+    ``packed_tensors()``). Its settings are per tensor in fact: each form says its kernel and group."""
+
+    name = "gguf"
+
+    symmetric: bool = False
+    group_size: int = 32
+
+    def tensor_names(self) -> set[str]:
+        return {"weight"}
+
+    def check_tensor(self, name: str, tensor: object, where: str) -> None:
+        if name.endswith(".weight") and isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"{name}{where} is stored in a GGUF type without a packed form here")
+
+    def read(self, tensors: dict) -> tuple[QuantizedWeight, int]:
+        form = tensors["weight"]
+        return (QuantizedWeight(form.values, form.scales, form.zeros, form.group_size),
+                4 if form.kernel == "int4" else 8)

@@ -1,6 +1,6 @@
 // Weight-only 8-bit GEMM for CPUs with AVX512-BF16, or AVX2 (float32 or bf16 x: avx2_tiles.h, below), with
 // per-group scales and optional zero points (GPTQ 8-bit,
-// compressed-tensors W8A16, GGUF Q8_0 / Q6_K / Q5_K after kernels/gguf_blocks.py):
+// compressed-tensors W8A16, GGUF Q8_0 / Q6_K / Q5_K after runtime/quantization/gguf.py):
 //   y[m, n] = sum_g s[g, n] * (sum_{k in g} q[n, k] * x[m, k] - z[g, n] * sum_{k in g} x[m, k])  (+ bias[n])
 // with q int8 (-128..127), x and y bfloat16, s and z float32 or float16 (tiles::GroupParams; no z: symmetric). One group (group = K)
 // is the per-channel case.
